@@ -1,0 +1,26 @@
+"""Layer 2: per-framework layout providers (pure functions, no process groups)."""
+
+from .base import Box, LocalTensor, Piece, RankLayout
+from .checks import canonical_coverage, check_rank_layout
+from .megatron import MegatronOptions, megatron_layout, megatron_padded_vocab
+from .megatron_grid import megatron_layer_chunks, megatron_position
+from .vllm import VLLM_VERSION, VllmOptions, vllm_layout, vllm_padded_vocab, vllm_pp_indices
+
+__all__ = [
+    "VLLM_VERSION",
+    "Box",
+    "LocalTensor",
+    "MegatronOptions",
+    "Piece",
+    "RankLayout",
+    "VllmOptions",
+    "canonical_coverage",
+    "check_rank_layout",
+    "megatron_layer_chunks",
+    "megatron_layout",
+    "megatron_padded_vocab",
+    "megatron_position",
+    "vllm_layout",
+    "vllm_padded_vocab",
+    "vllm_pp_indices",
+]

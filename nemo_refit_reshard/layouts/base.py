@@ -1,0 +1,247 @@
+"""The layout model: a rank's local tensors and the pieces that fill them.
+
+A :class:`Piece` says that the elements of a box of a canonical tensor live in
+a box of a local tensor. The two boxes may differ in rank only by unit
+dimensions: element ``k`` (row-major) of the canonical box is element ``k`` of
+the local box. E.g. expert ``e``'s ``gate_proj`` rows ``[a, b)`` land in
+``w13_weight[j, 0:b-a, :]`` as a ``(1, b-a, H)`` box.
+
+Local elements covered by no piece are padding (padded vocabulary rows) and are
+never transferred.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, order=True)
+class Box:
+    """A hyper-rectangle ``[offsets[d], offsets[d] + sizes[d])`` per dimension."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.offsets) != len(self.sizes):
+            raise ValueError(f"box offsets {self.offsets} and sizes {self.sizes} differ in rank")
+        if any(o < 0 for o in self.offsets) or any(s < 0 for s in self.sizes):
+            raise ValueError(f"box {self.offsets}+{self.sizes} has a negative offset or size")
+
+    @classmethod
+    def full(cls, shape: tuple[int, ...]) -> Box:
+        return cls((0,) * len(shape), tuple(shape))
+
+    @classmethod
+    def rows(cls, shape: tuple[int, ...], start: int, stop: int, dim: int = 0) -> Box:
+        """The full box of ``shape`` restricted to ``[start, stop)`` along ``dim``."""
+        offsets = [0] * len(shape)
+        sizes = list(shape)
+        offsets[dim], sizes[dim] = start, stop - start
+        return cls(tuple(offsets), tuple(sizes))
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+    @property
+    def core_sizes(self) -> tuple[int, ...]:
+        """Sizes without unit dimensions: what must agree between the two boxes of a piece."""
+        return tuple(s for s in self.sizes if s != 1)
+
+    def fits_in(self, shape: tuple[int, ...]) -> bool:
+        return len(shape) == len(self.offsets) and all(
+            o + s <= n for o, s, n in zip(self.offsets, self.sizes, shape)
+        )
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
+
+    def to_json(self) -> list[list[int]]:
+        return [list(self.offsets), list(self.sizes)]
+
+    @classmethod
+    def from_json(cls, data: list[list[int]]) -> Box:
+        return cls(tuple(data[0]), tuple(data[1]))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``canonical[canonical_box]`` is stored at ``local[local_box]`` on this rank."""
+
+    canonical: str
+    canonical_box: Box
+    local: str
+    local_box: Box
+
+    def __post_init__(self) -> None:
+        if self.canonical_box.core_sizes != self.local_box.core_sizes:
+            raise ValueError(
+                f"piece {self.canonical}{self.canonical_box.sizes} -> "
+                f"{self.local}{self.local_box.sizes}: box sizes disagree"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "canonical": self.canonical,
+            "canonical_box": self.canonical_box.to_json(),
+            "local": self.local,
+            "local_box": self.local_box.to_json(),
+        }
+
+
+@dataclass(frozen=True)
+class LocalTensor:
+    """A tensor as one framework names and shapes it on one rank."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    pieces: tuple[Piece, ...]
+    padding: tuple[Box, ...] = ()  # local boxes no canonical element maps to
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "pieces": [
+                {"canonical": p.canonical, "canonical_box": p.canonical_box.to_json(),
+                 "local_box": p.local_box.to_json()}
+                for p in self.pieces
+            ],
+            "padding": [b.to_json() for b in self.padding],
+        }
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Everything one rank holds: its local tensors and its place in the parallel grid.
+
+    ``position`` maps grid axes (``tp``, ``pp``, ``dp``, ...) to this rank's
+    coordinate; ``replicas`` lists the ranks (this one included) whose pieces are
+    identical to this rank's, in increasing order.
+    """
+
+    framework: str
+    rank: int
+    world_size: int
+    position: dict[str, int]
+    replicas: tuple[int, ...]
+    tensors: tuple[LocalTensor, ...]
+    _index: dict[str, LocalTensor] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        index = {t.name: t for t in self.tensors}
+        if len(index) != len(self.tensors):
+            raise ValueError(f"{self.framework} rank {self.rank} has duplicate local tensor names")
+        object.__setattr__(self, "_index", index)
+
+    def tensor(self, name: str) -> LocalTensor:
+        try:
+            return self._index[name]
+        except KeyError:
+            raise KeyError(
+                f"{self.framework} rank {self.rank} has no local tensor {name!r}"
+            ) from None
+
+    def pieces(self) -> Iterator[Piece]:
+        for t in self.tensors:
+            yield from t.pieces
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "framework": self.framework,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "position": dict(self.position),
+            "replicas": list(self.replicas),
+            "tensors": [t.to_json() for t in self.tensors],
+        }
+
+
+class LayoutBuilder:
+    """Collects local tensors and their pieces while a provider walks a model."""
+
+    def __init__(self) -> None:
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, str] = {}
+        self._pieces: dict[str, list[Piece]] = {}
+        self._padding: dict[str, list[Box]] = {}
+
+    def tensor(self, name: str, shape: tuple[int, ...], dtype: str) -> None:
+        if name in self._shapes:
+            raise ValueError(f"local tensor {name!r} declared twice")
+        self._shapes[name] = tuple(shape)
+        self._dtypes[name] = dtype
+        self._pieces[name] = []
+        self._padding[name] = []
+
+    def piece(self, canonical: str, canonical_box: Box, local: str, local_box: Box) -> None:
+        if local_box.numel == 0:
+            return
+        if not local_box.fits_in(self._shapes[local]):
+            raise AssertionError(f"piece box {local_box} outside {local}{self._shapes[local]}")
+        self._pieces[local].append(Piece(canonical, canonical_box, local, local_box))
+
+    def padding(self, local: str, local_box: Box) -> None:
+        if local_box.numel:
+            self._padding[local].append(local_box)
+
+    def rows(
+        self,
+        local: str,
+        segments: list[tuple[int, int, str, int]],
+        start: int,
+        stop: int,
+        local_row: int = 0,
+    ) -> None:
+        """Map rows ``[start, stop)`` of a row-fused tensor into ``local`` from ``local_row``.
+
+        ``segments`` lists ``(fused_row, rows, canonical, canonical_row)``: fused rows
+        ``[fused_row, fused_row + rows)`` are canonical rows from ``canonical_row``.
+        Rows that no segment covers are padding. Every other dimension is taken whole.
+        """
+        shape = self._shapes[local]
+        covered = 0
+        for fused_row, rows, canonical, canonical_row in segments:
+            lo, hi = max(start, fused_row), min(stop, fused_row + rows)
+            if lo >= hi:
+                continue
+            c_lo = canonical_row + lo - fused_row
+            c_shape = (canonical_row + rows,) + shape[1:]
+            self.piece(
+                canonical,
+                Box.rows(c_shape, c_lo, c_lo + hi - lo),
+                local,
+                Box.rows(shape, local_row + lo - start, local_row + hi - start),
+            )
+            covered += hi - lo
+        if covered < stop - start:
+            # Only trailing rows may be uncovered (padded vocabulary rows).
+            first_pad = local_row + covered
+            self.padding(local, Box.rows(shape, first_pad, local_row + stop - start))
+
+    def build(self) -> tuple[LocalTensor, ...]:
+        return tuple(
+            LocalTensor(
+                name,
+                self._shapes[name],
+                self._dtypes[name],
+                tuple(self._pieces[name]),
+                tuple(self._padding[name]),
+            )
+            for name in self._shapes
+        )

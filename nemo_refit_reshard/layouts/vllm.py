@@ -1,0 +1,334 @@
+"""vLLM layout provider (follows vLLM v0.11.0; unchanged in the checked v0.33.0 for these rules).
+
+Inference ranks are numbered replica-major::
+
+    rank = ((replica·engine_dp + edp)·pp + pp_rank)·tp + tp_rank
+
+``replica`` is an independent engine (``dp`` on our inference side, as NeMo RL
+and veRL run one engine per replica); ``edp`` is vLLM's own
+``data_parallel_size`` inside an engine. With S = tp, rank s:
+
+* ``qkv_proj``: ``[q heads s·nq/S.. | k heads | v heads]``; if ``S >= ng`` each rank
+  holds one KV head ``s // (S/ng)`` (replicated ``S/ng`` times).
+* ``gate_up_proj``: ``[gate rows s·F/S.. ; up rows s·F/S..]``; ``o_proj``/``down_proj``
+  take input columns ``[s·in/S, ..)``.
+* vocabulary padded to ``Vp = ceil(V/64)·64``; rank s holds token ids
+  ``[s·Vp/S, (s+1)·Vp/S)``, ids ``>= V`` are (zero) padding.
+* FusedMoE: over ``M = engine_dp·tp`` ranks, moe rank ``m = edp·tp + tp_rank``;
+  without expert parallel ``w13_weight[e] = [gate rows m·Fe/M.. ; up rows]``,
+  ``w2_weight[e]`` columns ``[m·Fe/M, ..)``; with expert parallel (``ep = M``) rank
+  m holds ``E//M + (m < E%M)`` whole experts from ``m·(E//M) + min(m, E%M)``.
+* pipeline: ``get_pp_indices`` — ``L//P`` layers each, the ``L%P`` extra layers to
+  stages ``P-2, P-3, ...``; parameter names keep the global layer index.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..spec.config import ArchConfig
+from ..spec.model import ModelSpec
+from ..spec.parallel import InferParallel
+from .base import Box, LayoutBuilder, RankLayout
+
+VLLM_VERSION = "0.11.0"
+VOCAB_PADDING = 64  # DEFAULT_VOCAB_PADDING_SIZE
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """``pp_layer_partition``: as ``VLLM_PP_LAYER_PARTITION`` (layer count per stage).
+    ``params_dtype``: dtype of the local tensors (default: the checkpoint dtype)."""
+
+    pp_layer_partition: tuple[int, ...] | None = None
+    params_dtype: str | None = None
+
+    @classmethod
+    def from_env(cls) -> VllmOptions:
+        text = os.environ.get("VLLM_PP_LAYER_PARTITION")
+        if not text:
+            return cls()
+        try:
+            return cls(pp_layer_partition=tuple(int(x) for x in text.split(",")))
+        except ValueError:
+            raise ValueError(f"VLLM_PP_LAYER_PARTITION={text!r} is not a comma list of ints") from None
+
+
+def vllm_pp_indices(num_layers: int, pp_rank: int, pp: int, partition: tuple[int, ...] | None = None) -> tuple[int, int]:
+    """``[start, end)`` global layers of stage ``pp_rank`` (vLLM ``get_pp_indices``)."""
+    if partition is not None:
+        if len(partition) != pp or sum(partition) != num_layers:
+            raise ValueError(
+                f"pp layer partition {list(partition)} must have pp={pp} entries summing to "
+                f"num_layers={num_layers}"
+            )
+        parts = list(partition)
+    else:
+        parts = [num_layers // pp] * pp
+        for i in range(2, num_layers % pp + 2):
+            parts[-i] += 1
+    start = sum(parts[:pp_rank])
+    return start, start + parts[pp_rank]
+
+
+def vllm_padded_vocab(vocab: int) -> int:
+    return -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
+
+
+def check_vllm_parallel(a: ArchConfig, par: InferParallel) -> None:
+    """Raise ``ValueError`` naming the parameter and rule for an impossible combination."""
+    s, nq, ng = par.tp, a.num_attention_heads, a.num_key_value_heads
+    if nq % s:
+        raise ValueError(f"tp={s} must divide num_attention_heads={nq} (vLLM's rule)")
+    if a.mla is None and (ng % s if s < ng else s % ng):
+        raise ValueError(
+            f"tp={s} and num_key_value_heads={ng}: one must divide the other (vLLM's QKVParallelLinear)"
+        )
+    if a.intermediate_size % s:
+        raise ValueError(f"tp={s} must divide intermediate_size={a.intermediate_size}")
+    vp = vllm_padded_vocab(a.vocab_size)
+    if vp % s:
+        raise ValueError(f"tp={s} must divide the padded vocabulary {vp} (vocab padded to 64)")
+    if par.pp > a.num_layers:
+        raise ValueError(f"pp={par.pp} exceeds num_hidden_layers={a.num_layers}")
+    moe = a.moe
+    if moe is None:
+        if par.expert_parallel:
+            raise ValueError(f"ep={par.ep} given for {a.family}, which has no experts")
+        return
+    if par.expert_parallel:
+        if par.ep > moe.num_experts:
+            raise ValueError(
+                f"ep={par.ep} exceeds num_experts={moe.num_experts}: some expert-parallel ranks "
+                "would hold no expert; lower engine_dp·tp or turn expert parallel off (ep=1)"
+            )
+    elif moe.expert_intermediate_size % par.moe_size:
+        raise ValueError(
+            f"engine_dp·tp={par.moe_size} must divide moe_intermediate_size="
+            f"{moe.expert_intermediate_size} (FusedMoE shards experts over engine_dp·tp ranks "
+            "without expert parallel); use ep=engine_dp·tp or a smaller tp/engine_dp"
+        )
+    if moe.shared_intermediate_size % s:
+        raise ValueError(f"tp={s} must divide the shared-expert size {moe.shared_intermediate_size}")
+
+
+def vllm_expert_range(num_experts: int, ep: int, ep_rank: int) -> tuple[int, int]:
+    """Linear placement: ``[start, start + count)`` global experts of ``ep_rank``."""
+    base, rem = divmod(num_experts, ep)
+    start = ep_rank * base + min(ep_rank, rem)
+    return start, start + base + (1 if ep_rank < rem else 0)
+
+
+@dataclass(frozen=True)
+class VllmPosition:
+    replica: int
+    edp: int
+    pp: int
+    tp: int
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(dp=self.replica, engine_dp=self.edp, pp=self.pp, tp=self.tp)
+
+
+def vllm_position(par: InferParallel, rank: int) -> VllmPosition:
+    if not 0 <= rank < par.world_size:
+        raise ValueError(f"rank {rank} outside the inference world of {par.world_size} ({par})")
+    tp = rank % par.tp
+    pp = (rank // par.tp) % par.pp
+    edp = (rank // (par.tp * par.pp)) % par.engine_dp
+    return VllmPosition(replica=rank // par.engine_world_size, edp=edp, pp=pp, tp=tp)
+
+
+class _VllmRank:
+    def __init__(self, spec: ModelSpec, par: InferParallel, rank: int, opts: VllmOptions):
+        self.a = spec.arch
+        self.par = par
+        self.opts = opts
+        self.pos = vllm_position(par, rank)
+        self.dtype = opts.params_dtype or self.a.dtype
+        self.b = LayoutBuilder()
+
+    def replicated(self, name: str, shape: tuple[int, ...], canonical: str | None = None, dtype: str = "") -> None:
+        self.b.tensor(name, shape, dtype or self.dtype)
+        self.b.piece(canonical or name, Box.full(shape), name, Box.full(shape))
+
+    def column(self, name: str, canonical: str, rows: int, cols: int) -> None:
+        s, r = self.par.tp, self.pos.tp
+        n = rows // s
+        self.b.tensor(name, (n, cols), self.dtype)
+        self.b.rows(name, [(0, rows, canonical, 0)], r * n, (r + 1) * n)
+
+    def row(self, name: str, canonical: str, rows: int, cols: int) -> None:
+        s, r = self.par.tp, self.pos.tp
+        n = cols // s
+        self.b.tensor(name, (rows, n), self.dtype)
+        self.b.piece(canonical, Box((0, r * n), (rows, n)), name, Box((0, 0), (rows, n)))
+
+    def vocab(self, name: str, canonical: str) -> None:
+        s, r = self.par.tp, self.pos.tp
+        n = vllm_padded_vocab(self.a.vocab_size) // s
+        self.b.tensor(name, (n, self.a.hidden_size), self.dtype)
+        self.b.rows(name, [(0, self.a.vocab_size, canonical, 0)], r * n, (r + 1) * n)
+
+    def dense_mlp(self, p: str, hf: str, ffn: int) -> None:
+        s, r, h = self.par.tp, self.pos.tp, self.a.hidden_size
+        n = ffn // s
+        name = f"{p}.gate_up_proj.weight"
+        self.b.tensor(name, (2 * n, h), self.dtype)
+        self.b.rows(name, [(0, ffn, f"{hf}.gate_proj.weight", 0)], r * n, (r + 1) * n, 0)
+        self.b.rows(name, [(0, ffn, f"{hf}.up_proj.weight", 0)], r * n, (r + 1) * n, n)
+        self.row(f"{p}.down_proj.weight", f"{hf}.down_proj.weight", h, ffn)
+
+    def qkv(self, p: str, suffix: str) -> None:
+        a, s, r = self.a, self.par.tp, self.pos.tp
+        hd, nq, ng = a.head_dim, a.num_attention_heads, a.num_key_value_heads
+        nq_l = nq // s
+        if s >= ng:
+            kv_heads = [r // (s // ng)]
+        else:
+            kv_l = ng // s
+            kv_heads = list(range(r * kv_l, (r + 1) * kv_l))
+        rows = (nq_l + 2 * len(kv_heads)) * hd
+        name = f"{p}.qkv_proj.{suffix}"
+        self.b.tensor(name, (rows, a.hidden_size) if suffix == "weight" else (rows,), self.dtype)
+        k0, nk = kv_heads[0] * hd, len(kv_heads) * hd
+        segments = [
+            (0, nq_l * hd, f"{p}.q_proj.{suffix}", r * nq_l * hd),
+            (nq_l * hd, nk, f"{p}.k_proj.{suffix}", k0),
+            (nq_l * hd + nk, nk, f"{p}.v_proj.{suffix}", k0),
+        ]
+        self.b.rows(name, segments, 0, rows)
+
+    def attention(self, p: str) -> None:
+        a, h = self.a, self.a.hidden_size
+        if a.mla is not None:
+            self.mla(p)
+            return
+        self.qkv(p, "weight")
+        if a.qkv_bias:
+            self.qkv(p, "bias")
+        self.row(f"{p}.o_proj.weight", f"{p}.o_proj.weight", h, a.num_attention_heads * a.head_dim)
+        if a.qk_norm:
+            self.replicated(f"{p}.q_norm.weight", (a.head_dim,))
+            self.replicated(f"{p}.k_norm.weight", (a.head_dim,))
+
+    def mla(self, p: str) -> None:
+        a, h, nq = self.a, self.a.hidden_size, self.a.num_attention_heads
+        m = a.mla
+        assert m is not None
+        kv_a = m.kv_lora_rank + m.qk_rope_head_dim
+        if m.q_lora_rank is None:
+            self.column(f"{p}.q_proj.weight", f"{p}.q_proj.weight", nq * m.qk_head_dim, h)
+            self.replicated(f"{p}.kv_a_proj_with_mqa.weight", (kv_a, h))
+        else:
+            # fused_qkv_a_proj = [q_a_proj ; kv_a_proj_with_mqa], replicated (disable_tp).
+            name = f"{p}.fused_qkv_a_proj.weight"
+            self.b.tensor(name, (m.q_lora_rank + kv_a, h), self.dtype)
+            segments = [
+                (0, m.q_lora_rank, f"{p}.q_a_proj.weight", 0),
+                (m.q_lora_rank, kv_a, f"{p}.kv_a_proj_with_mqa.weight", 0),
+            ]
+            self.b.rows(name, segments, 0, m.q_lora_rank + kv_a)
+            self.replicated(f"{p}.q_a_layernorm.weight", (m.q_lora_rank,))
+            self.column(f"{p}.q_b_proj.weight", f"{p}.q_b_proj.weight", nq * m.qk_head_dim, m.q_lora_rank)
+        self.replicated(f"{p}.kv_a_layernorm.weight", (m.kv_lora_rank,))
+        self.column(
+            f"{p}.kv_b_proj.weight", f"{p}.kv_b_proj.weight",
+            nq * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank,
+        )
+        self.row(f"{p}.o_proj.weight", f"{p}.o_proj.weight", h, nq * m.v_head_dim)
+
+    def fused_moe(self, p: str) -> None:
+        a, par, pos = self.a, self.par, self.pos
+        moe = a.moe
+        assert moe is not None
+        h, fe, e_total = a.hidden_size, moe.expert_intermediate_size, moe.num_experts
+        m_size, m_rank = par.moe_size, pos.edp * par.tp + pos.tp
+        if par.expert_parallel:
+            first, stop = vllm_expert_range(e_total, m_size, m_rank)
+            shard, shard_rank = 1, 0
+        else:
+            first, stop = 0, e_total
+            shard, shard_rank = m_size, m_rank
+        n_local, n = stop - first, fe // shard
+        w13, w2 = f"{p}.experts.w13_weight", f"{p}.experts.w2_weight"
+        self.b.tensor(w13, (n_local, 2 * n, h), self.dtype)
+        self.b.tensor(w2, (n_local, h, n), self.dtype)
+        lo = shard_rank * n
+        for j, e in enumerate(range(first, stop)):
+            hf = f"{p}.experts.{e}"
+            for half, proj in enumerate(("gate_proj", "up_proj")):
+                self.b.piece(
+                    f"{hf}.{proj}.weight", Box((lo, 0), (n, h)),
+                    w13, Box((j, half * n, 0), (1, n, h)),
+                )
+            self.b.piece(f"{hf}.down_proj.weight", Box((0, lo), (h, n)), w2, Box((j, 0, 0), (1, h, n)))
+
+    def mlp(self, layer: int, p: str) -> None:
+        a = self.a
+        if not a.is_sparse(layer):
+            self.dense_mlp(p, p, a.intermediate_size)
+            return
+        moe = a.moe
+        assert moe is not None
+        self.replicated(f"{p}.gate.weight", (moe.num_experts, a.hidden_size))
+        if moe.router_bias:
+            self.replicated(f"{p}.gate.e_score_correction_bias", (moe.num_experts,), dtype="float32")
+        self.fused_moe(p)
+        if moe.num_shared_experts:
+            self.dense_mlp(f"{p}.shared_experts", f"{p}.shared_experts", moe.shared_intermediate_size)
+
+    def build(self) -> None:
+        a, par, pos = self.a, self.par, self.pos
+        h = a.hidden_size
+        start, end = vllm_pp_indices(a.num_layers, pos.pp, par.pp, self.opts.pp_layer_partition)
+        first, last = pos.pp == 0, pos.pp == par.pp - 1
+        # Qwen3-MoE builds embed_tokens, norm and lm_head on every stage (qwen3_moe.py);
+        # tied Llama/Qwen2/Qwen3 build embed_tokens on the last stage too (lm_head = it).
+        everywhere = a.family == "qwen3_moe"
+        tied = a.tie_word_embeddings and a.family != "deepseek_v3"
+        if first or everywhere or (tied and last):
+            self.vocab("model.embed_tokens.weight", "model.embed_tokens.weight")
+        for layer in range(start, end):
+            p = f"model.layers.{layer}"
+            self.replicated(f"{p}.input_layernorm.weight", (h,))
+            self.attention(f"{p}.self_attn")
+            self.replicated(f"{p}.post_attention_layernorm.weight", (h,))
+            self.mlp(layer, f"{p}.mlp")
+        if last or everywhere:
+            self.replicated("model.norm.weight", (h,))
+            if not tied:
+                self.vocab("lm_head.weight", "lm_head.weight")
+
+
+def vllm_replicas(spec: ModelSpec, par: InferParallel, rank: int) -> tuple[int, ...]:
+    """Ranks with identical pieces: same pp and tp, and same edp when experts are sharded."""
+    me = vllm_position(par, rank)
+    out = []
+    for other in range(par.world_size):
+        o = vllm_position(par, other)
+        if (o.pp, o.tp) != (me.pp, me.tp):
+            continue
+        if spec.arch.moe is not None and o.edp != me.edp:
+            continue
+        out.append(other)
+    return tuple(out)
+
+
+def vllm_layout(
+    spec: ModelSpec, parallel: InferParallel, rank: int, options: VllmOptions | None = None
+) -> RankLayout:
+    """The local tensors and canonical pieces of vLLM inference rank ``rank``."""
+    opts = options or VllmOptions()
+    check_vllm_parallel(spec.arch, parallel)
+    walker = _VllmRank(spec, parallel, rank, opts)
+    walker.build()
+    return RankLayout(
+        framework="vllm",
+        rank=rank,
+        world_size=parallel.world_size,
+        position=walker.pos.as_dict(),
+        replicas=vllm_replicas(spec, parallel, rank),
+        tensors=walker.b.build(),
+    )
