@@ -2,6 +2,15 @@
 
 from .base import Box, LocalTensor, Piece, RankLayout
 from .checks import canonical_coverage, check_rank_layout
+from .dtensor import (
+    Replicate,
+    Shard,
+    StridedShard,
+    dtensor_layout,
+    fsdp2_placements,
+    fsdp2_tp_placements,
+    local_index_runs,
+)
 from .megatron import MegatronOptions, megatron_layout, megatron_padded_vocab
 from .megatron_grid import megatron_layer_chunks, megatron_position
 from .vllm import VLLM_VERSION, VllmOptions, vllm_layout, vllm_padded_vocab, vllm_pp_indices
@@ -13,7 +22,14 @@ __all__ = [
     "MegatronOptions",
     "Piece",
     "RankLayout",
+    "Replicate",
+    "Shard",
+    "StridedShard",
     "VllmOptions",
+    "dtensor_layout",
+    "fsdp2_placements",
+    "fsdp2_tp_placements",
+    "local_index_runs",
     "canonical_coverage",
     "check_rank_layout",
     "megatron_layer_chunks",
