@@ -58,7 +58,9 @@ def build_layout(args: argparse.Namespace, spec: ModelSpec) -> RankLayout:
 
 def print_layout(layout: RankLayout, spec: ModelSpec, name_filter: str | None) -> None:
     pos = ", ".join(f"{k}={v}" for k, v in layout.position.items())
-    print(f"{layout.framework} rank {layout.rank} of {layout.world_size} ({pos}); model {spec.name}")
+    print(
+        f"{layout.framework} rank {layout.rank} of {layout.world_size} ({pos}); model {spec.name}"
+    )
     print(f"replicas (identical pieces): {list(layout.replicas)}")
     shown = 0
     for t in layout.tensors:
@@ -104,7 +106,8 @@ def make_parser() -> argparse.ArgumentParser:
     lay.add_argument("--framework", choices=FRAMEWORKS, required=True)
     lay.add_argument("--model", required=True, help="preset name or path to a config.json")
     lay.add_argument(
-        "--parallel", default="",
+        "--parallel",
+        default="",
         help="megatron: tp=,pp=,vpp=,cp=,dp=,ep=,etp=; vllm: tp=,pp=,dp=,engine_dp=,ep=; "
         "dtensor: dp=,tp=",
     )

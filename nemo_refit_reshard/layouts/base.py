@@ -118,8 +118,11 @@ class LocalTensor:
             "shape": list(self.shape),
             "dtype": self.dtype,
             "pieces": [
-                {"canonical": p.canonical, "canonical_box": p.canonical_box.to_json(),
-                 "local_box": p.local_box.to_json()}
+                {
+                    "canonical": p.canonical,
+                    "canonical_box": p.canonical_box.to_json(),
+                    "local_box": p.local_box.to_json(),
+                }
                 for p in self.pieces
             ],
             "padding": [b.to_json() for b in self.padding],

@@ -78,7 +78,9 @@ def _merge(runs: Runs) -> Runs:
 
 
 def local_index_runs(
-    shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement],
+    shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: Sequence[Placement],
     coordinate: Sequence[int],
 ) -> list[Runs]:
     """Per tensor dimension, the global index runs this mesh coordinate holds, in local order."""
@@ -154,7 +156,10 @@ def fsdp2_tp_placements(tp: int) -> PlacementFn:
 
 
 def dtensor_layout(
-    spec: ModelSpec, mesh_shape: Sequence[int], rank: int, placements: PlacementFn,
+    spec: ModelSpec,
+    mesh_shape: Sequence[int],
+    rank: int,
+    placements: PlacementFn,
 ) -> RankLayout:
     """Local shards of every canonical tensor on ``rank`` of a DTensor mesh.
 
@@ -196,19 +201,24 @@ def dtensor_layout(
 
 
 def _dtensor_replicas(
-    spec: ModelSpec, mesh_shape: Sequence[int], rank: int, placements: PlacementFn,
+    spec: ModelSpec,
+    mesh_shape: Sequence[int],
+    rank: int,
+    placements: PlacementFn,
 ) -> tuple[int, ...]:
     """Ranks whose coordinates differ only on axes where every tensor is replicated."""
     world = 1
     for n in mesh_shape:
         world *= n
     replicated_axes = [
-        axis for axis in range(len(mesh_shape))
+        axis
+        for axis in range(len(mesh_shape))
         if all(isinstance(placements(t)[axis], Replicate) for t in spec)
     ]
     me = mesh_coordinate(mesh_shape, rank)
     return tuple(
-        other for other in range(world)
+        other
+        for other in range(world)
         if all(
             a == b or axis in replicated_axes
             for axis, (a, b) in enumerate(zip(me, mesh_coordinate(mesh_shape, other)))

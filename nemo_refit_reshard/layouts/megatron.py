@@ -76,9 +76,7 @@ def check_megatron_parallel(a: ArchConfig, par: TrainParallel, opts: MegatronOpt
         if ng >= t and ng % t:
             raise ValueError(f"tp={t} must divide num_key_value_heads={ng} when tp <= {ng}")
         if ng < t and t % ng:
-            raise ValueError(
-                f"tp={t} > num_key_value_heads={ng} needs tp to be a multiple of {ng}"
-            )
+            raise ValueError(f"tp={t} > num_key_value_heads={ng} needs tp to be a multiple of {ng}")
     elif a.mla.q_lora_rank is not None and opts.layer_spec == "local":
         for key, size in (
             ("q_lora_rank", a.mla.q_lora_rank),
@@ -95,7 +93,9 @@ def check_megatron_parallel(a: ArchConfig, par: TrainParallel, opts: MegatronOpt
     moe = a.moe
     if moe is None:
         if par.ep > 1 or (par.etp not in (None, par.tp)):
-            raise ValueError(f"ep={par.ep}/etp={par.etp} given for {a.family}, which has no experts")
+            raise ValueError(
+                f"ep={par.ep}/etp={par.etp} given for {a.family}, which has no experts"
+            )
         return
     if moe.num_experts % par.ep:
         raise ValueError(
@@ -125,7 +125,9 @@ class _MegatronRank:
         self.te = opts.layer_spec == "te"
 
     # -- generic shapes -------------------------------------------------------------------
-    def replicated(self, local: str, canonical: str, shape: tuple[int, ...], dtype: str = "") -> None:
+    def replicated(
+        self, local: str, canonical: str, shape: tuple[int, ...], dtype: str = ""
+    ) -> None:
         self.b.tensor(local, shape, dtype or self.dtype)
         self.b.piece(canonical, Box.full(shape), local, Box.full(shape))
 
@@ -191,7 +193,14 @@ class _MegatronRank:
         self.qkv(local, hf, "weight")
         if a.qkv_bias:
             self.qkv(local, hf, "bias")
-        self.row(f"{local}.linear_proj.weight", f"{hf}.o_proj.weight", h, a.num_attention_heads * a.head_dim, t, r)
+        self.row(
+            f"{local}.linear_proj.weight",
+            f"{hf}.o_proj.weight",
+            h,
+            a.num_attention_heads * a.head_dim,
+            t,
+            r,
+        )
         if a.qk_norm:
             self.replicated(f"{local}.q_layernorm.weight", f"{hf}.q_norm.weight", (a.head_dim,))
             self.replicated(f"{local}.k_layernorm.weight", f"{hf}.k_norm.weight", (a.head_dim,))
@@ -205,19 +214,54 @@ class _MegatronRank:
         # the local spec builds them as ColumnParallelLinear, sharded over tp.
         dt, dr = (1, 0) if self.te else (t, r)
         if m.q_lora_rank is None:
-            self.column(f"{local}.linear_q_proj.weight", f"{hf}.q_proj.weight", nq * m.qk_head_dim, h, t, r)
+            self.column(
+                f"{local}.linear_q_proj.weight", f"{hf}.q_proj.weight", nq * m.qk_head_dim, h, t, r
+            )
         else:
-            self.column(f"{local}.linear_q_down_proj.weight", f"{hf}.q_a_proj.weight", m.q_lora_rank, h, dt, dr)
-            norm = f"{local}.linear_q_up_proj.layer_norm_weight" if self.te else f"{local}.q_layernorm.weight"
+            self.column(
+                f"{local}.linear_q_down_proj.weight",
+                f"{hf}.q_a_proj.weight",
+                m.q_lora_rank,
+                h,
+                dt,
+                dr,
+            )
+            norm = (
+                f"{local}.linear_q_up_proj.layer_norm_weight"
+                if self.te
+                else f"{local}.q_layernorm.weight"
+            )
             self.replicated(norm, f"{hf}.q_a_layernorm.weight", (m.q_lora_rank,))
-            self.column(f"{local}.linear_q_up_proj.weight", f"{hf}.q_b_proj.weight", nq * m.qk_head_dim, m.q_lora_rank, t, r)
+            self.column(
+                f"{local}.linear_q_up_proj.weight",
+                f"{hf}.q_b_proj.weight",
+                nq * m.qk_head_dim,
+                m.q_lora_rank,
+                t,
+                r,
+            )
         kv_down = m.kv_lora_rank + m.qk_rope_head_dim
-        self.column(f"{local}.linear_kv_down_proj.weight", f"{hf}.kv_a_proj_with_mqa.weight", kv_down, h, dt, dr)
-        norm = f"{local}.linear_kv_up_proj.layer_norm_weight" if self.te else f"{local}.kv_layernorm.weight"
+        self.column(
+            f"{local}.linear_kv_down_proj.weight",
+            f"{hf}.kv_a_proj_with_mqa.weight",
+            kv_down,
+            h,
+            dt,
+            dr,
+        )
+        norm = (
+            f"{local}.linear_kv_up_proj.layer_norm_weight"
+            if self.te
+            else f"{local}.kv_layernorm.weight"
+        )
         self.replicated(norm, f"{hf}.kv_a_layernorm.weight", (m.kv_lora_rank,))
         self.column(
-            f"{local}.linear_kv_up_proj.weight", f"{hf}.kv_b_proj.weight",
-            nq * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, t, r,
+            f"{local}.linear_kv_up_proj.weight",
+            f"{hf}.kv_b_proj.weight",
+            nq * (m.qk_nope_head_dim + m.v_head_dim),
+            m.kv_lora_rank,
+            t,
+            r,
         )
         self.row(f"{local}.linear_proj.weight", f"{hf}.o_proj.weight", h, nq * m.v_head_dim, t, r)
 
@@ -230,14 +274,19 @@ class _MegatronRank:
         self.replicated(f"{local}.router.weight", f"{hf}.gate.weight", (moe.num_experts, h))
         if moe.router_bias:
             self.replicated(
-                f"{local}.router.expert_bias", f"{hf}.gate.e_score_correction_bias",
-                (moe.num_experts,), "float32",
+                f"{local}.router.expert_bias",
+                f"{hf}.gate.e_score_correction_bias",
+                (moe.num_experts,),
+                "float32",
             )
         per_rank = moe.num_experts // par.ep
         for i in range(per_rank):
             e = pos.ep * per_rank + i
             if self.opts.moe_grouped_gemm:
-                fc1, fc2 = f"{local}.experts.linear_fc1.weight{i}", f"{local}.experts.linear_fc2.weight{i}"
+                fc1, fc2 = (
+                    f"{local}.experts.linear_fc1.weight{i}",
+                    f"{local}.experts.linear_fc2.weight{i}",
+                )
             else:
                 base = f"{local}.experts.local_experts.{i}"
                 fc1, fc2 = f"{base}.linear_fc1.weight", f"{base}.linear_fc2.weight"
@@ -245,7 +294,14 @@ class _MegatronRank:
             self.swiglu_fc1(fc1, f"{hf}.experts.{e}", fe, h, par.expert_tp, pos.etp)
             self.row(fc2, f"{hf}.experts.{e}.down_proj.weight", h, fe, par.expert_tp, pos.etp)
         if moe.num_shared_experts:
-            self.mlp(f"{local}.shared_experts", f"{hf}.shared_experts", moe.shared_intermediate_size, par.tp, pos.tp, None)
+            self.mlp(
+                f"{local}.shared_experts",
+                f"{hf}.shared_experts",
+                moe.shared_intermediate_size,
+                par.tp,
+                pos.tp,
+                None,
+            )
 
     def decoder_layer(self, local: str, layer: int) -> None:
         a = self.a
@@ -259,17 +315,29 @@ class _MegatronRank:
             self.replicated(f"{local}.pre_mlp_layernorm.weight", post_norm, (h,))
             self.moe(f"{local}.mlp", f"{hf}.mlp")
         elif self.te:
-            self.mlp(f"{local}.mlp", f"{hf}.mlp", a.intermediate_size, self.par.tp, self.pos.tp, post_norm)
+            self.mlp(
+                f"{local}.mlp",
+                f"{hf}.mlp",
+                a.intermediate_size,
+                self.par.tp,
+                self.pos.tp,
+                post_norm,
+            )
         else:
             self.replicated(f"{local}.pre_mlp_layernorm.weight", post_norm, (h,))
-            self.mlp(f"{local}.mlp", f"{hf}.mlp", a.intermediate_size, self.par.tp, self.pos.tp, None)
+            self.mlp(
+                f"{local}.mlp", f"{hf}.mlp", a.intermediate_size, self.par.tp, self.pos.tp, None
+            )
 
     # -- whole rank -----------------------------------------------------------------------
     def build(self) -> None:
         a, par, pos, opts = self.a, self.par, self.pos, self.opts
         chunks = megatron_layer_chunks(
-            a.num_layers, par, pos.pp,
-            opts.num_layers_in_first_pipeline_stage, opts.num_layers_in_last_pipeline_stage,
+            a.num_layers,
+            par,
+            pos.pp,
+            opts.num_layers_in_first_pipeline_stage,
+            opts.num_layers_in_last_pipeline_stage,
         )
         last_stage = pos.pp == par.pp - 1
         for c, (first, count) in enumerate(chunks):
@@ -281,7 +349,9 @@ class _MegatronRank:
             for i in range(count):
                 self.decoder_layer(f"{prefix}decoder.layers.{i}", first + i)
             if post:
-                self.replicated(f"{prefix}decoder.final_layernorm.weight", "model.norm.weight", (a.hidden_size,))
+                self.replicated(
+                    f"{prefix}decoder.final_layernorm.weight", "model.norm.weight", (a.hidden_size,)
+                )
                 if a.num_mtp_layers:
                     self.mtp(prefix)
                 if not a.tie_word_embeddings:
@@ -304,9 +374,18 @@ class _MegatronRank:
             hf, local = f"model.layers.{layer}", f"{prefix}mtp.layers.{k}"
             self.replicated(f"{local}.enorm.weight", f"{hf}.enorm.weight", (h,))
             self.replicated(f"{local}.hnorm.weight", f"{hf}.hnorm.weight", (h,))
-            self.column(f"{local}.eh_proj.weight", f"{hf}.eh_proj.weight", h, 2 * h, self.par.tp, self.pos.tp)
+            self.column(
+                f"{local}.eh_proj.weight",
+                f"{hf}.eh_proj.weight",
+                h,
+                2 * h,
+                self.par.tp,
+                self.pos.tp,
+            )
             self.decoder_layer(f"{local}.transformer_layer", layer)
-            self.replicated(f"{local}.final_layernorm.weight", f"{hf}.shared_head.norm.weight", (h,))
+            self.replicated(
+                f"{local}.final_layernorm.weight", f"{hf}.shared_head.norm.weight", (h,)
+            )
 
 
 def megatron_layout(

@@ -52,10 +52,14 @@ class VllmOptions:
         try:
             return cls(pp_layer_partition=tuple(int(x) for x in text.split(",")))
         except ValueError:
-            raise ValueError(f"VLLM_PP_LAYER_PARTITION={text!r} is not a comma list of ints") from None
+            raise ValueError(
+                f"VLLM_PP_LAYER_PARTITION={text!r} is not a comma list of ints"
+            ) from None
 
 
-def vllm_pp_indices(num_layers: int, pp_rank: int, pp: int, partition: tuple[int, ...] | None = None) -> tuple[int, int]:
+def vllm_pp_indices(
+    num_layers: int, pp_rank: int, pp: int, partition: tuple[int, ...] | None = None
+) -> tuple[int, int]:
     """``[start, end)`` global layers of stage ``pp_rank`` (vLLM ``get_pp_indices``)."""
     if partition is not None:
         if len(partition) != pp or sum(partition) != num_layers:
@@ -110,7 +114,9 @@ def check_vllm_parallel(a: ArchConfig, par: InferParallel) -> None:
             "without expert parallel); use ep=engine_dp·tp or a smaller tp/engine_dp"
         )
     if moe.shared_intermediate_size % s:
-        raise ValueError(f"tp={s} must divide the shared-expert size {moe.shared_intermediate_size}")
+        raise ValueError(
+            f"tp={s} must divide the shared-expert size {moe.shared_intermediate_size}"
+        )
 
 
 def vllm_expert_range(num_experts: int, ep: int, ep_rank: int) -> tuple[int, int]:
@@ -149,7 +155,9 @@ class _VllmRank:
         self.dtype = opts.params_dtype or self.a.dtype
         self.b = LayoutBuilder()
 
-    def replicated(self, name: str, shape: tuple[int, ...], canonical: str | None = None, dtype: str = "") -> None:
+    def replicated(
+        self, name: str, shape: tuple[int, ...], canonical: str | None = None, dtype: str = ""
+    ) -> None:
         self.b.tensor(name, shape, dtype or self.dtype)
         self.b.piece(canonical or name, Box.full(shape), name, Box.full(shape))
 
@@ -231,11 +239,15 @@ class _VllmRank:
             ]
             self.b.rows(name, segments, 0, m.q_lora_rank + kv_a)
             self.replicated(f"{p}.q_a_layernorm.weight", (m.q_lora_rank,))
-            self.column(f"{p}.q_b_proj.weight", f"{p}.q_b_proj.weight", nq * m.qk_head_dim, m.q_lora_rank)
+            self.column(
+                f"{p}.q_b_proj.weight", f"{p}.q_b_proj.weight", nq * m.qk_head_dim, m.q_lora_rank
+            )
         self.replicated(f"{p}.kv_a_layernorm.weight", (m.kv_lora_rank,))
         self.column(
-            f"{p}.kv_b_proj.weight", f"{p}.kv_b_proj.weight",
-            nq * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank,
+            f"{p}.kv_b_proj.weight",
+            f"{p}.kv_b_proj.weight",
+            nq * (m.qk_nope_head_dim + m.v_head_dim),
+            m.kv_lora_rank,
         )
         self.row(f"{p}.o_proj.weight", f"{p}.o_proj.weight", h, nq * m.v_head_dim)
 
@@ -260,10 +272,14 @@ class _VllmRank:
             hf = f"{p}.experts.{e}"
             for half, proj in enumerate(("gate_proj", "up_proj")):
                 self.b.piece(
-                    f"{hf}.{proj}.weight", Box((lo, 0), (n, h)),
-                    w13, Box((j, half * n, 0), (1, n, h)),
+                    f"{hf}.{proj}.weight",
+                    Box((lo, 0), (n, h)),
+                    w13,
+                    Box((j, half * n, 0), (1, n, h)),
                 )
-            self.b.piece(f"{hf}.down_proj.weight", Box((0, lo), (h, n)), w2, Box((j, 0, 0), (1, h, n)))
+            self.b.piece(
+                f"{hf}.down_proj.weight", Box((0, lo), (h, n)), w2, Box((j, 0, 0), (1, h, n))
+            )
 
     def mlp(self, layer: int, p: str) -> None:
         a = self.a
@@ -274,10 +290,14 @@ class _VllmRank:
         assert moe is not None
         self.replicated(f"{p}.gate.weight", (moe.num_experts, a.hidden_size))
         if moe.router_bias:
-            self.replicated(f"{p}.gate.e_score_correction_bias", (moe.num_experts,), dtype="float32")
+            self.replicated(
+                f"{p}.gate.e_score_correction_bias", (moe.num_experts,), dtype="float32"
+            )
         self.fused_moe(p)
         if moe.num_shared_experts:
-            self.dense_mlp(f"{p}.shared_experts", f"{p}.shared_experts", moe.shared_intermediate_size)
+            self.dense_mlp(
+                f"{p}.shared_experts", f"{p}.shared_experts", moe.shared_intermediate_size
+            )
 
     def build(self) -> None:
         a, par, pos = self.a, self.par, self.pos

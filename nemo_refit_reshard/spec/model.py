@@ -131,7 +131,9 @@ def _mlp(a: ArchConfig, layer: int, p: str, dtype: str) -> list[CanonicalTensor]
     out = [CanonicalTensor(f"{p}.gate.weight", (moe.num_experts, h), dtype)]
     if moe.router_bias:
         # DeepSeek-V3 keeps the routing bias in float32 in its checkpoint.
-        out.append(CanonicalTensor(f"{p}.gate.e_score_correction_bias", (moe.num_experts,), "float32"))
+        out.append(
+            CanonicalTensor(f"{p}.gate.e_score_correction_bias", (moe.num_experts,), "float32")
+        )
     for e in range(moe.num_experts):
         out += _ffn(f"{p}.experts.{e}", h, moe.expert_intermediate_size, dtype)
     if moe.num_shared_experts:
