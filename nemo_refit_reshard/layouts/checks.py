@@ -33,7 +33,8 @@ def check_rank_layout(layout: RankLayout, spec: ModelSpec) -> None:
         total = sum(box.numel for box in boxes)
         if total != t.numel:
             raise AssertionError(
-                f"{where}: {t.name}{list(t.shape)} pieces+padding cover {total} of {t.numel} elements"
+                f"{where}: {t.name}{list(t.shape)} pieces+padding cover "
+                f"{total} of {t.numel} elements"
             )
         for a, b in combinations(boxes, 2):
             if _overlap(a, b):
@@ -42,7 +43,8 @@ def check_rank_layout(layout: RankLayout, spec: ModelSpec) -> None:
             c = spec.tensor(p.canonical)
             if not p.canonical_box.fits_in(c.shape):
                 raise AssertionError(
-                    f"{where}: {t.name} piece {p.canonical_box} outside {p.canonical}{list(c.shape)}"
+                    f"{where}: {t.name} piece {p.canonical_box} "
+                    f"outside {p.canonical}{list(c.shape)}"
                 )
 
 

@@ -87,7 +87,8 @@ def check_vllm_parallel(a: ArchConfig, par: InferParallel) -> None:
         raise ValueError(f"tp={s} must divide num_attention_heads={nq} (vLLM's rule)")
     if a.mla is None and (ng % s if s < ng else s % ng):
         raise ValueError(
-            f"tp={s} and num_key_value_heads={ng}: one must divide the other (vLLM's QKVParallelLinear)"
+            f"tp={s} and num_key_value_heads={ng}: one must divide the other "
+            "(vLLM's QKVParallelLinear)"
         )
     if a.intermediate_size % s:
         raise ValueError(f"tp={s} must divide intermediate_size={a.intermediate_size}")
