@@ -206,21 +206,20 @@ def _dtensor_replicas(
     rank: int,
     placements: PlacementFn,
 ) -> tuple[int, ...]:
-    """Ranks whose coordinates differ only on axes where every tensor is replicated."""
+    """Ranks that hold exactly the same index runs of every tensor as ``rank``."""
     world = 1
     for n in mesh_shape:
         world *= n
-    replicated_axes = [
-        axis
-        for axis in range(len(mesh_shape))
-        if all(isinstance(placements(t)[axis], Replicate) for t in spec)
-    ]
-    me = mesh_coordinate(mesh_shape, rank)
-    return tuple(
-        other
-        for other in range(world)
-        if all(
-            a == b or axis in replicated_axes
-            for axis, (a, b) in enumerate(zip(me, mesh_coordinate(mesh_shape, other)))
-        )
-    )
+    # Tensors with the same shape and placements shard alike: check each kind once.
+    kinds = {(t.shape, tuple(placements(t))) for t in spec}
+
+    def signature(r: int) -> list[list[Runs] | None]:
+        coord = mesh_coordinate(mesh_shape, r)
+        out: list[list[Runs] | None] = []
+        for shape, pl in sorted(kinds, key=repr):
+            runs = local_index_runs(shape, mesh_shape, pl, coord)
+            out.append(runs if all(runs) else None)  # an empty shard holds nothing
+        return out
+
+    mine = signature(rank)
+    return tuple(other for other in range(world) if signature(other) == mine)

@@ -77,19 +77,21 @@ def check_megatron_parallel(a: ArchConfig, par: TrainParallel, opts: MegatronOpt
             raise ValueError(f"tp={t} must divide num_key_value_heads={ng} when tp <= {ng}")
         if ng < t and t % ng:
             raise ValueError(f"tp={t} > num_key_value_heads={ng} needs tp to be a multiple of {ng}")
-    elif a.mla.q_lora_rank is not None and opts.layer_spec == "local":
-        for key, size in (
-            ("q_lora_rank", a.mla.q_lora_rank),
-            ("kv_lora_rank + qk_rope_head_dim", a.mla.kv_lora_rank + a.mla.qk_rope_head_dim),
-        ):
+    elif opts.layer_spec == "local":
+        down = [("kv_lora_rank + qk_rope_head_dim", a.mla.kv_lora_rank + a.mla.qk_rope_head_dim)]
+        if a.mla.q_lora_rank is not None:
+            down.append(("q_lora_rank", a.mla.q_lora_rank))
+        for key, size in down:
             if size % t:
                 raise ValueError(
                     f"tp={t} must divide {key}={size}: the local spec shards the MLA down "
-                    "projections over tensor parallel ranks"
+                    "projections over tensor parallel ranks (the TE spec replicates them)"
                 )
-    for key, size in (("intermediate_size", a.intermediate_size),):
-        if size % t:
-            raise ValueError(f"tp={t} must divide {key}={size} (column-parallel linear_fc1)")
+    if a.intermediate_size % t:
+        raise ValueError(
+            f"tp={t} must divide intermediate_size={a.intermediate_size} "
+            "(column-parallel linear_fc1)"
+        )
     moe = a.moe
     if moe is None:
         if par.ep > 1 or (par.etp not in (None, par.tp)):
@@ -123,6 +125,7 @@ class _MegatronRank:
         self.dtype = opts.params_dtype or self.a.dtype
         self.b = LayoutBuilder()
         self.te = opts.layer_spec == "te"
+        self.holds_experts = False
 
     # -- generic shapes -------------------------------------------------------------------
     def replicated(
@@ -280,6 +283,7 @@ class _MegatronRank:
                 "float32",
             )
         per_rank = moe.num_experts // par.ep
+        self.holds_experts = True
         for i in range(per_rank):
             e = pos.ep * per_rank + i
             if self.opts.moe_grouped_gemm:
@@ -401,6 +405,6 @@ def megatron_layout(
         rank=rank,
         world_size=parallel.world_size,
         position=walker.pos.as_dict(),
-        replicas=megatron_replicas(parallel, rank, spec.arch.moe is not None),
+        replicas=megatron_replicas(parallel, rank, walker.holds_experts),
         tensors=walker.b.build(),
     )

@@ -323,15 +323,19 @@ class _VllmRank:
                 self.vocab("lm_head.weight", "lm_head.weight")
 
 
-def vllm_replicas(spec: ModelSpec, par: InferParallel, rank: int) -> tuple[int, ...]:
-    """Ranks with identical pieces: same pp and tp, and same edp when experts are sharded."""
+def vllm_replicas(
+    spec: ModelSpec, par: InferParallel, rank: int, opts: VllmOptions
+) -> tuple[int, ...]:
+    """Ranks with identical pieces: same pp and tp, and same edp when the stage has experts."""
     me = vllm_position(par, rank)
+    start, end = vllm_pp_indices(spec.arch.num_layers, me.pp, par.pp, opts.pp_layer_partition)
+    has_experts = any(spec.arch.is_sparse(layer) for layer in range(start, end))
     out = []
     for other in range(par.world_size):
         o = vllm_position(par, other)
         if (o.pp, o.tp) != (me.pp, me.tp):
             continue
-        if spec.arch.moe is not None and o.edp != me.edp:
+        if has_experts and o.edp != me.edp:
             continue
         out.append(other)
     return tuple(out)
@@ -350,6 +354,6 @@ def vllm_layout(
         rank=rank,
         world_size=parallel.world_size,
         position=walker.pos.as_dict(),
-        replicas=vllm_replicas(spec, parallel, rank),
+        replicas=vllm_replicas(spec, parallel, rank, opts),
         tensors=walker.b.build(),
     )

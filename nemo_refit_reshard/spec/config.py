@@ -81,7 +81,13 @@ class ArchConfig:
         return self.moe is not None and layer in self.moe.sparse_layers
 
 
+# Keys that transformers 5.x writes under another name (``attribute_map``).
+_ALIASES = {"num_experts": "num_local_experts"}
+
+
 def _require(cfg: dict[str, Any], key: str, arch: str) -> Any:
+    if cfg.get(key) is None and cfg.get(_ALIASES.get(key, "")) is not None:
+        return cfg[_ALIASES[key]]
     if key not in cfg or cfg[key] is None:
         raise ValueError(
             f"config for {arch} is missing required key '{key}'; "
