@@ -1,0 +1,120 @@
+"""The ``layout`` and ``models`` commands: exact text, JSON equal to the layout, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hf_models import TINY_CONFIGS
+
+from nemo_refit_reshard.cli import main
+from nemo_refit_reshard.layouts import megatron_layout
+from nemo_refit_reshard.spec import TrainParallel, load_model_spec
+
+
+@pytest.fixture()
+def llama_config(tmp_path) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_CONFIGS["llama"]))
+    return str(path)
+
+
+def test_layout_text_megatron_qkv(llama_config, capsys) -> None:
+    rc = main(
+        [
+            "layout",
+            "--framework",
+            "megatron",
+            "--model",
+            llama_config,
+            "--parallel",
+            "tp=2",
+            "--rank",
+            "1",
+            "--filter",
+            "layers.0.self_attention.linear_qkv",
+        ]
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0
+    # 4 query heads in 2 groups (head_dim 16): rank 1 holds group 1 = [q2 q3 | k1 | v1].
+    assert lines[2:] == [
+        "decoder.layers.0.self_attention.linear_qkv.weight  [64, 64] bfloat16",
+        "    [0:32, 0:64] <- model.layers.0.self_attn.q_proj.weight[32:64, 0:64]",
+        "    [32:48, 0:64] <- model.layers.0.self_attn.k_proj.weight[16:32, 0:64]",
+        "    [48:64, 0:64] <- model.layers.0.self_attn.v_proj.weight[16:32, 0:64]",
+        "1 of 15 local tensors shown; 47,424 local elements",
+    ]
+    assert lines[0].startswith("megatron rank 1 of 2 (tp=1, cp=0, dp=0, pp=0")
+
+
+def test_layout_text_vllm_vocab_padding(llama_config, capsys) -> None:
+    rc = main(
+        [
+            "layout",
+            "--framework",
+            "vllm",
+            "--model",
+            llama_config,
+            "--parallel",
+            "tp=4",
+            "--rank",
+            "3",
+            "--filter",
+            "embed_tokens",
+        ]
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0
+    # vocab 100 padded to 128, 32 rows per rank: rank 3 holds ids 96..99 and 28 padding rows.
+    assert lines[2:5] == [
+        "model.embed_tokens.weight  [32, 64] bfloat16",
+        "    [0:4, 0:64] <- model.embed_tokens.weight[96:100, 0:64]",
+        "    [4:32, 0:64] padding",
+    ]
+
+
+def test_layout_json_is_the_layout(capsys) -> None:
+    rc = main(
+        [
+            "layout",
+            "--framework",
+            "megatron",
+            "--model",
+            "qwen3-30b-a3b",
+            "--parallel",
+            "tp=2,pp=2,dp=2,ep=4,etp=1",
+            "--rank",
+            "5",
+            "--json",
+        ]
+    )
+    assert rc == 0
+    payload = json.loads(capsys.readouterr().out)
+    want = megatron_layout(
+        load_model_spec("qwen3-30b-a3b"), TrainParallel.parse("tp=2,pp=2,dp=2,ep=4,etp=1"), 5
+    ).to_json()
+    assert payload == {"model": "qwen3-30b-a3b", **want}
+    # rank 5 = tp 1 of stage 1 (layers 24..47), expert-parallel rank 1 (experts 32..63)
+    assert payload["position"] == {"tp": 1, "cp": 0, "dp": 0, "pp": 1, "etp": 0, "ep": 1, "edp": 0}
+    names = [t["name"] for t in payload["tensors"]]
+    first_expert = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
+    assert names.count(first_expert) == 1
+    fc1 = payload["tensors"][names.index(first_expert)]
+    assert [p["canonical"] for p in fc1["pieces"]] == [
+        "model.layers.24.mlp.experts.32.gate_proj.weight",
+        "model.layers.24.mlp.experts.32.up_proj.weight",
+    ]
+
+
+def test_layout_errors_exit_2(capsys) -> None:
+    rc = main(["layout", "--framework", "vllm", "--model", "qwen3-30b-a3b", "--parallel", "tp=3"])
+    assert rc == 2
+    assert "error: tp=3 must divide num_attention_heads=32" in capsys.readouterr().err
+
+
+def test_models_lists_presets(capsys) -> None:
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "deepseek-v3        deepseek_v3    684.49B params  46183 tensors" in out
+    assert len(out.splitlines()) == 11
