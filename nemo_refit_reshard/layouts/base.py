@@ -59,6 +59,17 @@ class Box:
             o + s <= n for o, s, n in zip(self.offsets, self.sizes, shape)
         )
 
+    def intersect(self, other: Box) -> Box | None:
+        """The common box of ``self`` and ``other`` (same rank), or ``None`` if empty."""
+        offsets, sizes = [], []
+        for ao, as_, bo, bs in zip(self.offsets, self.sizes, other.offsets, other.sizes):
+            lo, hi = max(ao, bo), min(ao + as_, bo + bs)
+            if lo >= hi:
+                return None
+            offsets.append(lo)
+            sizes.append(hi - lo)
+        return Box(tuple(offsets), tuple(sizes))
+
     def slices(self) -> tuple[slice, ...]:
         return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
 
@@ -68,6 +79,22 @@ class Box:
     @classmethod
     def from_json(cls, data: list[list[int]]) -> Box:
         return cls(tuple(data[0]), tuple(data[1]))
+
+
+def map_sub_box(outer: Box, image: Box, sub: Box) -> Box:
+    """Where ``sub`` (a box inside ``outer``) lies in ``image``, ``outer``'s counterpart.
+
+    ``outer`` and ``image`` hold the same elements in the same row-major order and
+    agree on their non-unit sizes: the k-th non-unit dimension of ``outer`` is the
+    k-th non-unit dimension of ``image``; unit dimensions carry no offset.
+    """
+    offsets, sizes = list(image.offsets), list(image.sizes)
+    image_dims = [d for d, s in enumerate(image.sizes) if s != 1]
+    outer_dims = [d for d, s in enumerate(outer.sizes) if s != 1]
+    for od, idim in zip(outer_dims, image_dims):
+        offsets[idim] = image.offsets[idim] + sub.offsets[od] - outer.offsets[od]
+        sizes[idim] = sub.sizes[od]
+    return Box(tuple(offsets), tuple(sizes))
 
 
 @dataclass(frozen=True)
@@ -85,6 +112,10 @@ class Piece:
                 f"piece {self.canonical}{self.canonical_box.sizes} -> "
                 f"{self.local}{self.local_box.sizes}: box sizes disagree"
             )
+
+    def local_sub_box(self, canonical_sub: Box) -> Box:
+        """The local box holding ``canonical_sub`` (a box inside ``canonical_box``)."""
+        return map_sub_box(self.canonical_box, self.local_box, canonical_sub)
 
     def to_json(self) -> dict[str, Any]:
         return {

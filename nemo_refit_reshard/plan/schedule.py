@@ -1,0 +1,170 @@
+"""Coalescing, bucketing into rounds, and one message per (sender, receiver, round).
+
+Coalescing merges two transfers between the same pair of local tensors when
+their boxes are adjacent along the first dimension that is not 1 and equal
+elsewhere, on both sides — then the row-major order of the merged box is the
+two parts one after the other, so packing stays a straight copy.
+
+Bucketing bounds what each rank stages per round: the bytes it sends plus the
+bytes it receives in a round stay within ``bucket_bytes`` (a transfer larger
+than that is cut first). Rounds are filled first-fit in a fixed order, so every
+rank computes the same schedule.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ..layouts.base import Box, map_sub_box
+from .balance import DTYPE_BYTES, Transfer, split_box
+
+
+def _lead_dim(box: Box) -> int | None:
+    for d, s in enumerate(box.sizes):
+        if s != 1:
+            return d
+    return None
+
+
+def _follows(a: Box, b: Box) -> int | None:
+    """If ``b`` continues ``a`` in row-major order of their union, the dim they join on."""
+    d = _lead_dim(a)
+    if d is None or a.sizes[:d] != b.sizes[:d] or a.offsets[:d] != b.offsets[:d]:
+        return None
+    if b.offsets[d] != a.offsets[d] + a.sizes[d]:
+        return None
+    if a.offsets[d + 1 :] != b.offsets[d + 1 :] or a.sizes[d + 1 :] != b.sizes[d + 1 :]:
+        return None
+    return d
+
+
+def _grow(a: Box, b: Box, d: int) -> Box:
+    sizes = list(a.sizes)
+    sizes[d] += b.sizes[d]
+    return Box(a.offsets, tuple(sizes))
+
+
+def coalesce(transfers: list[Transfer]) -> list[Transfer]:
+    """Merge adjacent transfers between the same (src tensor, dst tensor) pair."""
+    groups: dict[tuple, list[Transfer]] = defaultdict(list)
+    for t in transfers:
+        groups[(t.src, t.dst, t.src_tensor, t.dst_tensor, t.canonical, t.dtype)].append(t)
+    out: list[Transfer] = []
+    for key in sorted(groups):
+        run = sorted(groups[key], key=lambda t: t.src_box.offsets)
+        current = run[0]
+        for t in run[1:]:
+            ds = _follows(current.src_box, t.src_box)
+            dd = _follows(current.dst_box, t.dst_box)
+            dc = _follows(current.canonical_box, t.canonical_box)
+            if ds is not None and dd is not None and dc is not None:
+                current = Transfer(
+                    current.src,
+                    current.dst,
+                    current.src_tensor,
+                    _grow(current.src_box, t.src_box, ds),
+                    current.dst_tensor,
+                    _grow(current.dst_box, t.dst_box, dd),
+                    current.canonical,
+                    _grow(current.canonical_box, t.canonical_box, dc),
+                    current.dtype,
+                )
+            else:
+                out.append(current)
+                current = t
+        out.append(current)
+    return out
+
+
+def _cut(t: Transfer, max_bytes: int) -> list[Transfer]:
+    """Cut a transfer into parts of at most ``max_bytes`` along the lead canonical dim."""
+    if t.nbytes <= max_bytes:
+        return [t]
+    parts = -(-t.nbytes // max_bytes)
+    lead = _lead_dim(t.canonical_box)
+    if lead is None:
+        return [t]
+    rows = t.canonical_box.sizes[lead]
+    if rows < parts:
+        raise ValueError(
+            f"bucket of {max_bytes} bytes cannot hold one row of {t.canonical} "
+            f"({t.nbytes // rows} bytes); raise bucket_mb"
+        )
+    return [
+        Transfer(
+            t.src,
+            t.dst,
+            t.src_tensor,
+            map_sub_box(t.canonical_box, t.src_box, box),
+            t.dst_tensor,
+            map_sub_box(t.canonical_box, t.dst_box, box),
+            t.canonical,
+            box,
+            t.dtype,
+        )
+        for box in split_box(t.canonical_box, parts)
+    ]
+
+
+@dataclass(frozen=True)
+class Message:
+    """All transfers from ``src`` to ``dst`` in one round, packed back to back.
+
+    Transfers are ordered by decreasing dtype size, so every transfer starts at a
+    byte offset aligned to its own element size without padding.
+    """
+
+    round: int
+    src: int
+    dst: int
+    transfers: tuple[Transfer, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.transfers)
+
+
+def _message_order(t: Transfer) -> tuple:
+    return (-DTYPE_BYTES[t.dtype], t.src_tensor, t.src_box.offsets, t.dst_tensor, t.dst_box.offsets)
+
+
+def schedule(transfers: list[Transfer], bucket_bytes: int) -> list[list[Message]]:
+    """Rounds of messages; per round each rank stages at most ``bucket_bytes``."""
+    if bucket_bytes <= 0:
+        raise ValueError("bucket size must be positive")
+    # Each transfer is staged twice: by its sender and by its receiver.
+    parts = [p for t in transfers for p in _cut(t, bucket_bytes)]
+    parts.sort(key=lambda t: (t.src, t.dst, t.src_tensor, t.src_box.offsets, t.dst_tensor))
+    # Sources and destinations are numbered separately: key staging loads by side.
+    used: list[dict[tuple[str, int], int]] = []
+    placed: list[list[Transfer]] = []
+    for t in parts:
+        src, dst = ("src", t.src), ("dst", t.dst)
+        r = next(
+            (
+                i
+                for i, load in enumerate(used)
+                if load.get(src, 0) + t.nbytes <= bucket_bytes
+                and load.get(dst, 0) + t.nbytes <= bucket_bytes
+            ),
+            len(used),
+        )
+        if r == len(used):
+            used.append({})
+            placed.append([])
+        used[r][src] = used[r].get(src, 0) + t.nbytes
+        used[r][dst] = used[r].get(dst, 0) + t.nbytes
+        placed[r].append(t)
+    rounds: list[list[Message]] = []
+    for r, round_transfers in enumerate(placed):
+        pairs: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
+        for t in round_transfers:
+            pairs[(t.src, t.dst)].append(t)
+        rounds.append(
+            [
+                Message(r, src, dst, tuple(sorted(ts, key=_message_order)))
+                for (src, dst), ts in sorted(pairs.items())
+            ]
+        )
+    return rounds
