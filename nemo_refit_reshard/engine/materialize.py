@@ -20,7 +20,7 @@ def materialize(
     fill: float = 0.0,
     device: torch.device | str = "cpu",
 ) -> dict[str, torch.Tensor]:
-    """Local tensors of ``layout`` with every piece copied from ``canonical``; padding = ``fill``."""
+    """Local tensors of ``layout``, every piece copied from ``canonical``, padding ``fill``."""
     out: dict[str, torch.Tensor] = {}
     for t in layout.tensors:
         local = torch.full(t.shape, fill, dtype=TORCH_DTYPES[t.dtype], device=device)
