@@ -57,15 +57,23 @@ def _check(spec, sources, destinations, bucket_mb: float, seed: int) -> RefitPla
 @SETTINGS
 @given(
     cfg=hf_configs(),
-    train=st.fixed_dictionaries({
-        "tp": st.sampled_from([1, 2, 4]), "pp": st.sampled_from([1, 2, 3]),
-        "dp": st.sampled_from([1, 2]), "ep": st.sampled_from([1, 2]),
-        "etp": st.sampled_from([None, 1]),
-    }),
-    infer=st.fixed_dictionaries({
-        "tp": st.sampled_from([1, 2, 4]), "pp": st.sampled_from([1, 2]),
-        "dp": st.sampled_from([1, 2]), "engine_dp": st.sampled_from([1, 2]),
-    }),
+    train=st.fixed_dictionaries(
+        {
+            "tp": st.sampled_from([1, 2, 4]),
+            "pp": st.sampled_from([1, 2, 3]),
+            "dp": st.sampled_from([1, 2]),
+            "ep": st.sampled_from([1, 2]),
+            "etp": st.sampled_from([None, 1]),
+        }
+    ),
+    infer=st.fixed_dictionaries(
+        {
+            "tp": st.sampled_from([1, 2, 4]),
+            "pp": st.sampled_from([1, 2]),
+            "dp": st.sampled_from([1, 2]),
+            "engine_dp": st.sampled_from([1, 2]),
+        }
+    ),
     expert_parallel=st.booleans(),
     bucket_kb=st.sampled_from([1, 4, 512 * 1024]),
     src_fp32=st.booleans(),
@@ -88,8 +96,13 @@ def test_megatron_to_vllm(cfg, train, infer, expert_parallel, bucket_kb, src_fp3
 
 
 @SETTINGS
-@given(cfg=hf_configs(), dp=st.integers(1, 3), tp=st.sampled_from([2, 3]),
-       itp=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+@given(
+    cfg=hf_configs(),
+    dp=st.integers(1, 3),
+    tp=st.sampled_from([2, 3]),
+    itp=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
 def test_dtensor_to_vllm(cfg, dp, tp, itp, seed) -> None:
     spec = spec_from_hf_config(dict(cfg, torch_dtype="float32"))
     sources = [dtensor_layout(spec, (dp, tp), r, fsdp2_tp_placements(tp)) for r in range(dp * tp)]

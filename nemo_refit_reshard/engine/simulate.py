@@ -13,7 +13,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from ..plan.baseline import BroadcastPlan
 from ..plan.plan import RefitPlan
+from .broadcast import BroadcastProgram
 from .program import RankProgram
 
 
@@ -56,6 +58,25 @@ class _HubTransport:
             self.hub.recvs[(peer, self.rank)] = buf
 
 
+def simulate_phases(phases_by_rank: Sequence[Sequence[object]]) -> None:
+    """Run every rank's phases in lock step; phase k of every rank forms one exchange."""
+    hub = _Hub()
+    steps = {len(p) for p in phases_by_rank}
+    if len(steps) != 1:
+        raise AssertionError(f"ranks compiled different numbers of phases: {sorted(steps)}")
+    with torch.no_grad():
+        for k in range(steps.pop()):
+            for rank, phases in enumerate(phases_by_rank):
+                phase = phases[k]
+                for staged, live in phase.copies_out:  # type: ignore[attr-defined]
+                    staged.copy_(live)
+                hub.transport_for(rank).exchange(phase.sends, phase.recvs)  # type: ignore[attr-defined]
+            hub.deliver()
+            for phases in phases_by_rank:
+                for live, staged in phases[k].copies_in:  # type: ignore[attr-defined]
+                    live.copy_(staged)
+
+
 def simulate_plan(
     plan: RefitPlan,
     sources: Sequence[Mapping[str, torch.Tensor]],
@@ -65,15 +86,14 @@ def simulate_plan(
     s = plan.num_sources
     programs = [RankProgram(plan, r, sources[r]) for r in range(s)]
     programs += [RankProgram(plan, s + d, destinations[d]) for d in range(plan.num_destinations)]
-    hub = _Hub()
-    with torch.no_grad():
-        for r in range(len(plan.rounds)):
-            for p in programs:
-                prog = p.rounds[r]
-                for staged, live in prog.copies_out:
-                    staged.copy_(live)
-                hub.transport_for(p.group_rank).exchange(prog.sends, prog.recvs)
-            hub.deliver()
-            for p in programs:
-                for live, staged in p.rounds[r].copies_in:
-                    live.copy_(staged)
+    simulate_phases([p.rounds for p in programs])
+
+
+def simulate_broadcast(
+    plan: BroadcastPlan,
+    sources: Sequence[Mapping[str, torch.Tensor]],
+    destinations: Sequence[Mapping[str, torch.Tensor]],
+) -> None:
+    """Run one gather-broadcast refit in place, like :func:`simulate_plan`."""
+    tensors = list(sources) + list(destinations)
+    simulate_phases([BroadcastProgram(plan, r, t).phases for r, t in enumerate(tensors)])

@@ -211,8 +211,9 @@ def _baseline_bytes(
     destinations: list[RankLayout],
     dtype_of: dict[tuple[int, str], str],
 ) -> int:
-    """Gather-broadcast: each needed tensor gathered to the source rank holding most of it,
-    then broadcast whole (in the destination dtype) to every destination that needs any of it."""
+    """Bytes of the gather-broadcast baseline (``plan/baseline.py``): each needed tensor
+    gathered to the source rank holding most of it, then sent whole to every destination
+    that needs any of it, all in the destination dtype."""
     held: dict[str, dict[int, int]] = {}
     for layout in sources:
         for p in layout.pieces():
@@ -228,7 +229,7 @@ def _baseline_bytes(
     for name, ranks in readers.items():
         t = spec.tensor(name)
         root_share = max(held.get(name, {0: 0}).values())
-        gather = (t.numel - root_share) * DTYPE_BYTES[t.dtype]
+        gather = (t.numel - root_share) * itemsize[name]
         total += gather + t.numel * itemsize[name] * len(ranks)
     return total
 

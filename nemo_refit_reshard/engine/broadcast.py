@@ -1,0 +1,170 @@
+"""Compiled replay of the gather-broadcast baseline (``plan/baseline.py``).
+
+Same discipline as the reshard engine — views bound once, one batched exchange
+per phase, one message per peer pair per phase — so timing differences come
+from the bytes each design moves, not from host overhead.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ..plan.baseline import BroadcastPlan, BroadcastStep
+from .program import TORCH_DTYPES, _align, _view
+from .transport import Transport
+
+
+class _Spans:
+    """Lays out byte spans back to back (aligned) in one growing buffer."""
+
+    def __init__(self) -> None:
+        self.size = 0
+
+    def take(self, nbytes: int) -> int:
+        start = _align(self.size)
+        self.size = start + nbytes
+        return start
+
+
+@dataclass
+class _Phase:
+    copies_out: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    sends: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    recvs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    copies_in: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def run(self, transport: Transport) -> None:
+        for dst, src in self.copies_out:
+            dst.copy_(src)
+        if self.sends or self.recvs:
+            transport.exchange(self.sends, self.recvs)
+        for dst, src in self.copies_in:
+            dst.copy_(src)
+
+
+class BroadcastProgram:
+    """One refit-group rank's share of a :class:`BroadcastPlan`."""
+
+    def __init__(
+        self,
+        plan: BroadcastPlan,
+        group_rank: int,
+        tensors: Mapping[str, torch.Tensor],
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.plan = plan
+        self.rank = group_rank
+        self.tensors = tensors
+        self.device = torch.device(device)
+        self.phases: list[_Phase] = []
+        for steps in plan.rounds:
+            self.phases += self._compile_round(steps)
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def _compile_round(self, steps: tuple[BroadcastStep, ...]) -> list[_Phase]:
+        s, me, t = self.plan.num_sources, self.rank, self.tensors
+        full_spans, full_off = _Spans(), {}
+        for st in steps:
+            if st.root == me:
+                full_off[st.canonical] = full_spans.take(st.nbytes)
+        full = self._alloc(full_spans.size)
+
+        def full_view(st: BroadcastStep) -> torch.Tensor:
+            return _view(full, full_off[st.canonical], st.nbytes, st.dtype, st.shape)
+
+        # Phase 1: gather to the roots.
+        gather = _Phase()
+        out_by_root: dict[int, list] = defaultdict(list)
+        in_by_holder: dict[int, list] = defaultdict(list)
+        for st in steps:
+            for holder, name, box, cbox in st.gathers:
+                if holder == me and st.root == me:
+                    gather.copies_in.append(
+                        (full_view(st)[cbox.slices()], t[name][box.slices()].view(cbox.sizes))
+                    )
+                elif holder == me:
+                    out_by_root[st.root].append((st, name, box, cbox))
+                elif st.root == me:
+                    in_by_holder[holder].append((st, cbox))
+        self._pack(
+            gather, out_by_root, lambda item: t[item[1]][item[2].slices()], lambda item: item[3]
+        )
+        self._unpack(gather, in_by_holder, lambda item: full_view(item[0])[item[1].slices()])
+
+        # Phase 2: broadcast whole tensors from the roots to every reader.
+        bcast = _Phase()
+        out_by_reader: dict[int, list] = defaultdict(list)
+        in_by_root: dict[int, list] = defaultdict(list)
+        for st in steps:
+            for dst, pieces in st.readers:
+                if st.root == me:
+                    out_by_reader[s + dst].append(st)
+                if s + dst == me:
+                    in_by_root[st.root].append((st, pieces))
+        self._pack(bcast, out_by_reader, full_view, lambda st: _whole(st.shape))
+        spans, recv_views = _Spans(), []
+        for root in sorted(in_by_root):
+            start = spans.take(0)
+            for st, pieces in in_by_root[root]:
+                recv_views.append((root, spans.take(st.nbytes), st, pieces))
+            in_by_root[root] = [start, spans.size]  # type: ignore[assignment]
+        buf = self._alloc(spans.size)
+        for root in sorted(in_by_root):
+            start, end = in_by_root[root]  # type: ignore[misc]
+            bcast.recvs.append((root, buf[start:end]))
+        for _, off, st, pieces in recv_views:
+            whole = _view(buf, off, st.nbytes, st.dtype, st.shape)
+            for name, local_box, cbox in pieces:
+                dst_view = t[name][local_box.slices()]
+                # .view (never .reshape): a copy made here would freeze the data at compile time
+                bcast.copies_in.append((dst_view, whole[cbox.slices()].view(dst_view.shape)))
+        return [gather, bcast]
+
+    def _pack(self, phase: _Phase, by_peer: dict, source, cbox_of) -> None:
+        """One message per peer: each item's canonical box, packed back to back."""
+        spans, items, ranges = _Spans(), [], []
+        for peer in sorted(by_peer):
+            start = spans.take(0)
+            for item in by_peer[peer]:
+                st = item[0] if isinstance(item, tuple) else item
+                nbytes = cbox_of(item).numel * TORCH_DTYPES[st.dtype].itemsize
+                items.append((spans.take(nbytes), nbytes, st.dtype, source(item)))
+            ranges.append((peer, start, spans.size))
+        buf = self._alloc(spans.size)
+        for peer, start, end in ranges:
+            phase.sends.append((peer, buf[start:end]))
+        for off, nbytes, dtype, live in items:
+            phase.copies_out.append((_view(buf, off, nbytes, dtype, tuple(live.shape)), live))
+
+    def _unpack(self, phase: _Phase, by_peer: dict, target) -> None:
+        """Receive one message per peer and copy each item into its target view."""
+        spans, items, ranges = _Spans(), [], []
+        for peer in sorted(by_peer):
+            start = spans.take(0)
+            for item in by_peer[peer]:
+                st, cbox = item
+                nbytes = cbox.numel * TORCH_DTYPES[st.dtype].itemsize
+                items.append((spans.take(nbytes), nbytes, st.dtype, target(item)))
+            ranges.append((peer, start, spans.size))
+        buf = self._alloc(spans.size)
+        for peer, start, end in ranges:
+            phase.recvs.append((peer, buf[start:end]))
+        for off, nbytes, dtype, live in items:
+            phase.copies_in.append((live, _view(buf, off, nbytes, dtype, tuple(live.shape))))
+
+    def replay(self, transport: Transport) -> None:
+        with torch.no_grad():
+            for phase in self.phases:
+                phase.run(transport)
+
+
+def _whole(shape: tuple[int, ...]):
+    from ..layouts.base import Box
+
+    return Box.full(shape)

@@ -1,0 +1,114 @@
+"""The gather-broadcast baseline: what NeMo RL and veRL do today, as a plan.
+
+For every canonical tensor a destination needs:
+
+1. *gather*: one holder of each source region sends it to the tensor's root (the
+   source rank holding most of it; ties go to the lowest rank), which
+   assembles the full tensor in the destination dtype;
+2. *broadcast*: the root sends the full tensor to every destination rank that
+   needs any part of it;
+3. each destination copies its pieces out of the full tensor and drops the rest.
+
+Tensors are grouped into rounds whose full tensors fit ``bucket_bytes`` per
+root. Built on the same layouts as the reshard plan, so the two can be timed
+side by side over the same transport.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ..layouts.base import Box, RankLayout
+from ..spec.model import ModelSpec
+from .balance import DTYPE_BYTES
+from .overlap import PlanError, source_regions
+
+
+@dataclass(frozen=True)
+class BroadcastStep:
+    """Gather then broadcast one canonical tensor."""
+
+    canonical: str
+    shape: tuple[int, ...]
+    dtype: str  # wire dtype: the destinations' dtype
+    root: int
+    gathers: tuple[tuple[int, str, Box, Box], ...]  # (holder, src tensor, src box, canonical box)
+    readers: tuple[tuple[int, tuple[tuple[str, Box, Box], ...]], ...]  # dst, (tensor, local, canon)
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class BroadcastPlan:
+    num_sources: int
+    num_destinations: int
+    rounds: tuple[tuple[BroadcastStep, ...], ...]
+
+    @property
+    def total_bytes(self) -> int:
+        total = 0
+        for steps in self.rounds:
+            for st in steps:
+                gathered = sum(c.numel for h, _, _, c in st.gathers if h != st.root)
+                total += gathered * DTYPE_BYTES[st.dtype] + st.nbytes * len(st.readers)
+        return total
+
+
+def plan_broadcast(
+    spec: ModelSpec,
+    sources: list[RankLayout],
+    destinations: list[RankLayout],
+    bucket_mb: float = 512,
+) -> BroadcastPlan:
+    regions = source_regions(spec, sources)
+    readers: dict[str, dict[int, list[tuple[str, Box, Box]]]] = defaultdict(dict)
+    dtypes: dict[str, str] = {}
+    for lay in destinations:
+        for t in lay.tensors:
+            for p in t.pieces:
+                readers[p.canonical].setdefault(lay.rank, []).append(
+                    (t.name, p.local_box, p.canonical_box)
+                )
+                dtypes.setdefault(p.canonical, t.dtype)
+    steps = []
+    for c in spec:
+        if c.name not in readers:
+            continue
+        if c.name not in regions:
+            raise PlanError(f"no source rank holds {c.name!r}, which destinations need")
+        held: dict[int, int] = defaultdict(int)
+        for region in regions[c.name]:
+            for h in region.holders:
+                held[h.rank] += region.box.numel
+        root = min(held, key=lambda r: (-held[r], r))
+        gathers = []
+        for region in regions[c.name]:
+            ranks = {h.rank: h for h in region.holders}
+            holder = ranks.get(root) or region.holders[0]  # the root's own copy when it has one
+            gathers.append((holder.rank, holder.piece.local, holder.piece.local_box, region.box))
+        steps.append(
+            BroadcastStep(
+                c.name,
+                c.shape,
+                dtypes[c.name],
+                root,
+                tuple(gathers),
+                tuple((d, tuple(v)) for d, v in sorted(readers[c.name].items())),
+            )
+        )
+    bucket = int(bucket_mb * 2**20)
+    rounds: list[list[BroadcastStep]] = []
+    load: dict[int, int] = {}
+    for st in steps:
+        if not rounds or load.get(st.root, 0) + st.nbytes > bucket:
+            rounds.append([])
+            load = {}
+        rounds[-1].append(st)
+        load[st.root] = load.get(st.root, 0) + st.nbytes
+    return BroadcastPlan(len(sources), len(destinations), tuple(tuple(r) for r in rounds))
