@@ -1,7 +1,8 @@
 """Command line: ``nemo-refit-reshard <command>``.
 
 ``layout`` prints one rank's local tensors and the canonical pieces in each;
-``models`` lists the bundled presets.
+``models`` lists the bundled presets; ``plan``, ``demo`` and ``bench`` build and
+run refits (``cli_refit.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from .cli_refit import add_commands
 from .layouts import (
     MegatronOptions,
     RankLayout,
@@ -126,6 +128,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     mod = sub.add_parser("models", help="list the bundled model presets")
     mod.set_defaults(func=cmd_models)
+    add_commands(sub)
     return parser
 
 

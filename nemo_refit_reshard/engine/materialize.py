@@ -6,7 +6,8 @@ framework would hold) and to check a destination against the canonical truth.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import zlib
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -55,3 +56,35 @@ def mismatches(
                 bad.append(f"{t.name} <- {p.canonical}")
                 break
     return bad
+
+
+class SyntheticWeights(Mapping[str, torch.Tensor]):
+    """Deterministic random canonical tensors, generated on first access.
+
+    Tensor ``name`` is drawn from a generator seeded by ``(seed, crc32(name))``, so
+    every process that asks for a tensor gets the same values without the whole
+    model ever being materialised in one place.
+    """
+
+    def __init__(self, spec, seed: int = 0, dtype: torch.dtype | None = None) -> None:
+        self.spec = spec
+        self.seed = seed
+        self.dtype = dtype
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._cache:
+            t = self.spec.tensor(name)
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+            dtype = self.dtype or TORCH_DTYPES[t.dtype]
+            self._cache[name] = torch.randn(t.shape, generator=g).to(dtype)
+        return self._cache[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return (t.name for t in self.spec)
+
+    def __len__(self) -> int:
+        return len(self.spec)
+
+    def forget(self) -> None:
+        self._cache.clear()

@@ -45,6 +45,8 @@ class Transport(Protocol):
         """Every rank's ``value`` (small strings: fingerprints, status)."""
         ...
 
+    def barrier(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -54,9 +56,10 @@ def _wait_all(works: list[tuple[str, int, object]], timeout_s: float, rank: int)
         try:
             ok = work.wait(timeout)  # type: ignore[attr-defined]
         except RuntimeError as err:
+            what = "timed out" if "timed out" in str(err).lower() else "failed"
             raise TransportError(
-                f"refit rank {rank}: {kind} with rank {peer} failed ({_first_line(err)}); "
-                f"the peer process has probably died"
+                f"refit rank {rank}: {kind} with rank {peer} {what} ({_first_line(err)}); "
+                f"the peer process has died or stopped responding (timeout {timeout_s}s)"
             ) from err
         if ok is False:
             raise TransportError(
@@ -112,6 +115,9 @@ class _ProcessGroupTransport:
 
     def _wait(self, work: object) -> None:
         _wait_all([("collective", -1, work)], self.timeout_s, self.rank)
+
+    def barrier(self) -> None:
+        self._wait(self.pg.barrier())  # type: ignore[attr-defined]
 
     def close(self) -> None:
         pass
@@ -184,3 +190,6 @@ class TorchTransport(_ProcessGroupTransport):
         out: list[object] = [None] * self.world_size
         dist.all_gather_object(out, value, group=self.group)
         return [str(v) for v in out]
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)

@@ -1,0 +1,240 @@
+"""The ``plan``, ``demo`` and ``bench`` commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+from .integrations.spawn import RunConfig, RunResult, build_layouts, run_local
+from .plan import RefitPlan, plan_refit
+from .plan.baseline import plan_broadcast
+
+
+def add_run_arguments(p: argparse.ArgumentParser, steps: int) -> None:
+    p.add_argument("--model", default="small-qwen3", help="preset name or config.json path")
+    p.add_argument("--train", default="tp=2,pp=2", help="tp=,pp=,vpp=,cp=,dp=,ep=,etp=")
+    p.add_argument("--infer", default="tp=2,dp=2", help="tp=,pp=,dp=,engine_dp=,ep=")
+    p.add_argument("--bucket-mb", type=float, default=512)
+    p.add_argument("--train-dtype", default=None, help="training params dtype (e.g. float32)")
+    p.add_argument("--infer-dtype", default=None, help="inference params dtype")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--backends", default="reshard,broadcast")
+    p.add_argument("--timeout", type=float, default=600, help="seconds any wait may take")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+
+
+def _config(args: argparse.Namespace) -> RunConfig:
+    backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
+    for b in backends:
+        if b not in ("reshard", "broadcast"):
+            raise ValueError(f"unknown backend {b!r}; choose from reshard, broadcast")
+    if args.steps < 1:
+        raise ValueError("--steps must be >= 1")
+    return RunConfig(
+        model=args.model,
+        train=args.train,
+        infer=args.infer,
+        backends=backends,
+        steps=args.steps,
+        bucket_mb=args.bucket_mb,
+        timeout_s=args.timeout,
+        seed=args.seed,
+        train_dtype=args.train_dtype,
+        infer_dtype=args.infer_dtype,
+    )
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def plan_summary(plan: RefitPlan, seconds: float) -> dict[str, Any]:
+    s = plan.stats
+    return {
+        "model": plan.model,
+        "fingerprint": plan.fingerprint,
+        "sources": plan.num_sources,
+        "destinations": plan.num_destinations,
+        "total_bytes": s.total_bytes,
+        "min_bytes": s.min_bytes,
+        "baseline_bytes": s.baseline_bytes,
+        "max_send_bytes": max(s.bytes_sent, default=0),
+        "max_recv_bytes": max(s.bytes_received, default=0),
+        "transfers": s.num_transfers,
+        "messages": s.num_messages,
+        "rounds": s.num_rounds,
+        "build_seconds": round(seconds, 3),
+        "bytes_sent": list(s.bytes_sent),
+        "bytes_received": list(s.bytes_received),
+    }
+
+
+def _ratio(summary: dict[str, Any]) -> str:
+    return f"{summary['baseline_bytes'] / max(1, summary['total_bytes']):.2f}x"
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    t0 = time.perf_counter()
+    spec, sources, destinations = build_layouts(cfg)
+    plan = plan_refit(spec, sources, destinations, bucket_mb=cfg.bucket_mb)
+    summary = plan_summary(plan, time.perf_counter() - t0)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(plan.to_json())
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(
+        f"plan {plan.fingerprint}: {spec.name}, training {cfg.train} ({plan.num_sources} ranks)"
+        f" -> inference {cfg.infer} ({plan.num_destinations} ranks)"
+    )
+    rows = [
+        ("bytes moved", _mb(summary["total_bytes"])),
+        ("minimum (destination needs)", _mb(summary["min_bytes"])),
+        ("gather-broadcast baseline", _mb(summary["baseline_bytes"])),
+        (
+            "baseline / reshard",
+            f"{summary['baseline_bytes'] / max(1, summary['total_bytes']):.2f}x",
+        ),
+        ("max bytes sent by one rank", _mb(summary["max_send_bytes"])),
+        ("max bytes received by one rank", _mb(summary["max_recv_bytes"])),
+        (
+            "transfers / messages / rounds",
+            f"{summary['transfers']} / {summary['messages']} / {summary['rounds']}",
+        ),
+        ("plan build", f"{summary['build_seconds']:.2f} s"),
+    ]
+    for k, v in rows:
+        print(f"  {k:32} {v}")
+    if args.out:
+        print(f"  plan written to {args.out}")
+    return 0
+
+
+def _step_stats(result: RunResult, backend: str) -> dict[str, float]:
+    """Per step, the slowest rank's time; then the median over steps."""
+    per_rank = [r["backends"][backend]["timings"] for r in result.ranks]
+    steps = len(per_rank[0])
+    wall = [max(t[k][0] for t in per_rank) for k in range(steps)]
+    host = [max(t[k][0] - t[k][1] for t in per_rank) for k in range(steps)]
+    return {
+        "median_s": statistics.median(wall),
+        "min_s": min(wall),
+        "median_host_s": statistics.median(host),
+        "steps": steps,
+    }
+
+
+def run_report(cfg: RunConfig, show_progress: bool) -> tuple[dict[str, Any], RunResult]:
+    t0 = time.perf_counter()
+    spec, sources, destinations = build_layouts(cfg)
+    plan = plan_refit(spec, sources, destinations, bucket_mb=cfg.bucket_mb)
+    build = time.perf_counter() - t0
+    bytes_by_backend = {"reshard": plan.stats.total_bytes}
+    if "broadcast" in cfg.backends:
+        bytes_by_backend["broadcast"] = plan_broadcast(
+            spec, sources, destinations, cfg.bucket_mb
+        ).total_bytes
+
+    def progress(done: int, total: int) -> None:
+        if show_progress:
+            width = 30
+            filled = width * done // max(1, total)
+            sys.stderr.write(
+                f"\r  [{'#' * filled}{' ' * (width - filled)}] {done}/{total} rank-steps"
+            )
+            sys.stderr.flush()
+
+    result = run_local(cfg, plan, join_timeout_s=cfg.timeout_s + 300, progress=progress)
+    if show_progress:
+        sys.stderr.write("\n")
+    report: dict[str, Any] = {
+        "config": {k: getattr(cfg, k) for k in ("model", "train", "infer", "steps", "bucket_mb")},
+        "plan": plan_summary(plan, build),
+        "errors": {str(k): v for k, v in result.errors().items()},
+        "backends": {},
+    }
+    if report["errors"]:
+        return report, result
+    for backend in cfg.backends:
+        stats = _step_stats(result, backend)
+        dst = [r for r in result.ranks if r["rank"] >= plan.num_sources]
+        bad = {
+            r["rank"] - plan.num_sources: r["backends"][backend].get("mismatches")
+            for r in dst
+            if r["backends"][backend].get("mismatches")
+        }
+        report["backends"][backend] = {
+            **stats,
+            "bytes": bytes_by_backend[backend],
+            "verified": cfg.verify and not bad,
+            "mismatches": bad,
+        }
+    return report, result
+
+
+def print_report(report: dict[str, Any]) -> None:
+    cfg, plan = report["config"], report["plan"]
+    print(
+        f"refit {cfg['model']}: training {cfg['train']} ({plan['sources']} ranks) -> "
+        f"inference {cfg['infer']} ({plan['destinations']} ranks), gloo on localhost, "
+        f"{cfg['steps']} timed steps"
+    )
+    base = report["backends"].get("broadcast", {}).get("median_s")
+    print(
+        f"  {'backend':10} {'bytes moved':>14} {'median refit':>13} {'speedup':>8} "
+        f"{'host overhead':>14}  check"
+    )
+    for name, b in report["backends"].items():
+        speed = f"{base / b['median_s']:.2f}x" if base else "-"
+        check = "bit-exact" if b["verified"] else f"MISMATCH {b['mismatches']}"
+        print(
+            f"  {name:10} {_mb(b['bytes']):>14} {b['median_s'] * 1e3:>10.1f} ms {speed:>8} "
+            f"{b['median_host_s'] * 1e3:>11.1f} ms  {check}"
+        )
+    print(
+        f"  minimum bytes {_mb(plan['min_bytes'])}; plan {plan['fingerprint']}, "
+        f"{plan['messages']} messages in {plan['rounds']} round(s), "
+        f"built in {plan['build_seconds']:.2f} s"
+    )
+
+
+def _finish(report: dict[str, Any], as_json: bool) -> int:
+    if as_json:
+        print(json.dumps(report))
+    if report["errors"]:
+        for rank, err in sorted(report["errors"].items(), key=lambda kv: int(kv[0])):
+            print(f"nemo-refit-reshard: rank {rank} failed: {err}", file=sys.stderr)
+        return 1
+    if not as_json:
+        print_report(report)
+    return 0 if all(b["verified"] for b in report["backends"].values()) else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    report, _ = run_report(_config(args), show_progress=sys.stderr.isatty() and not args.json)
+    return _finish(report, args.json)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    report, _ = run_report(_config(args), show_progress=sys.stderr.isatty() and not args.json)
+    return _finish(report, args.json)
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser("plan", help="build the transfer plan and print its stats")
+    add_run_arguments(plan, steps=1)
+    plan.add_argument("--out", help="write the plan JSON here")
+    plan.set_defaults(func=cmd_plan)
+    demo = sub.add_parser("demo", help="refit between local processes, reshard vs broadcast")
+    add_run_arguments(demo, steps=3)
+    demo.set_defaults(func=cmd_demo)
+    bench = sub.add_parser("bench", help="like demo with more steps; --json for the figures")
+    add_run_arguments(bench, steps=10)
+    bench.set_defaults(func=cmd_bench)

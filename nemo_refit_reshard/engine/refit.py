@@ -1,0 +1,97 @@
+"""A rank's handle on refit: check the plan, compile, replay each step.
+
+``Refitter`` is what training and inference workers hold. It refuses to start
+unless every rank of the refit group holds a plan with the same fingerprint
+(the plan is built once and shipped, never rebuilt differently per rank).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..plan.baseline import BroadcastPlan
+from ..plan.overlap import PlanError
+from ..plan.plan import RefitPlan
+from .broadcast import BroadcastProgram
+from .program import RankProgram
+from .transport import Transport
+
+BACKENDS = ("reshard", "broadcast")
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    seconds: float  # wall time of the whole step on this rank
+    exchange_seconds: float  # time inside transport.exchange (waiting on the wire and peers)
+
+    @property
+    def host_seconds(self) -> float:
+        """Pack/unpack and bookkeeping: the part of a step that is this rank's own work."""
+        return self.seconds - self.exchange_seconds
+
+
+class _TimedTransport:
+    """Wraps a transport to measure time spent inside ``exchange``."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+
+    def exchange(self, sends, recvs) -> None:
+        t0 = time.perf_counter()
+        self.inner.exchange(sends, recvs)
+        self.seconds += time.perf_counter() - t0
+
+
+def check_same_fingerprint(transport: Transport, fingerprint: str) -> None:
+    """Raise ``PlanError`` on every rank if any rank's plan fingerprint differs."""
+    prints = transport.all_gather_object_str(fingerprint)
+    if len(set(prints)) != 1:
+        groups: dict[str, list[int]] = {}
+        for rank, fp in enumerate(prints):
+            groups.setdefault(fp, []).append(rank)
+        detail = "; ".join(f"ranks {ranks}: {fp}" for fp, ranks in sorted(groups.items()))
+        raise PlanError(
+            f"refit ranks hold different plans ({detail}); build the plan once (on the driver "
+            "or rank 0) and ship the same plan file to every rank"
+        )
+
+
+class Refitter:
+    """Compiled refit for one rank of the refit group."""
+
+    def __init__(
+        self,
+        plan: RefitPlan,
+        group_rank: int,
+        tensors: Mapping[str, torch.Tensor],
+        transport: Transport,
+        backend: str = "reshard",
+        broadcast_plan: BroadcastPlan | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown refit backend {backend!r}; choose one of {BACKENDS}")
+        check_same_fingerprint(transport, plan.fingerprint)
+        self.backend = backend
+        self.transport = transport
+        self.plan = plan
+        if backend == "reshard":
+            self.program: RankProgram | BroadcastProgram = RankProgram(
+                plan, group_rank, tensors, device
+            )
+        else:
+            if broadcast_plan is None:
+                raise ValueError("backend 'broadcast' needs the broadcast plan")
+            self.program = BroadcastProgram(broadcast_plan, group_rank, tensors, device)
+
+    def refit(self) -> StepTiming:
+        """Run one refit step; returns this rank's timing."""
+        timed = _TimedTransport(self.transport)
+        t0 = time.perf_counter()
+        self.program.replay(timed)  # type: ignore[arg-type]
+        return StepTiming(time.perf_counter() - t0, timed.seconds)
