@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..layouts.base import Box
 from ..plan.balance import DTYPE_BYTES
 from ..plan.overlap import PlanError
 from ..plan.plan import RefitPlan
@@ -132,17 +133,26 @@ class RankProgram:
             buf = self.send_buffer if outgoing else self.recv_buffer
             base = _align(send_off if outgoing else recv_off)
             off = base
+            # Merge copies whose live boxes continue each other (e.g. Megatron's
+            # [gate; up] rows into vLLM's [gate; up] rows): one copy instead of two.
+            runs: list[tuple[str, Box, str, int, int]] = []
             for t in m.transfers:
-                live_name, live_box = (
-                    (t.src_tensor, t.src_box) if outgoing else (t.dst_tensor, t.dst_box)
-                )
-                live = tensors[live_name][live_box.slices()]
-                staged = _view(buf, off, t.nbytes, t.dtype, tuple(live_box.sizes))
+                name, box = (t.src_tensor, t.src_box) if outgoing else (t.dst_tensor, t.dst_box)
+                if runs and runs[-1][0] == name and runs[-1][2] == t.dtype:
+                    joined = runs[-1][1].followed_by(box)
+                    if joined is not None:
+                        runs[-1] = (name, joined, t.dtype, runs[-1][3], runs[-1][4] + t.nbytes)
+                        off += t.nbytes
+                        continue
+                runs.append((name, box, t.dtype, off, t.nbytes))
+                off += t.nbytes
+            for name, box, dtype, start, nbytes in runs:
+                live = tensors[name][box.slices()]
+                staged = _view(buf, start, nbytes, dtype, tuple(box.sizes))
                 if outgoing:
                     prog.copies_out.append((staged, live))
                 else:
                     prog.copies_in.append((live, staged))
-                off += t.nbytes
             span = buf[base:off]
             if outgoing:
                 prog.sends.append((s + m.dst, span))

@@ -70,6 +70,27 @@ class Box:
             sizes.append(hi - lo)
         return Box(tuple(offsets), tuple(sizes))
 
+    def followed_by(self, other: Box) -> Box | None:
+        """The union box if ``other`` continues ``self`` in row-major order of that union.
+
+        True when both agree on every dimension except the first non-unit one of
+        ``self``, where ``other`` starts right after ``self`` ends: the union's
+        elements are then ``self``'s followed by ``other``'s.
+        """
+        d = next((i for i, n in enumerate(self.sizes) if n != 1), None)
+        if d is None or len(other.sizes) != len(self.sizes):
+            return None
+        same_before = self.offsets[:d] == other.offsets[:d] and self.sizes[:d] == other.sizes[:d]
+        same_after = (
+            self.offsets[d + 1 :] == other.offsets[d + 1 :]
+            and self.sizes[d + 1 :] == other.sizes[d + 1 :]
+        )
+        if not (same_before and same_after and other.offsets[d] == self.offsets[d] + self.sizes[d]):
+            return None
+        sizes = list(self.sizes)
+        sizes[d] += other.sizes[d]
+        return Box(self.offsets, tuple(sizes))
+
     def slices(self) -> tuple[slice, ...]:
         return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
 

@@ -27,24 +27,6 @@ def _lead_dim(box: Box) -> int | None:
     return None
 
 
-def _follows(a: Box, b: Box) -> int | None:
-    """If ``b`` continues ``a`` in row-major order of their union, the dim they join on."""
-    d = _lead_dim(a)
-    if d is None or a.sizes[:d] != b.sizes[:d] or a.offsets[:d] != b.offsets[:d]:
-        return None
-    if b.offsets[d] != a.offsets[d] + a.sizes[d]:
-        return None
-    if a.offsets[d + 1 :] != b.offsets[d + 1 :] or a.sizes[d + 1 :] != b.sizes[d + 1 :]:
-        return None
-    return d
-
-
-def _grow(a: Box, b: Box, d: int) -> Box:
-    sizes = list(a.sizes)
-    sizes[d] += b.sizes[d]
-    return Box(a.offsets, tuple(sizes))
-
-
 def coalesce(transfers: list[Transfer]) -> list[Transfer]:
     """Merge adjacent transfers between the same (src tensor, dst tensor) pair."""
     groups: dict[tuple, list[Transfer]] = defaultdict(list)
@@ -55,19 +37,19 @@ def coalesce(transfers: list[Transfer]) -> list[Transfer]:
         run = sorted(groups[key], key=lambda t: t.src_box.offsets)
         current = run[0]
         for t in run[1:]:
-            ds = _follows(current.src_box, t.src_box)
-            dd = _follows(current.dst_box, t.dst_box)
-            dc = _follows(current.canonical_box, t.canonical_box)
-            if ds is not None and dd is not None and dc is not None:
+            src_box = current.src_box.followed_by(t.src_box)
+            dst_box = current.dst_box.followed_by(t.dst_box)
+            canonical_box = current.canonical_box.followed_by(t.canonical_box)
+            if src_box and dst_box and canonical_box:
                 current = Transfer(
                     current.src,
                     current.dst,
                     current.src_tensor,
-                    _grow(current.src_box, t.src_box, ds),
+                    src_box,
                     current.dst_tensor,
-                    _grow(current.dst_box, t.dst_box, dd),
+                    dst_box,
                     current.canonical,
-                    _grow(current.canonical_box, t.canonical_box, dc),
+                    canonical_box,
                     current.dtype,
                 )
             else:

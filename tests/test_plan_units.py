@@ -1,0 +1,219 @@
+"""Planner pieces with hand-computed expectations, and bad input."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import pytest
+import torch
+from hf_models import TINY_CONFIGS
+
+from nemo_refit_reshard.engine.program import RankProgram
+from nemo_refit_reshard.layouts import (
+    Box,
+    MegatronOptions,
+    RankLayout,
+    megatron_layout,
+    vllm_layout,
+)
+from nemo_refit_reshard.layouts.base import LocalTensor
+from nemo_refit_reshard.plan import PlanError, RefitPlan, plan_refit
+from nemo_refit_reshard.plan.baseline import plan_broadcast
+from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
+
+LLAMA = spec_from_hf_config(dict(TINY_CONFIGS["llama"], torch_dtype="float32"))
+MOE = spec_from_hf_config(dict(TINY_CONFIGS["qwen3_moe"], torch_dtype="float32"))
+
+
+def _layouts(spec, train: str, infer: str):
+    tp, ip = TrainParallel.parse(train), InferParallel.parse(infer)
+    return (
+        [megatron_layout(spec, tp, r) for r in range(tp.world_size)],
+        [vllm_layout(spec, ip, r) for r in range(ip.world_size)],
+    )
+
+
+def test_bytes_equal_destination_needs() -> None:
+    src, dst = _layouts(LLAMA, "tp=2,pp=2", "tp=4,dp=2")
+    plan = plan_refit(LLAMA, src, dst)
+    # Every destination holds a 1/4 TP slice of the model (norms whole), float32.
+    need = sum(p.canonical_box.numel * 4 for lay in dst for p in lay.pieces())
+    assert plan.stats.total_bytes == plan.stats.min_bytes == need
+    assert sum(plan.stats.bytes_received) == need
+    # The baseline moves every needed tensor whole to each of the 8 destinations.
+    assert plan.stats.baseline_bytes == plan_broadcast(LLAMA, src, dst).total_bytes
+    # 8 destinations (2 replicas of TP=4) receive each tensor whole instead of 2 copies
+    # of the model in total: close to 4x, less the norms every TP rank needs whole.
+    assert 3.5 * plan.stats.total_bytes < plan.stats.baseline_bytes < 4.5 * plan.stats.total_bytes
+
+
+def test_replicas_share_the_sending() -> None:
+    """dp=4 training replicas -> one inference rank: each replica sends about a quarter."""
+    src, dst = _layouts(LLAMA, "dp=4", "tp=1")
+    plan = plan_refit(LLAMA, src, dst)
+    sent = plan.stats.bytes_sent
+    assert sum(sent) == plan.stats.min_bytes
+    assert max(sent) - min(sent) <= max(sent) * 0.1, sent
+    assert max(sent) < 0.3 * sum(sent)
+
+
+def test_bucket_bounds_staging_per_round() -> None:
+    src, dst = _layouts(LLAMA, "tp=2", "tp=2")
+    bucket_mb = 16 / 1024  # 16 KiB
+    plan = plan_refit(LLAMA, src, dst, bucket_mb=bucket_mb)
+    assert plan.stats.num_rounds > 1
+    for messages in plan.rounds:
+        staged: dict[tuple[str, int], int] = defaultdict(int)
+        for m in messages:
+            staged[("src", m.src)] += m.nbytes
+            staged[("dst", m.dst)] += m.nbytes
+            assert len({(x.src, x.dst) for x in messages}) == len(messages)  # one per pair
+        assert max(staged.values()) <= 16 * 1024
+
+
+def test_qkv_regroups_from_megatron_interleave_to_vllm_order() -> None:
+    """Megatron rows [q0 q1 k0 v0 | q2 q3 k1 v1] (head_dim 16) become vLLM [q0..q3 | k0 k1 | v0 v1]."""
+    src, dst = _layouts(LLAMA, "tp=1", "tp=1")
+    plan = plan_refit(LLAMA, src, dst)
+    qkv = sorted(
+        (t.dst_box.offsets[0], t.dst_box.sizes[0], t.src_box.offsets[0])
+        for m in plan.rounds[0]
+        for t in m.transfers
+        if t.dst_tensor == "model.layers.0.self_attn.qkv_proj.weight"
+    )
+    assert qkv == [
+        (0, 32, 0),
+        (32, 32, 64),
+        (64, 16, 32),
+        (80, 16, 96),
+        (96, 16, 48),
+        (112, 16, 112),
+    ]
+
+
+def test_engine_merges_adjacent_copies() -> None:
+    """Same TP on both sides: Megatron [gate; up] rows land in vLLM [gate; up] rows as one copy."""
+    src, dst = _layouts(LLAMA, "tp=2", "tp=2")
+    plan = plan_refit(LLAMA, src, dst)
+    fc1 = [
+        t
+        for m in plan.rounds[0]
+        for t in m.transfers
+        if t.src == 0 and t.src_tensor == "decoder.layers.0.mlp.linear_fc1.weight"
+    ]
+    assert len(fc1) == 2  # the plan keeps one transfer per canonical tensor (gate, up)
+    tensors = {t.name: torch.zeros(t.shape) for t in src[0].tensors}
+    program = RankProgram(plan, 0, tensors)
+    fc1_live = tensors["decoder.layers.0.mlp.linear_fc1.weight"]
+    copies = [
+        live
+        for _, live in program.rounds[0].copies_out
+        if live.untyped_storage().data_ptr() == fc1_live.untyped_storage().data_ptr()
+    ]
+    assert [tuple(c.shape) for c in copies] == [(96, 64)]  # both halves, one copy
+
+
+def test_plan_json_round_trip_and_tamper() -> None:
+    src, dst = _layouts(MOE, "ep=2,dp=2", "tp=2")
+    plan = plan_refit(MOE, src, dst)
+    again = RefitPlan.from_json(plan.to_json())
+    assert again == plan
+    data = json.loads(plan.to_json())
+    data["rounds"][0][0]["t"][0][1][0] += 1
+    with pytest.raises(PlanError, match="does not match its fingerprint"):
+        RefitPlan.from_json(json.dumps(data))
+    data["version"] = 99
+    with pytest.raises(PlanError, match="plan version 99 is not 1"):
+        RefitPlan.from_json(json.dumps(data))
+
+
+def test_plan_is_deterministic() -> None:
+    a = plan_refit(MOE, *_layouts(MOE, "tp=2,ep=2,etp=1", "tp=2,engine_dp=2,ep=4"))
+    b = plan_refit(MOE, *_layouts(MOE, "tp=2,ep=2,etp=1", "tp=2,engine_dp=2,ep=4"))
+    assert a.fingerprint == b.fingerprint and a.to_json() == b.to_json()
+
+
+def test_specs_disagree_lists_mismatches() -> None:
+    other = spec_from_hf_config(
+        dict(TINY_CONFIGS["llama"], intermediate_size=128, tie_word_embeddings=True)
+    )
+    src, dst = _layouts(LLAMA, "tp=1", "tp=1")
+    with pytest.raises(PlanError) as err:
+        plan_refit(LLAMA, src, dst, destination_spec=other)
+    text = str(err.value)
+    assert "disagree on 7 tensor(s)" in text
+    assert "lm_head.weight: only in the source spec" in text
+    assert (
+        "model.layers.0.mlp.down_proj.weight: source shape [64, 96] != destination [64, 128]"
+        in text
+    )
+
+
+def test_destination_region_no_source_holds() -> None:
+    src, dst = _layouts(LLAMA, "tp=1", "tp=1")
+    stripped = RankLayout(
+        src[0].framework,
+        0,
+        1,
+        src[0].position,
+        src[0].replicas,
+        tuple(t for t in src[0].tensors if t.name != "decoder.final_layernorm.weight"),
+    )
+    with pytest.raises(
+        PlanError,
+        match=r"destination rank 0 needs model\.norm\.weight\[0:64\] "
+        r"\(for model\.norm\.weight\) but the source ranks hold "
+        r"only 0 of its 64 elements",
+    ):
+        plan_refit(LLAMA, [stripped], dst)
+
+
+def test_live_tensor_mismatch_is_reported_before_any_transfer() -> None:
+    src, dst = _layouts(LLAMA, "tp=1", "tp=2")
+    plan = plan_refit(LLAMA, src, dst)
+    tensors = {t.name: torch.zeros(t.shape) for t in dst[1].tensors}
+    tensors["model.norm.weight"] = torch.zeros(65)
+    tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].double()
+    del tensors["lm_head.weight"]
+    with pytest.raises(PlanError) as err:
+        RankProgram(plan, 2, tensors)
+    assert str(err.value).splitlines() == [
+        "destination rank 1: live tensors do not match the plan:",
+        "  lm_head.weight: missing (the plan expects [64, 64] float32)",
+        "  model.embed_tokens.weight: dtype torch.float64, the plan expects float32",
+        "  model.norm.weight: shape [65], the plan expects [64]",
+    ]
+
+
+def test_partially_overlapping_sources_are_rejected() -> None:
+    src, _ = _layouts(LLAMA, "tp=1", "tp=1")
+    norm = (
+        src[0].tensor("model.norm.weight")
+        if False
+        else src[0].tensor("decoder.final_layernorm.weight")
+    )
+    from nemo_refit_reshard.layouts.base import Piece
+
+    odd = LocalTensor(
+        "odd",
+        (40,),
+        "float32",
+        (Piece("model.norm.weight", Box((10,), (40,)), "odd", Box((0,), (40,))),),
+    )
+    other = RankLayout("megatron", 1, 2, {}, (1,), (odd,))
+    first = RankLayout("megatron", 0, 2, {}, (0,), (norm,))
+    _, dst = _layouts(LLAMA, "tp=1", "tp=1")
+    with pytest.raises(PlanError, match="overlap without being identical"):
+        plan_refit(LLAMA, [first, other], dst)
+
+
+def test_megatron_fp32_master_to_bf16_inference_halves_bytes() -> None:
+    tp = TrainParallel(tp=2)
+    src = [megatron_layout(LLAMA, tp, r, MegatronOptions(params_dtype="float32")) for r in (0, 1)]
+    from nemo_refit_reshard.layouts import VllmOptions
+
+    dst = [vllm_layout(LLAMA, InferParallel(), 0, VllmOptions(params_dtype="bfloat16"))]
+    plan = plan_refit(LLAMA, src, dst)
+    assert plan.stats.total_bytes == LLAMA.num_params * 2
+    assert {t.dtype for m in plan.rounds[0] for t in m.transfers} == {"bfloat16"}
