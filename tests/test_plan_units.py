@@ -73,7 +73,7 @@ def test_bucket_bounds_staging_per_round() -> None:
 
 
 def test_qkv_regroups_from_megatron_interleave_to_vllm_order() -> None:
-    """Megatron rows [q0 q1 k0 v0 | q2 q3 k1 v1] (head_dim 16) become vLLM [q0..q3 | k0 k1 | v0 v1]."""
+    """Megatron rows [q0 q1 k0 v0 | q2 q3 k1 v1] become vLLM [q0..q3 | k0 k1 | v0 v1]."""
     src, dst = _layouts(LLAMA, "tp=1", "tp=1")
     plan = plan_refit(LLAMA, src, dst)
     qkv = sorted(
