@@ -25,6 +25,12 @@ def add_run_arguments(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--backends", default="reshard,broadcast")
     p.add_argument("--timeout", type=float, default=600, help="seconds any wait may take")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--transport",
+        choices=("gloo", "cupy-nccl"),
+        default="gloo",
+        help="gloo on CPU (default) or CuPy NCCL, one GPU per rank",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -155,7 +161,10 @@ def run_report(cfg: RunConfig, show_progress: bool) -> tuple[dict[str, Any], Run
     if show_progress:
         sys.stderr.write("\n")
     report: dict[str, Any] = {
-        "config": {k: getattr(cfg, k) for k in ("model", "train", "infer", "steps", "bucket_mb")},
+        "config": {
+            k: getattr(cfg, k)
+            for k in ("model", "train", "infer", "steps", "bucket_mb", "transport")
+        },
         "plan": plan_summary(plan, build),
         "errors": {str(k): v for k, v in result.errors().items()},
         "backends": {},

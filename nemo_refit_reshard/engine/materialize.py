@@ -27,7 +27,7 @@ def materialize(
         local = torch.full(t.shape, fill, dtype=TORCH_DTYPES[t.dtype], device=device)
         for p in t.pieces:
             src = canonical[p.canonical][p.canonical_box.slices()]
-            local[p.local_box.slices()] = src.reshape(p.local_box.sizes).to(local.dtype)
+            local[p.local_box.slices()] = src.reshape(p.local_box.sizes).to(device, local.dtype)
         out[t.name] = local
     return out
 
@@ -52,7 +52,7 @@ def mismatches(
         for p in t.pieces:
             want = canonical[p.canonical][p.canonical_box.slices()].reshape(p.local_box.sizes)
             got = local[p.local_box.slices()]
-            if not torch.equal(got, want.to(got.dtype)):
+            if not torch.equal(got.cpu(), want.to(got.dtype)):
                 bad.append(f"{t.name} <- {p.canonical}")
                 break
     return bad

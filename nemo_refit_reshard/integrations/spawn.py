@@ -39,6 +39,7 @@ class RunConfig:
     train_dtype: str | None = None  # e.g. "float32" master weights; default checkpoint dtype
     infer_dtype: str | None = None
     verify: bool = True
+    transport: str = "gloo"  # or "cupy-nccl" (one GPU per rank, round robin over devices)
     kill_rank: int | None = None  # fault injection: this group rank dies ...
     kill_step: int = 0  # ... at the start of this step of the first backend
     extra: dict[str, Any] = field(default_factory=dict)
@@ -79,6 +80,8 @@ def _worker(rank: int, cfg_json: str, plan_path: str, port: int, out_dir: str) -
 
 
 def _run_rank(rank: int, cfg: RunConfig, plan_path: str, port: int, result: dict) -> None:
+    import torch
+
     from ..engine.materialize import SyntheticWeights, materialize, mismatches
     from ..engine.refit import Refitter
     from ..engine.transport import GlooTransport
@@ -90,10 +93,21 @@ def _run_rank(rank: int, cfg: RunConfig, plan_path: str, port: int, result: dict
     s = len(sources)
     is_source = rank < s
     layout = sources[rank] if is_source else destinations[rank - s]
-    tensors = materialize(layout, weights, fill=float("nan"))
-    weights.forget() if not cfg.verify else None
     world = s + len(destinations)
-    transport = GlooTransport("127.0.0.1", port, rank, world, timeout_s=cfg.timeout_s)
+    if cfg.transport == "cupy-nccl":
+        import torch
+
+        from ..engine.cupy_nccl import CupyNcclTransport
+
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        transport = CupyNcclTransport("127.0.0.1", port, rank, world, device.index, cfg.timeout_s)
+    elif cfg.transport == "gloo":
+        device = torch.device("cpu")
+        transport = GlooTransport("127.0.0.1", port, rank, world, timeout_s=cfg.timeout_s)
+    else:
+        raise ValueError(f"unknown transport {cfg.transport!r}; choose gloo or cupy-nccl")
+    tensors = materialize(layout, weights, fill=float("nan"), device=device)
     bplan = (
         plan_broadcast(spec, sources, destinations, cfg.bucket_mb)
         if ("broadcast" in cfg.backends)
@@ -102,7 +116,7 @@ def _run_rank(rank: int, cfg: RunConfig, plan_path: str, port: int, result: dict
     progress = Path(plan_path).with_name(f"progress{rank}")
     done = 0
     for b_index, backend in enumerate(cfg.backends):
-        refitter = Refitter(plan, rank, tensors, transport, backend, bplan)
+        refitter = Refitter(plan, rank, tensors, transport, backend, bplan, device=device)
         refitter.refit()  # warm-up: gloo connects pairs lazily on first use
         timings = []
         for step in range(cfg.steps):

@@ -1,0 +1,135 @@
+"""CuPy NCCL transport: one NCCL communicator spanning training and inference GPUs.
+
+The NCCL unique id is created by refit rank 0 and shared through the same
+``TCPStore`` rendezvous the gloo transport uses, so processes that already run
+their own ``torch.distributed`` worlds can join without touching them. Each
+round's sends and receives are issued inside one ``ncclGroupStart/End`` on a
+dedicated CUDA stream; buffers are byte tensors, so bf16/fp8 travel as bytes.
+Completion is polled against ``timeout_s``; on timeout the communicator is
+aborted and :class:`TransportError` raised, so a dead peer cannot hang a rank.
+
+CuPy is imported lazily: importing this module never needs a GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .transport import DEFAULT_TIMEOUT_S, TransportError, _first_line
+
+
+def cupy_available() -> bool:
+    try:
+        import cupy
+
+        return bool(cupy.cuda.is_available())
+    except Exception:  # noqa: BLE001 - any import or driver failure means "not available"
+        return False
+
+
+class CupyNcclTransport:
+    """NCCL point-to-point over CuPy for CUDA byte tensors."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        device: int | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        prefix: str = "refit-nccl",
+        store: dist.Store | None = None,
+    ) -> None:
+        if not cupy_available():
+            raise TransportError(
+                "the cupy-nccl transport needs CUDA and CuPy (pip install cupy-cuda12x); "
+                "use the gloo transport on CPU"
+            )
+        import cupy
+        from cupy.cuda import nccl
+
+        self._nccl = nccl
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._gathers = 0
+        self.device = torch.device(
+            "cuda", device if device is not None else torch.cuda.current_device()
+        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if store is None:
+            store = dist.TCPStore(
+                host,
+                port,
+                world_size,
+                is_master=(rank == 0),
+                timeout=timeout,
+                wait_for_workers=False,
+            )
+        self.store = dist.PrefixStore(prefix, store)
+        if rank == 0:
+            self.store.set("uid", json.dumps(list(nccl.get_unique_id())))
+        uid = tuple(json.loads(self.store.get("uid").decode()))
+        with cupy.cuda.Device(self.device.index):
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+            try:
+                self.comm = nccl.NcclCommunicator(world_size, uid, rank)
+            except Exception as err:  # noqa: BLE001 - NCCL errors have several types
+                raise TransportError(
+                    f"refit rank {rank}: NCCL init failed ({_first_line(err)})"
+                ) from err
+
+    def exchange(
+        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
+    ) -> None:
+        nccl = self._nccl
+        # The staging buffers were written on torch's current stream: order NCCL after them.
+        torch.cuda.current_stream(self.device).synchronize()
+        ptr = self.stream.ptr
+        try:
+            nccl.groupStart()
+            for peer, buf in recvs:
+                self.comm.recv(buf.data_ptr(), buf.numel(), nccl.NCCL_UINT8, peer, ptr)
+            for peer, buf in sends:
+                self.comm.send(buf.data_ptr(), buf.numel(), nccl.NCCL_UINT8, peer, ptr)
+            nccl.groupEnd()
+        except Exception as err:  # noqa: BLE001
+            raise TransportError(
+                f"refit rank {self.rank}: NCCL launch failed ({_first_line(err)})"
+            ) from err
+        self._wait()
+
+    def _wait(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not self.stream.done:
+            if time.monotonic() > deadline:
+                self.comm.abort()
+                raise TransportError(
+                    f"refit rank {self.rank}: NCCL exchange did not finish within "
+                    f"{self.timeout_s}s; a peer has died or stopped responding "
+                    "(communicator aborted)"
+                )
+            time.sleep(0.0005)
+
+    def all_gather_object_str(self, value: str) -> list[str]:
+        self._gathers += 1  # a fresh key space per call: earlier values must not be read
+        key = f"gather/{self._gathers}"
+        self.store.set(f"{key}/{self.rank}", value)
+        return [self.store.get(f"{key}/{r}").decode() for r in range(self.world_size)]
+
+    def barrier(self) -> None:
+        flag = torch.zeros(1, dtype=torch.uint8, device=self.device)
+        peers = [(p, flag) for p in range(self.world_size) if p != self.rank]
+        # A ring of 1-byte messages: everyone must reach the barrier before anyone leaves.
+        bufs = [(p, torch.zeros(1, dtype=torch.uint8, device=self.device)) for p, _ in peers]
+        self.exchange(peers, bufs)
+
+    def close(self) -> None:
+        self.comm.destroy()
