@@ -117,4 +117,4 @@ def test_models_lists_presets(capsys) -> None:
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert "deepseek-v3        deepseek_v3    684.49B params  46183 tensors" in out
-    assert len(out.splitlines()) == 11
+    assert len(out.splitlines()) == 13  # 11 public models + 2 small synthetic demo models
