@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch
 
 from ..plan.baseline import BroadcastPlan, BroadcastStep
-from .program import TORCH_DTYPES, _align, _view
+from .program import TORCH_DTYPES, CopyPhase, _align, _view
 from .transport import Transport
 
 
@@ -28,22 +27,6 @@ class _Spans:
         start = _align(self.size)
         self.size = start + nbytes
         return start
-
-
-@dataclass
-class _Phase:
-    copies_out: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    sends: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    recvs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    copies_in: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-
-    def run(self, transport: Transport) -> None:
-        for dst, src in self.copies_out:
-            dst.copy_(src)
-        if self.sends or self.recvs:
-            transport.exchange(self.sends, self.recvs)
-        for dst, src in self.copies_in:
-            dst.copy_(src)
 
 
 class BroadcastProgram:
@@ -60,14 +43,14 @@ class BroadcastProgram:
         self.rank = group_rank
         self.tensors = tensors
         self.device = torch.device(device)
-        self.phases: list[_Phase] = []
+        self.phases: list[CopyPhase] = []
         for steps in plan.rounds:
             self.phases += self._compile_round(steps)
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def _compile_round(self, steps: tuple[BroadcastStep, ...]) -> list[_Phase]:
+    def _compile_round(self, steps: tuple[BroadcastStep, ...]) -> list[CopyPhase]:
         s, me, t = self.plan.num_sources, self.rank, self.tensors
         full_spans, full_off = _Spans(), {}
         for st in steps:
@@ -79,7 +62,7 @@ class BroadcastProgram:
             return _view(full, full_off[st.canonical], st.nbytes, st.dtype, st.shape)
 
         # Phase 1: gather to the roots.
-        gather = _Phase()
+        gather = CopyPhase()
         out_by_root: dict[int, list] = defaultdict(list)
         in_by_holder: dict[int, list] = defaultdict(list)
         for st in steps:
@@ -98,7 +81,7 @@ class BroadcastProgram:
         self._unpack(gather, in_by_holder, lambda item: full_view(item[0])[item[1].slices()])
 
         # Phase 2: broadcast whole tensors from the roots to every reader.
-        bcast = _Phase()
+        bcast = CopyPhase()
         out_by_reader: dict[int, list] = defaultdict(list)
         in_by_root: dict[int, list] = defaultdict(list)
         for st in steps:
@@ -126,7 +109,7 @@ class BroadcastProgram:
                 bcast.copies_in.append((dst_view, whole[cbox.slices()].view(dst_view.shape)))
         return [gather, bcast]
 
-    def _pack(self, phase: _Phase, by_peer: dict, source, cbox_of) -> None:
+    def _pack(self, phase: CopyPhase, by_peer: dict, source, cbox_of) -> None:
         """One message per peer: each item's canonical box, packed back to back."""
         spans, items, ranges = _Spans(), [], []
         for peer in sorted(by_peer):
@@ -142,7 +125,7 @@ class BroadcastProgram:
         for off, nbytes, dtype, live in items:
             phase.copies_out.append((_view(buf, off, nbytes, dtype, tuple(live.shape)), live))
 
-    def _unpack(self, phase: _Phase, by_peer: dict, target) -> None:
+    def _unpack(self, phase: CopyPhase, by_peer: dict, target) -> None:
         """Receive one message per peer and copy each item into its target view."""
         spans, items, ranges = _Spans(), [], []
         for peer in sorted(by_peer):

@@ -15,7 +15,7 @@ sized to the largest round and reused.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,11 +36,31 @@ TORCH_DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 @dataclass
-class _RoundProgram:
-    copies_out: list[tuple[torch.Tensor, torch.Tensor]]  # (staging view, live view)
-    copies_in: list[tuple[torch.Tensor, torch.Tensor]]  # (live view, staging view)
-    sends: list[tuple[int, torch.Tensor]]  # (peer group rank, bytes)
-    recvs: list[tuple[int, torch.Tensor]]
+class CopyPhase:
+    """One exchange with the copies around it: pack, send/receive, unpack.
+
+    Copies run through ``torch._foreach_copy_`` (one dispatch for the whole list,
+    casting where dtypes differ); views were bound at compile time.
+    """
+
+    copies_out: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    copies_in: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    sends: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (peer, bytes)
+    recvs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+    def pack(self) -> None:
+        if self.copies_out:
+            torch._foreach_copy_([d for d, _ in self.copies_out], [s for _, s in self.copies_out])
+
+    def unpack(self) -> None:
+        if self.copies_in:
+            torch._foreach_copy_([d for d, _ in self.copies_in], [s for _, s in self.copies_in])
+
+    def run(self, transport: Transport) -> None:
+        self.pack()
+        if self.sends or self.recvs:
+            transport.exchange(self.sends, self.recvs)
+        self.unpack()
 
 
 def check_live_tensors(
@@ -79,11 +99,15 @@ def _view(buf: torch.Tensor, offset: int, nbytes: int, dtype: str, shape: tuple[
     return buf[offset : offset + nbytes].view(TORCH_DTYPES[dtype]).view(shape)
 
 
-def _staged(messages) -> int:
-    end = 0
-    for m in messages:
-        end = _align(end) + m.nbytes
-    return end
+@dataclass(frozen=True)
+class _Run:
+    """A contiguous staged span copied to/from one live box."""
+
+    name: str
+    box: Box
+    dtype: str
+    offset: int
+    nbytes: int
 
 
 class RankProgram:
@@ -112,66 +136,81 @@ class RankProgram:
         by_round: dict[int, list[Message]] = {}
         for m in messages:
             by_round.setdefault(m.round, []).append(m)
-        send_size = recv_size = 0
-        for msgs in by_round.values():
-            send_size = max(send_size, _staged(m for m in msgs if m.src == group_rank))
-            recv_size = max(recv_size, _staged(m for m in msgs if m.src != group_rank))
+        layouts = [self._layout_round(by_round.get(r, [])) for r in range(len(plan.rounds))]
+        send_size = max((lay[1] for lay in layouts), default=0)
+        recv_size = max((lay[2] for lay in layouts), default=0)
         self.send_buffer = torch.empty(send_size, dtype=torch.uint8, device=self.device)
         self.recv_buffer = torch.empty(recv_size, dtype=torch.uint8, device=self.device)
-        self.rounds = [
-            self._compile_round(by_round.get(r, []), tensors) for r in range(len(plan.rounds))
-        ]
+        self.rounds = [self._bind(lay[0], tensors) for lay in layouts]
         self.num_transfers = sum(len(m.transfers) for m in messages)
         self.num_messages = len(messages)
+        self.num_copies = sum(len(r.copies_out) + len(r.copies_in) for r in self.rounds)
 
-    def _compile_round(self, messages: list[Message], tensors: Mapping[str, torch.Tensor]):
+    def _runs(self, m: Message, outgoing: bool, start: int) -> tuple[list[_Run], int]:
+        """Staged runs of one message from byte ``start``; adjacent live boxes merged
+        (e.g. Megatron's [gate; up] rows into vLLM's [gate; up] rows: one copy)."""
+        runs: list[_Run] = []
+        off = start
+        for t in m.transfers:
+            name, box = (t.src_tensor, t.src_box) if outgoing else (t.dst_tensor, t.dst_box)
+            last = runs[-1] if runs else None
+            if last and last.name == name and last.dtype == t.dtype:
+                joined = last.box.followed_by(box)
+                if joined is not None:
+                    runs[-1] = _Run(name, joined, t.dtype, last.offset, last.nbytes + t.nbytes)
+                    off += t.nbytes
+                    continue
+            runs.append(_Run(name, box, t.dtype, off, t.nbytes))
+            off += t.nbytes
+        return runs, off
+
+    def _layout_round(self, messages: list[Message]):
+        """Byte offsets of one round's messages in the staging buffers.
+
+        Outgoing messages with identical contents (the same source boxes in the same
+        order, as when several inference replicas need the same slice) share one
+        staged copy: packed once, sent to each peer.
+        """
         s = self.plan.num_sources
-        prog = _RoundProgram([], [], [], [])
-        send_off = recv_off = 0
+        entries: list[tuple[bool, int, int, int, list[_Run]]] = []  # outgoing, peer, start, end
+        shared: dict[tuple, tuple[int, int]] = {}
+        send_end = recv_end = 0
         for m in messages:
-            outgoing = m.src == self.group_rank
-            buf = self.send_buffer if outgoing else self.recv_buffer
-            base = _align(send_off if outgoing else recv_off)
-            off = base
-            # Merge copies whose live boxes continue each other (e.g. Megatron's
-            # [gate; up] rows into vLLM's [gate; up] rows): one copy instead of two.
-            runs: list[tuple[str, Box, str, int, int]] = []
-            for t in m.transfers:
-                name, box = (t.src_tensor, t.src_box) if outgoing else (t.dst_tensor, t.dst_box)
-                if runs and runs[-1][0] == name and runs[-1][2] == t.dtype:
-                    joined = runs[-1][1].followed_by(box)
-                    if joined is not None:
-                        runs[-1] = (name, joined, t.dtype, runs[-1][3], runs[-1][4] + t.nbytes)
-                        off += t.nbytes
-                        continue
-                runs.append((name, box, t.dtype, off, t.nbytes))
-                off += t.nbytes
-            for name, box, dtype, start, nbytes in runs:
-                live = tensors[name][box.slices()]
-                staged = _view(buf, start, nbytes, dtype, tuple(box.sizes))
-                if outgoing:
-                    prog.copies_out.append((staged, live))
-                else:
-                    prog.copies_in.append((live, staged))
-            span = buf[base:off]
-            if outgoing:
-                prog.sends.append((s + m.dst, span))
-                send_off = off
+            if m.src == self.group_rank:
+                key = tuple((t.src_tensor, t.src_box, t.dtype) for t in m.transfers)
+                if key in shared:
+                    start, end = shared[key]
+                    entries.append((True, s + m.dst, start, end, []))
+                    continue
+                runs, end = self._runs(m, True, _align(send_end))
+                shared[key] = (_align(send_end), end)
+                entries.append((True, s + m.dst, _align(send_end), end, runs))
+                send_end = end
             else:
-                prog.recvs.append((m.src, span))
-                recv_off = off
-        return prog
+                runs, end = self._runs(m, False, _align(recv_end))
+                entries.append((False, m.src, _align(recv_end), end, runs))
+                recv_end = end
+        return entries, send_end, recv_end
+
+    def _bind(self, layout, tensors: Mapping[str, torch.Tensor]) -> CopyPhase:
+        phase = CopyPhase()
+        for outgoing, peer, start, end, runs in layout:
+            buf = self.send_buffer if outgoing else self.recv_buffer
+            for r in runs:
+                live = tensors[r.name][r.box.slices()]
+                staged = _view(buf, r.offset, r.nbytes, r.dtype, tuple(r.box.sizes))
+                if outgoing:
+                    phase.copies_out.append((staged, live))
+                else:
+                    phase.copies_in.append((live, staged))
+            (phase.sends if outgoing else phase.recvs).append((peer, buf[start:end]))
+        return phase
 
     def replay(self, transport: Transport) -> None:
         """One refit step: pack, exchange, unpack, round by round."""
         with torch.no_grad():
-            for prog in self.rounds:
-                for staged, live in prog.copies_out:
-                    staged.copy_(live)
-                if prog.sends or prog.recvs:
-                    transport.exchange(prog.sends, prog.recvs)
-                for live, staged in prog.copies_in:
-                    live.copy_(staged)
+            for phase in self.rounds:
+                phase.run(transport)
 
     @property
     def staging_bytes(self) -> int:

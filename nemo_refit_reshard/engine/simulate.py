@@ -68,13 +68,11 @@ def simulate_phases(phases_by_rank: Sequence[Sequence[object]]) -> None:
         for k in range(steps.pop()):
             for rank, phases in enumerate(phases_by_rank):
                 phase = phases[k]
-                for staged, live in phase.copies_out:  # type: ignore[attr-defined]
-                    staged.copy_(live)
+                phase.pack()  # type: ignore[attr-defined]
                 hub.transport_for(rank).exchange(phase.sends, phase.recvs)  # type: ignore[attr-defined]
             hub.deliver()
             for phases in phases_by_rank:
-                for live, staged in phases[k].copies_in:  # type: ignore[attr-defined]
-                    live.copy_(staged)
+                phases[k].unpack()  # type: ignore[attr-defined]
 
 
 def simulate_plan(

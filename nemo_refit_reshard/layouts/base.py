@@ -73,23 +73,27 @@ class Box:
     def followed_by(self, other: Box) -> Box | None:
         """The union box if ``other`` continues ``self`` in row-major order of that union.
 
-        True when both agree on every dimension except the first non-unit one of
-        ``self``, where ``other`` starts right after ``self`` ends: the union's
-        elements are then ``self``'s followed by ``other``'s.
+        The boxes must agree everywhere except on one dimension d, where ``other``
+        starts right after ``self`` ends, and every dimension before d must have
+        size 1: the union's elements are then ``self``'s followed by ``other``'s.
+        E.g. ``w13[j, :, :]`` followed by ``w13[j+1, :, :]`` is ``w13[j:j+2, :, :]``.
         """
-        d = next((i for i, n in enumerate(self.sizes) if n != 1), None)
-        if d is None or len(other.sizes) != len(self.sizes):
+        if len(other.sizes) != len(self.sizes):
             return None
-        same_before = self.offsets[:d] == other.offsets[:d] and self.sizes[:d] == other.sizes[:d]
-        same_after = (
-            self.offsets[d + 1 :] == other.offsets[d + 1 :]
-            and self.sizes[d + 1 :] == other.sizes[d + 1 :]
-        )
-        if not (same_before and same_after and other.offsets[d] == self.offsets[d] + self.sizes[d]):
-            return None
-        sizes = list(self.sizes)
-        sizes[d] += other.sizes[d]
-        return Box(self.offsets, tuple(sizes))
+        for d in range(len(self.sizes)):
+            if (
+                self.offsets[:d] == other.offsets[:d]
+                and self.sizes[:d] == other.sizes[:d]
+                and self.offsets[d + 1 :] == other.offsets[d + 1 :]
+                and self.sizes[d + 1 :] == other.sizes[d + 1 :]
+                and other.offsets[d] == self.offsets[d] + self.sizes[d]
+            ):
+                sizes = list(self.sizes)
+                sizes[d] += other.sizes[d]
+                return Box(self.offsets, tuple(sizes))
+            if self.sizes[d] != 1:
+                return None  # a non-unit dimension before d would interleave the parts
+        return None
 
     def slices(self) -> tuple[slice, ...]:
         return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))

@@ -94,7 +94,8 @@ class Message:
     """All transfers from ``src`` to ``dst`` in one round, packed back to back.
 
     Transfers are ordered by decreasing dtype size, so every transfer starts at a
-    byte offset aligned to its own element size without padding.
+    byte offset aligned to its own element size without padding, then by
+    destination tensor and box.
     """
 
     round: int
@@ -108,7 +109,9 @@ class Message:
 
 
 def _message_order(t: Transfer) -> tuple:
-    return (-DTYPE_BYTES[t.dtype], t.src_tensor, t.src_box.offsets, t.dst_tensor, t.dst_box.offsets)
+    # Largest dtype first (alignment), then destination order, so the receiver's adjacent
+    # boxes (e.g. consecutive experts of w13_weight) sit next to each other and merge.
+    return (-DTYPE_BYTES[t.dtype], t.dst_tensor, t.dst_box.offsets, t.src_tensor, t.src_box.offsets)
 
 
 def schedule(transfers: list[Transfer], bucket_bytes: int) -> list[list[Message]]:
