@@ -12,8 +12,10 @@ never transferred.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 
@@ -27,7 +29,7 @@ class Box:
     def __post_init__(self) -> None:
         if len(self.offsets) != len(self.sizes):
             raise ValueError(f"box offsets {self.offsets} and sizes {self.sizes} differ in rank")
-        if any(o < 0 for o in self.offsets) or any(s < 0 for s in self.sizes):
+        if self.offsets and (min(self.offsets) < 0 or min(self.sizes) < 0):
             raise ValueError(f"box {self.offsets}+{self.sizes} has a negative offset or size")
 
     @classmethod
@@ -42,12 +44,9 @@ class Box:
         offsets[dim], sizes[dim] = start, stop - start
         return cls(tuple(offsets), tuple(sizes))
 
-    @property
+    @cached_property
     def numel(self) -> int:
-        n = 1
-        for s in self.sizes:
-            n *= s
-        return n
+        return math.prod(self.sizes)
 
     @property
     def core_sizes(self) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ result is deterministic.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..layouts.base import Box
 from .overlap import Need
@@ -37,9 +38,9 @@ class Transfer:
     def numel(self) -> int:
         return self.canonical_box.numel
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
-        return self.numel * DTYPE_BYTES[self.dtype]
+        return self.canonical_box.numel * DTYPE_BYTES[self.dtype]
 
 
 def split_box(box: Box, parts: int) -> list[Box]:

@@ -125,21 +125,18 @@ def schedule(transfers: list[Transfer], bucket_bytes: int) -> list[list[Message]
     used: list[dict[tuple[str, int], int]] = []
     placed: list[list[Transfer]] = []
     for t in parts:
-        src, dst = ("src", t.src), ("dst", t.dst)
-        r = next(
-            (
-                i
-                for i, load in enumerate(used)
-                if load.get(src, 0) + t.nbytes <= bucket_bytes
-                and load.get(dst, 0) + t.nbytes <= bucket_bytes
-            ),
-            len(used),
-        )
+        src, dst, nbytes = ("src", t.src), ("dst", t.dst), t.nbytes
+        r = 0
+        while r < len(used) and (
+            used[r].get(src, 0) + nbytes > bucket_bytes
+            or used[r].get(dst, 0) + nbytes > bucket_bytes
+        ):
+            r += 1
         if r == len(used):
             used.append({})
             placed.append([])
-        used[r][src] = used[r].get(src, 0) + t.nbytes
-        used[r][dst] = used[r].get(dst, 0) + t.nbytes
+        used[r][src] = used[r].get(src, 0) + nbytes
+        used[r][dst] = used[r].get(dst, 0) + nbytes
         placed[r].append(t)
     rounds: list[list[Message]] = []
     for r, round_transfers in enumerate(placed):
