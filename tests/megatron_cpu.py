@@ -135,6 +135,13 @@ def transformer_config(hf: dict[str, Any], arch: ArchConfig, par: TrainParallel,
     return TransformerConfig(**kw)
 
 
+def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron-LM ``_vocab_size_with_padding`` (training code, not in megatron-core):
+    round up to a multiple of ``make_vocab_size_divisible_by · tp``."""
+    multiple = divisible_by * tp
+    return (vocab + multiple - 1) // multiple * multiple
+
+
 def build_gpt(
     hf: dict[str, Any], spec: ModelSpec, par: TrainParallel, padded_vocab: int, **kw: Any
 ) -> list[torch.nn.Module]:
@@ -220,6 +227,10 @@ def _layer_global(arch: ArchConfig, c: dict[str, Tensor], i: int, sub: str) -> T
         k = c[p + "self_attn.k_proj.weight"].unflatten(0, (arch.num_key_value_heads, -1))
         v = c[p + "self_attn.v_proj.weight"].unflatten(0, (arch.num_key_value_heads, -1))
         return torch.cat([q, k, v], dim=1).flatten(0, 1)
+    if sub == "self_attention.linear_qkv.bias":  # Qwen2: same grouping as the weight rows
+        q, k, v = (c[p + f"self_attn.{x}_proj.bias"] for x in "qkv")
+        parts = [x.unflatten(0, (arch.num_key_value_heads, -1)) for x in (q, k, v)]
+        return torch.cat(parts, dim=1).flatten()
     if sub == "mlp.experts.experts.linear_fc1.weight":  # [E, 2F, H], each [gate; up]
         n = arch.moe.num_experts  # type: ignore[union-attr]
         e = [p + f"mlp.experts.{j}." for j in range(n)]

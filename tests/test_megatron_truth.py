@@ -1,0 +1,350 @@
+"""The Megatron provider against real megatron-core ``GPTModel``s on gloo CPU worlds.
+
+One spawn of 4 ranks runs every configuration in turn (re-initialising
+``parallel_state``). On every rank, for every configuration:
+
+1. names/shapes: ``state_dict()`` names (parameters + persistent buffers) and shapes
+   equal the provider's local tensors; ``parallel_state`` coordinates equal
+   ``layout.position``.
+2. placement: parameters are filled through the provider's pieces with *tags*
+   (every canonical element a distinct integer); for every ShardedTensor of
+   ``model.sharded_state_dict()`` (factories built) the tags say where the local
+   data sits in Megatron's global tensor. That offset must equal the ShardedTensor's
+   ``global_offset``, and the whole local block must equal the global tensor (built
+   independently, ``megatron_cpu.megatron_global``) at that offset. Ranks holding
+   identical (key, offset) shard sets must be exactly ``layout.replicas``.
+3. logits: parameters filled from a random HF model's checkpoint tensors through the
+   pieces; Megatron's forward (TP-gathered) must match HF's logits. Negative
+   controls fill through a corrupted piece set and must not match.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+import warnings
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from nemo_refit_reshard.layouts.base import LocalTensor, Piece
+from nemo_refit_reshard.layouts.megatron import MegatronOptions, megatron_layout
+from nemo_refit_reshard.spec.model import spec_from_hf_config
+from nemo_refit_reshard.spec.parallel import TrainParallel
+
+pytestmark = pytest.mark.slow
+
+WORLD, BATCH, SEQ = 4, 2, 8
+P = TrainParallel
+
+# name -> family (tests/hf_models.py), HF overrides, parallel sizes, first-stage layers,
+# whether to run the forward, and a negative control (local-name part, canonical a <-> b).
+CASES: dict[str, dict[str, Any]] = {
+    "llama_tp1": dict(family="llama", par=P(tp=1, dp=4), forward=True),
+    "llama_tp2": dict(
+        family="llama", par=P(tp=2, dp=2), forward=True, neg=("linear_qkv", "k_proj", "v_proj")
+    ),
+    "llama_tp4_ng2": dict(family="llama", par=P(tp=4), forward=True),
+    "qwen2_qkv_bias_tp2": dict(family="qwen2", par=P(tp=2, dp=2), forward=True),
+    "qwen3_tied_tp2": dict(family="qwen3", par=P(tp=2, dp=2), forward=True),
+    "qwen3_tied_tp4": dict(family="qwen3", par=P(tp=4), forward=True),
+    "qwen3moe_ep2": dict(
+        family="qwen3_moe",
+        hf=dict(norm_topk_prob=True),
+        par=P(tp=1, ep=2, dp=4),
+        forward=True,
+        neg=("local_experts", "gate_proj", "up_proj"),
+    ),
+    "qwen3moe_tp2_ep2_etp1": dict(
+        family="qwen3_moe",
+        hf=dict(norm_topk_prob=False),
+        par=P(tp=2, ep=2, etp=1, dp=2),
+        forward=True,
+    ),
+    "qwen3moe_tp2_ep2_etp2": dict(family="qwen3_moe", par=P(tp=2, ep=2, dp=2)),
+    "llama_pp2_uneven_tp2": dict(
+        family="llama", hf=dict(num_hidden_layers=3), par=P(tp=2, pp=2), first=1
+    ),
+    "llama_pp2_vpp2": dict(family="llama", hf=dict(num_hidden_layers=4), par=P(pp=2, vpp=2, dp=2)),
+    "qwen3_tied_pp2": dict(family="qwen3", par=P(pp=2, dp=2)),
+    "qwen3moe_pp2_ep2": dict(family="qwen3_moe", par=P(pp=2, ep=2, dp=2), first=1),
+}
+FORWARD = [n for n, c in CASES.items() if c.get("forward")]
+NEGATIVE = [n for n, c in CASES.items() if c.get("neg")]
+
+
+def _options(case: dict[str, Any]) -> MegatronOptions:
+    return MegatronOptions(num_layers_in_first_pipeline_stage=case.get("first"))
+
+
+# ------------------------------------------------------------------------------- workers
+def _corrupt(tensors: tuple[LocalTensor, ...], neg: tuple[str, str, str]) -> tuple:
+    """The pieces of local tensors named like ``neg[0]`` with canonical ``a`` <-> ``b``."""
+    part, a, b = neg
+
+    def swap(p: Piece) -> Piece:
+        name = p.canonical.replace(a, "\0").replace(b, a).replace("\0", b)
+        return replace(p, canonical=name)
+
+    return tuple(
+        replace(t, pieces=tuple(map(swap, t.pieces))) if part in t.name else t for t in tensors
+    )
+
+
+def _shard_record(name: str, st: Any, arch: Any, tags: dict, vocab: int) -> dict[str, Any]:
+    """Where the provider's tags put ``st``'s local data, next to what ``st`` claims."""
+    import megatron_cpu as mc
+
+    rec: dict[str, Any] = dict(
+        param=name,
+        key=st.key,
+        offset=tuple(st.global_offset),
+        global_shape=tuple(st.global_shape),
+        local_shape=(1,) * st.prepend_axis_num + tuple(st.local_shape),
+        frag=tuple(st.axis_fragmentations),
+        flat=st.flattened_range,
+    )
+    try:
+        glob = mc.megatron_global(st.key, arch, tags, vocab)
+    except KeyError as e:
+        return dict(rec, problem=str(e))
+    data = st.data.reshape(rec["local_shape"])
+    rec["expected_shape"] = tuple(glob.shape)
+    nonzero = data.flatten().nonzero()
+    rec["implied"] = None  # all padding: no tag to locate
+    if len(nonzero):
+        k = int(nonzero[0])
+        hits = (glob == data.flatten()[k]).nonzero()
+        local_idx = torch.unravel_index(torch.tensor(k), rec["local_shape"])
+        if len(hits) == 1:
+            rec["implied"] = tuple(int(h) - int(i) for h, i in zip(hits[0], local_idx))
+        else:
+            rec["problem"] = f"tag found {len(hits)} times in the global tensor"
+    region = glob[tuple(slice(o, o + n) for o, n in zip(rec["offset"], rec["local_shape"]))]
+    rec["match"] = region.shape == data.shape and torch.equal(region, data)
+    return rec
+
+
+def _run_case(rank: int, case: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
+    import megatron_cpu as mc
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    par, hf = case["par"], payload["hf"]
+    spec = spec_from_hf_config(hf)
+    arch = spec.arch
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=par.pp,
+        virtual_pipeline_model_parallel_size=par.vpp if par.vpp > 1 else None,
+        expert_model_parallel_size=par.ep,
+        expert_tensor_parallel_size=par.expert_tp,
+    )
+    model_parallel_cuda_manual_seed(1234)
+    torch.manual_seed(0)
+    vocab = mc.padded_vocab(arch.vocab_size, par.tp)
+    chunks = mc.build_gpt(hf, spec, par, vocab, first=case.get("first"))
+    params = mc.local_tensors(chunks, par.vpp)
+    layout = megatron_layout(spec, par, rank, _options(case))
+    # Only tensors Megatron has with the same shape (mismatches are reported by test 1).
+    mine = tuple(t for t in layout.tensors if t.name in params and params[t.name].shape == t.shape)
+    out: dict[str, Any] = dict(names={n: tuple(p.shape) for n, p in params.items()})
+    out["position"] = dict(
+        tp=ps.get_tensor_model_parallel_rank(),
+        cp=ps.get_context_parallel_rank(),
+        dp=ps.get_data_parallel_rank(),
+        pp=ps.get_pipeline_model_parallel_rank(),
+        etp=ps.get_expert_tensor_parallel_rank(),
+        ep=ps.get_expert_model_parallel_rank(),
+        edp=ps.get_expert_data_parallel_rank(),
+    )
+
+    tags = mc.tag_tensors(spec)
+    mc.fill(params, mine, tags)
+    records = []
+    meta = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    for c, model in enumerate(chunks):
+        prefix = f"model{c}." if par.vpp > 1 else ""
+        for name, obj in model.sharded_state_dict(metadata=meta).items():
+            if isinstance(obj, ShardedTensorFactory):
+                built = obj.build()
+                shards = built if isinstance(built, list) else [built]
+            elif isinstance(obj, ShardedTensor) and not name.endswith("_extra_state"):
+                shards = [obj]
+            else:
+                continue
+            records += [_shard_record(prefix + name, st, arch, tags, vocab) for st in shards]
+    out["records"] = records
+
+    if case.get("forward"):
+        ids = payload["inputs"][out["position"]["dp"]]
+        pos = torch.arange(SEQ).expand(BATCH, SEQ)
+        group = ps.get_tensor_model_parallel_group()
+        runs = [("logits", mine)]
+        if "neg" in case:
+            runs.append(("negative", _corrupt(mine, case["neg"])))
+        for key, tensors in runs:
+            mc.fill(params, tensors, payload["canonical"])
+            with torch.no_grad():
+                local = chunks[0](ids, pos, mc.causal_mask(SEQ)).contiguous()  # [b, s, Vp/T]
+            parts = [torch.empty_like(local) for _ in range(par.tp)]
+            dist.all_gather(parts, local, group=group)
+            out[key] = torch.cat(parts, dim=-1)[..., : arch.vocab_size]
+    dist.barrier()
+    ps.destroy_model_parallel()
+    return out
+
+
+def _worker(rank: int, tmp: str) -> None:
+    warnings.filterwarnings("ignore")  # megatron's TE/Apex fallback notices, once per rank
+    import megatron_cpu as mc
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    mc.apply_cpu_patches()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp}/init",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=120),
+    )
+    payloads = torch.load(os.path.join(tmp, "payload.pt"), weights_only=False)
+    results = {}
+    for name, case in CASES.items():
+        try:
+            results[name] = _run_case(rank, case, payloads[name])
+        except Exception as e:
+            raise RuntimeError(f"rank {rank}, config {name}:\n{traceback.format_exc()}") from e
+    torch.save(results, os.path.join(tmp, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------- parent
+def _random_hf(family: str, seed: int, **overrides: Any) -> torch.nn.Module:
+    """A tiny HF model with every weight random (norm weights around 1), seeded."""
+    from hf_models import tiny_hf_model
+
+    model = tiny_hf_model(family, seed=seed, **overrides)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.2 * noise if p.dim() == 1 else 0.15 * noise)
+    return model
+
+
+def _payload(seed: int, case: dict[str, Any]) -> dict[str, Any]:
+    from hf_models import TINY_CONFIGS, checkpoint_state_dict, hf_config_dict
+
+    overrides = case.get("hf", {})
+    if not case.get("forward"):
+        return dict(hf=dict(TINY_CONFIGS[case["family"]], **overrides))
+    model = _random_hf(case["family"], seed, **overrides)
+    hf = hf_config_dict(model)
+    canonical = checkpoint_state_dict(model)
+    spec_names = [t.name for t in spec_from_hf_config(hf)]
+    assert sorted(canonical) == sorted(spec_names), "checkpoint names != ModelSpec names"
+    gen = torch.Generator().manual_seed(seed)
+    inputs = torch.randint(0, hf["vocab_size"], (case["par"].dp, BATCH, SEQ), generator=gen)
+    with torch.no_grad():
+        ref = torch.stack([model(input_ids=ids).logits for ids in inputs])
+    return dict(hf=hf, canonical=canonical, inputs=inputs, reference=ref)
+
+
+@pytest.fixture(scope="module")
+def truth() -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    for name, case in CASES.items():
+        assert case["par"].world_size == WORLD, name
+    payloads = {name: _payload(i, case) for i, (name, case) in enumerate(CASES.items())}
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.save(payloads, os.path.join(tmp, "payload.pt"))
+        mp.start_processes(_worker, args=(tmp,), nprocs=WORLD, start_method="spawn")
+        results = {r: torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)}
+    return payloads, results
+
+
+def _layouts(name: str, payloads: dict[str, Any]) -> list:
+    case = CASES[name]
+    spec = spec_from_hf_config(payloads[name]["hf"])
+    return [megatron_layout(spec, case["par"], r, _options(case)) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_names_shapes_and_position(truth, name: str) -> None:
+    payloads, results = truth
+    for rank, layout in enumerate(_layouts(name, payloads)):
+        got = results[rank][name]["names"]
+        want = {t.name: t.shape for t in layout.tensors}
+        where = f"{name} rank {rank}"
+        assert sorted(set(got) - set(want)) == [], f"{where}: Megatron-only tensors"
+        assert sorted(set(want) - set(got)) == [], f"{where}: provider-only tensors"
+        for n in want:
+            assert got[n] == want[n], f"{where} {n}: Megatron shape {got[n]} != {want[n]}"
+        assert results[rank][name]["position"] == layout.position, f"{where}: grid position"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sharded_state_dict_placement(truth, name: str) -> None:
+    payloads, results = truth
+    layouts = _layouts(name, payloads)
+    shard_sets = {}
+    for rank, layout in enumerate(layouts):
+        records = results[rank][name]["records"]
+        seen = set()
+        for rec in records:
+            where = f"{name} rank {rank} {rec['param']} (key {rec['key']})"
+            assert "problem" not in rec, f"{where}: {rec.get('problem')}"
+            assert rec["flat"] is None, where
+            assert rec["global_shape"] == rec["expected_shape"], f"{where}: global shape"
+            for g, f, n, o in zip(
+                rec["global_shape"], rec["frag"], rec["local_shape"], rec["offset"]
+            ):
+                assert g == f * n and o % n == 0, f"{where}: fragmentation {rec}"
+            if rec["implied"] is None:  # an all-padding vocabulary shard
+                rows = rec["local_shape"][0]
+                vocab_key = rec["key"].endswith("word_embeddings.weight") or "output" in rec["key"]
+                assert vocab_key, f"{where}: only padded vocabulary rows may hold no tag"
+                assert rec["offset"] == (layout.position["tp"] * rows, 0), where
+            else:
+                assert rec["implied"] == rec["offset"], (
+                    f"{where}: provider puts the local data at global offset {rec['implied']}, "
+                    f"Megatron's ShardedTensor says {rec['offset']}"
+                )
+            assert rec["match"], f"{where}: local block != global tensor at {rec['offset']}"
+            seen.add(rec["param"])
+        missing = sorted({t.name for t in layout.tensors} - seen)
+        assert missing == [], f"{name} rank {rank}: tensors without a ShardedTensor"
+        shard_sets[rank] = {(rec["key"], rec["offset"]) for rec in records}
+    for rank, layout in enumerate(layouts):
+        same = tuple(r for r in range(WORLD) if shard_sets[r] == shard_sets[rank])
+        assert layout.replicas == same, f"{name} rank {rank}: replicas {layout.replicas} != {same}"
+
+
+@pytest.mark.parametrize("name", FORWARD)
+def test_logits_match_hf(truth, name: str) -> None:
+    payloads, results = truth
+    ref = payloads[name]["reference"]
+    for rank in range(WORLD):
+        res = results[rank][name]
+        got, want = res["logits"], ref[res["position"]["dp"]]
+        torch.testing.assert_close(
+            got, want, atol=1e-4, rtol=1e-4, msg=lambda m, r=rank: f"{name} rank {r}: {m}"
+        )
+
+
+@pytest.mark.parametrize("name", NEGATIVE)
+def test_negative_control_differs(truth, name: str) -> None:
+    payloads, results = truth
+    ref = payloads[name]["reference"]
+    for rank in range(WORLD):
+        res = results[rank][name]
+        diff = (res["negative"] - ref[res["position"]["dp"]]).abs().max().item()
+        assert diff > 1e-2, f"{name} rank {rank}: corrupted pieces {CASES[name]['neg']} still match"
