@@ -22,7 +22,7 @@ CASES = [
     ("qwen3-0.6b", "tp=2,pp=2", "tp=4,dp=2", {}),
     ("qwen3-8b", "tp=4,pp=2,dp=2", "tp=2,dp=4", {}),
     ("llama-3.1-8b", "tp=8", "tp=1,dp=8", {}),
-    ("qwen2.5-7b", "tp=4,dp=2", "tp=8,pp=2", {}),
+    ("qwen2.5-7b", "tp=4,dp=2", "tp=4,pp=2", {}),
     ("qwen3-32b", "tp=8,pp=4", "tp=4,dp=4", {}),
     ("qwen3-30b-a3b", "tp=4,pp=2,dp=2,ep=8,etp=1", "tp=8,dp=2", {}),
     ("qwen3-30b-a3b", "pp=2,dp=8,ep=8", "tp=4,engine_dp=2,ep=8", {}),

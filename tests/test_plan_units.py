@@ -217,3 +217,16 @@ def test_megatron_fp32_master_to_bf16_inference_halves_bytes() -> None:
     plan = plan_refit(LLAMA, src, dst)
     assert plan.stats.total_bytes == LLAMA.num_params * 2
     assert {t.dtype for m in plan.rounds[0] for t in m.transfers} == {"bfloat16"}
+
+
+def test_replica_messages_are_packed_once() -> None:
+    """One training rank -> 4 inference replicas: each slice is packed once, sent 4 times."""
+    src, dst = _layouts(LLAMA, "tp=1", "tp=2,dp=4")
+    plan = plan_refit(LLAMA, src, dst)
+    tensors = {t.name: torch.zeros(t.shape) for t in src[0].tensors}
+    program = RankProgram(plan, 0, tensors)
+    sends = [buf for phase in program.rounds for _, buf in phase.sends]
+    assert len(sends) == 8  # one message per inference rank
+    distinct = {(b.data_ptr(), b.numel()) for b in sends}
+    assert len(distinct) == 2  # ... but only one staged copy per TP shard
+    assert program.send_buffer.numel() <= plan.stats.total_bytes // 4 + 64

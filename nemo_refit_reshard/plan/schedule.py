@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from itertools import groupby
 
 from ..layouts.base import Box, map_sub_box
 from .balance import DTYPE_BYTES, Transfer, split_box
@@ -120,24 +121,53 @@ def schedule(transfers: list[Transfer], bucket_bytes: int) -> list[list[Message]
         raise ValueError("bucket size must be positive")
     # Each transfer is staged twice: by its sender and by its receiver.
     parts = [p for t in transfers for p in _cut(t, bucket_bytes)]
-    parts.sort(key=lambda t: (t.src, t.dst, t.src_tensor, t.src_box.offsets, t.dst_tensor))
+    # Parts reading the same source box (one slice for several inference replicas) form a
+    # fan-out group that goes into one round whole: the replicas' messages then hold the
+    # same boxes in the same order, and the engine packs them once. The sender is still
+    # charged per message, so the bucket bound holds even when no sharing happens.
+    parts.sort(
+        key=lambda t: (
+            t.src,
+            t.src_tensor,
+            t.src_box.offsets,
+            t.src_box.sizes,
+            t.dtype,
+            t.dst,
+            t.dst_tensor,
+            t.dst_box.offsets,
+        )
+    )
+    groups = [
+        list(g) for _, g in groupby(parts, key=lambda t: (t.src, t.src_tensor, t.src_box, t.dtype))
+    ]
+    # Groups bound for the same receivers go next to each other, so a round serves few
+    # receivers with large messages rather than every receiver with a small one.
+    groups.sort(key=lambda g: (g[0].src, tuple(t.dst for t in g)))
     # Sources and destinations are numbered separately: key staging loads by side.
     used: list[dict[tuple[str, int], int]] = []
     placed: list[list[Transfer]] = []
-    for t in parts:
-        src, dst, nbytes = ("src", t.src), ("dst", t.dst), t.nbytes
-        r = 0
-        while r < len(used) and (
-            used[r].get(src, 0) + nbytes > bucket_bytes
-            or used[r].get(dst, 0) + nbytes > bucket_bytes
-        ):
-            r += 1
-        if r == len(used):
-            used.append({})
-            placed.append([])
-        used[r][src] = used[r].get(src, 0) + nbytes
-        used[r][dst] = used[r].get(dst, 0) + nbytes
-        placed[r].append(t)
+
+    def fits(r: int, group: list[Transfer]) -> bool:
+        load = used[r]
+        src = ("src", group[0].src)
+        if load.get(src, 0) + sum(t.nbytes for t in group) > bucket_bytes:
+            return False
+        return all(load.get(("dst", t.dst), 0) + t.nbytes <= bucket_bytes for t in group)
+
+    for group in groups:
+        if sum(t.nbytes for t in group) > bucket_bytes:
+            pieces = [[t] for t in group]  # too big to go whole: place each part alone
+        else:
+            pieces = [group]
+        for piece in pieces:
+            r = next((i for i in range(len(used)) if fits(i, piece)), len(used))
+            if r == len(used):
+                used.append({})
+                placed.append([])
+            for t in piece:
+                for key in (("src", t.src), ("dst", t.dst)):
+                    used[r][key] = used[r].get(key, 0) + t.nbytes
+                placed[r].append(t)
     rounds: list[list[Message]] = []
     for r, round_transfers in enumerate(placed):
         pairs: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
