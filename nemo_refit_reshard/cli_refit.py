@@ -20,6 +20,18 @@ def add_run_arguments(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--infer", default="tp=2,dp=2", help="tp=,pp=,dp=,engine_dp=,ep=")
     p.add_argument("--bucket-mb", type=float, default=512)
     p.add_argument("--train-dtype", default=None, help="training params dtype (e.g. float32)")
+    p.add_argument(
+        "--first-stage-layers",
+        type=int,
+        default=None,
+        help="Megatron num_layers_in_first_pipeline_stage",
+    )
+    p.add_argument(
+        "--last-stage-layers",
+        type=int,
+        default=None,
+        help="Megatron num_layers_in_last_pipeline_stage",
+    )
     p.add_argument("--infer-dtype", default=None, help="inference params dtype")
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--backends", default="reshard,broadcast")

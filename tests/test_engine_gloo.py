@@ -115,3 +115,45 @@ def test_different_plans_are_refused_on_every_rank() -> None:
             "build the plan once (on the driver or rank 0) and ship the same plan file to "
             "every rank"
         )
+
+
+def _torch_group_worker(rank: int, init_file: str, plan_json: str, cfg_json: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from nemo_refit_reshard.engine.materialize import SyntheticWeights, materialize, mismatches
+    from nemo_refit_reshard.engine.refit import Refitter
+    from nemo_refit_reshard.engine.transport import TorchTransport
+    from nemo_refit_reshard.integrations.spawn import build_layouts
+    from nemo_refit_reshard.plan import RefitPlan
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=3)
+    cfg = RunConfig(**json.loads(cfg_json))
+    spec, sources, destinations = build_layouts(cfg)
+    layout = (sources + destinations)[rank]
+    weights = SyntheticWeights(spec, seed=7)
+    tensors = materialize(layout, weights, fill=float("nan"))
+    refitter = Refitter(RefitPlan.from_json(plan_json), rank, tensors, TorchTransport())
+    refitter.refit()
+    bad = mismatches(layout, tensors, weights) if rank >= len(sources) else []
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump(bad, f)
+    dist.destroy_process_group()
+
+
+def test_existing_torch_distributed_group(tmp_path) -> None:
+    """The torch transport runs the same plan over a world the frameworks already made."""
+    from dataclasses import asdict
+
+    from nemo_refit_reshard.integrations.spawn import build_layouts
+    from nemo_refit_reshard.plan import plan_refit
+
+    cfg = RunConfig(model=_config_file(tmp_path, "qwen2"), train="tp=1", infer="tp=2")
+    plan = plan_refit(*build_layouts(cfg))
+    mp.start_processes(
+        _torch_group_worker,
+        args=(str(tmp_path / "init"), plan.to_json(), json.dumps(asdict(cfg)), str(tmp_path)),
+        nprocs=3,
+        start_method="spawn",
+    )
+    for rank in (1, 2):
+        assert json.loads((tmp_path / f"{rank}.json").read_text()) == []

@@ -37,6 +37,8 @@ class RunConfig:
     timeout_s: float = 600
     seed: int = 0
     train_dtype: str | None = None  # e.g. "float32" master weights; default checkpoint dtype
+    first_stage_layers: int | None = None  # Megatron num_layers_in_first_pipeline_stage
+    last_stage_layers: int | None = None  # Megatron num_layers_in_last_pipeline_stage
     infer_dtype: str | None = None
     verify: bool = True
     transport: str = "gloo"  # or "cupy-nccl" (one GPU per rank, round robin over devices)
@@ -51,7 +53,11 @@ class RunConfig:
 def build_layouts(cfg: RunConfig):
     spec = load_model_spec(cfg.model)
     tpar, ipar = cfg.parallel()
-    mopts = MegatronOptions(params_dtype=cfg.train_dtype)
+    mopts = MegatronOptions(
+        params_dtype=cfg.train_dtype,
+        num_layers_in_first_pipeline_stage=cfg.first_stage_layers,
+        num_layers_in_last_pipeline_stage=cfg.last_stage_layers,
+    )
     vopts = VllmOptions(params_dtype=cfg.infer_dtype)
     sources = [megatron_layout(spec, tpar, r, mopts) for r in range(tpar.world_size)]
     destinations = [vllm_layout(spec, ipar, r, vopts) for r in range(ipar.world_size)]
