@@ -13,7 +13,6 @@ CuPy is imported lazily: importing this module never needs a GPU.
 
 from __future__ import annotations
 
-import datetime
 import json
 import time
 from collections.abc import Sequence
@@ -21,7 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .transport import DEFAULT_TIMEOUT_S, TransportError, _first_line
+from .transport import DEFAULT_TIMEOUT_S, TransportError, _first_line, rendezvous_store
 
 
 def cupy_available() -> bool:
@@ -63,16 +62,8 @@ class CupyNcclTransport:
         self.device = torch.device(
             "cuda", device if device is not None else torch.cuda.current_device()
         )
-        timeout = datetime.timedelta(seconds=timeout_s)
         if store is None:
-            store = dist.TCPStore(
-                host,
-                port,
-                world_size,
-                is_master=(rank == 0),
-                timeout=timeout,
-                wait_for_workers=False,
-            )
+            store = rendezvous_store(host, port, rank, world_size, timeout_s)
         self.store = dist.PrefixStore(prefix, store)
         if rank == 0:
             self.store.set("uid", json.dumps(list(nccl.get_unique_id())))

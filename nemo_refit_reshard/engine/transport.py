@@ -72,6 +72,18 @@ def _first_line(err: BaseException) -> str:
     return text[0] if text else type(err).__name__
 
 
+def rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout_s: float):
+    """The refit group's ``TCPStore``: hosted by refit rank 0, joined by the others."""
+    return dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=(rank == 0),
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
 class _ProcessGroupTransport:
     """Shared batching over a ``ProcessGroup``-like object with send/recv."""
 
@@ -146,14 +158,7 @@ class GlooTransport(_ProcessGroupTransport):
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
             if store is None:
-                store = dist.TCPStore(
-                    host,
-                    port,
-                    world_size,
-                    is_master=(rank == 0),
-                    timeout=timeout,
-                    wait_for_workers=False,
-                )
+                store = rendezvous_store(host, port, rank, world_size, timeout_s)
             self.port = store.port if isinstance(store, dist.TCPStore) else port
             self.store = store
             pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size, timeout)
