@@ -36,8 +36,10 @@ def gib(n: int) -> str:
 
 
 def main() -> int:
-    print("| model | training | inference | reshard | minimum | gather-broadcast | baseline/reshard "
-          "| plan build |")
+    print(
+        "| model | training | inference | reshard | minimum | gather-broadcast | baseline/reshard "
+        "| plan build |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for model, train, infer, mopts in CASES:
         spec = load_model_spec(model)
@@ -50,9 +52,11 @@ def main() -> int:
         s = plan.stats
         assert s.total_bytes == s.min_bytes, model
         name = os.path.basename(model).removesuffix(".json")
-        print(f"| {name} | {train} | {infer} | {gib(s.total_bytes)} | {gib(s.min_bytes)} "
-              f"| {gib(s.baseline_bytes)} | {s.baseline_bytes / s.total_bytes:.2f}x "
-              f"| {seconds:.1f} s |")
+        print(
+            f"| {name} | {train} | {infer} | {gib(s.total_bytes)} | {gib(s.min_bytes)} "
+            f"| {gib(s.baseline_bytes)} | {s.baseline_bytes / s.total_bytes:.2f}x "
+            f"| {seconds:.1f} s |"
+        )
         sys.stdout.flush()
     return 0
 

@@ -30,12 +30,19 @@ def main() -> int:
     parser.add_argument("--json", help="write the full reports here")
     args = parser.parse_args()
     reports = []
-    print("| model | training → inference | backend | bytes moved | median refit | speedup "
-          "| host overhead | check |")
+    print(
+        "| model | training → inference | backend | bytes moved | median refit | speedup "
+        "| host overhead | check |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, config, train, infer in CASES:
-        cfg = RunConfig(model=os.path.join(HERE, config), train=train, infer=infer,
-                        steps=args.steps, timeout_s=300)
+        cfg = RunConfig(
+            model=os.path.join(HERE, config),
+            train=train,
+            infer=infer,
+            steps=args.steps,
+            timeout_s=300,
+        )
         report, _ = run_report(cfg, show_progress=False)
         if report["errors"]:
             print(f"{name}: failed: {report['errors']}", file=sys.stderr)
@@ -43,10 +50,12 @@ def main() -> int:
         reports.append({"name": name, **report})
         base = report["backends"]["broadcast"]["median_s"]
         for backend, b in report["backends"].items():
-            print(f"| {name} | {train} → {infer} | {backend} | {b['bytes'] / 2**20:,.0f} MiB "
-                  f"| {b['median_s'] * 1e3:,.0f} ms | {base / b['median_s']:.2f}x "
-                  f"| {b['median_host_s'] * 1e3:,.1f} ms "
-                  f"| {'bit-exact' if b['verified'] else 'MISMATCH'} |")
+            print(
+                f"| {name} | {train} → {infer} | {backend} | {b['bytes'] / 2**20:,.0f} MiB "
+                f"| {b['median_s'] * 1e3:,.0f} ms | {base / b['median_s']:.2f}x "
+                f"| {b['median_host_s'] * 1e3:,.1f} ms "
+                f"| {'bit-exact' if b['verified'] else 'MISMATCH'} |"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(reports, f, indent=1)

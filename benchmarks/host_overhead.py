@@ -38,8 +38,10 @@ class NullTransport:
 
 
 def meta_tensors(layout: RankLayout) -> dict[str, torch.Tensor]:
-    return {t.name: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device="meta")
-            for t in layout.tensors}
+    return {
+        t.name: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device="meta")
+        for t in layout.tensors
+    }
 
 
 def time_replay(program: RankProgram, repeats: int) -> float:
@@ -54,8 +56,9 @@ def time_replay(program: RankProgram, repeats: int) -> float:
 
 
 def only_layers(layout: RankLayout, layers: range) -> RankLayout:
-    keep = tuple(t for t in layout.tensors
-                 if any(t.name.startswith(f"model.layers.{i}.") for i in layers))
+    keep = tuple(
+        t for t in layout.tensors if any(t.name.startswith(f"model.layers.{i}.") for i in layers)
+    )
     return dataclasses.replace(layout, tensors=keep)
 
 
@@ -65,13 +68,15 @@ def main() -> int:
     args = parser.parse_args()
     spec = load_model_spec("deepseek-v3")
     tpar, ipar = TrainParallel(pp=16, dp=16, ep=16), InferParallel(tp=32, dp=8)
-    mopts = MegatronOptions(num_layers_in_first_pipeline_stage=3,
-                            num_layers_in_last_pipeline_stage=2)
+    mopts = MegatronOptions(
+        num_layers_in_first_pipeline_stage=3, num_layers_in_last_pipeline_stage=2
+    )
     t0 = time.perf_counter()
     sources = [megatron_layout(spec, tpar, r, mopts) for r in range(tpar.world_size)]
     shards = [vllm_layout(spec, ipar, r) for r in range(ipar.tp)]
-    destinations = [dataclasses.replace(shards[r % ipar.tp], rank=r)
-                    for r in range(ipar.world_size)]
+    destinations = [
+        dataclasses.replace(shards[r % ipar.tp], rank=r) for r in range(ipar.world_size)
+    ]
     print(f"layouts: {time.perf_counter() - t0:.1f} s")
 
     rows = []
@@ -82,23 +87,34 @@ def main() -> int:
     plan = plan_refit(spec, sources, [only_layers(d, layers) for d in destinations])
     built = time.perf_counter() - t0
     program = RankProgram(plan, 16, meta_tensors(sources[16]), device="meta")
-    rows.append(("training rank 16 (stage 1, 4 layers)", built, program,
-                 time_replay(program, args.repeats)))
+    rows.append(
+        ("training rank 16 (stage 1, 4 layers)", built, program, time_replay(program, args.repeats))
+    )
     # Inference rank 0: TP shard 0 of replica 0, all layers.
     t0 = time.perf_counter()
     plan = plan_refit(spec, sources, destinations[:1])
     built = time.perf_counter() - t0
     program = RankProgram(plan, plan.num_sources, meta_tensors(destinations[0]), device="meta")
-    rows.append(("inference rank 0 (TP shard of 61 layers)", built, program,
-                 time_replay(program, args.repeats)))
+    rows.append(
+        (
+            "inference rank 0 (TP shard of 61 layers)",
+            built,
+            program,
+            time_replay(program, args.repeats),
+        )
+    )
 
-    print("| rank | transfers | copies after merging | messages | rounds | replay (host) "
-          "| plan build |")
+    print(
+        "| rank | transfers | copies after merging | messages | rounds | replay (host) "
+        "| plan build |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, built, program, seconds in rows:
-        print(f"| {name} | {program.num_transfers:,} | {program.num_copies:,} "
-              f"| {program.num_messages:,} | {len(program.rounds)} | {seconds * 1e3:.1f} ms "
-              f"| {built:.1f} s |")
+        print(
+            f"| {name} | {program.num_transfers:,} | {program.num_copies:,} "
+            f"| {program.num_messages:,} | {len(program.rounds)} | {seconds * 1e3:.1f} ms "
+            f"| {built:.1f} s |"
+        )
     return 0
 
 

@@ -171,7 +171,6 @@ class RankProgram:
         order, as when several inference replicas need the same slice) share one
         staged copy: packed once, sent to each peer.
         """
-        s = self.plan.num_sources
         entries: list[tuple[bool, int, int, int, list[_Run]]] = []  # outgoing, peer, start, end
         shared: dict[tuple, tuple[int, int]] = {}
         send_end = recv_end = 0
@@ -180,11 +179,11 @@ class RankProgram:
                 key = tuple((t.src_tensor, t.src_box, t.dtype) for t in m.transfers)
                 if key in shared:
                     start, end = shared[key]
-                    entries.append((True, s + m.dst, start, end, []))
+                    entries.append((True, m.dst, start, end, []))
                     continue
                 runs, end = self._runs(m, True, _align(send_end))
                 shared[key] = (_align(send_end), end)
-                entries.append((True, s + m.dst, _align(send_end), end, runs))
+                entries.append((True, m.dst, _align(send_end), end, runs))
                 send_end = end
             else:
                 runs, end = self._runs(m, False, _align(recv_end))

@@ -37,7 +37,7 @@ class SourceRegion:
 
 @dataclass(frozen=True)
 class Need:
-    """``canonical[canonical_box]`` must land in destination ``dst`` at ``dst_piece``'s place."""
+    """``canonical[canonical_box]`` must land on refit-group rank ``dst`` at ``dst_piece``."""
 
     dst: int
     dst_piece: Piece
@@ -90,9 +90,10 @@ def _check_disjoint(name: str, regions: list[SourceRegion]) -> None:
 
 
 def destination_needs(
-    destination: RankLayout, regions: dict[str, list[SourceRegion]]
+    destination: RankLayout, regions: dict[str, list[SourceRegion]], group_rank: int
 ) -> list[Need]:
-    """Cut every piece of one destination rank by the source regions it overlaps."""
+    """Cut every piece of one destination rank (refit-group rank ``group_rank``) by the
+    source regions it overlaps."""
     needs: list[Need] = []
     for piece in destination.pieces():
         covered = 0
@@ -100,7 +101,7 @@ def destination_needs(
             common = piece.canonical_box.intersect(region.box)
             if common is None:
                 continue
-            needs.append(Need(destination.rank, piece, common, region))
+            needs.append(Need(group_rank, piece, common, region))
             covered += common.numel
         if covered != piece.canonical_box.numel:
             raise PlanError(

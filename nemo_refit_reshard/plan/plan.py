@@ -4,7 +4,8 @@
 inference rank (destinations) into rounds of messages such that every
 non-padding element of every destination tensor is delivered exactly once,
 from a source rank that holds it. Sources are refit-group ranks ``0..S-1``;
-destination ``d`` is refit-group rank ``S + d``.
+destination ``d`` is refit-group rank ``S + d``; transfers and messages name
+refit-group ranks.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ PLAN_VERSION = 1
 
 @dataclass(frozen=True)
 class PlanStats:
-    bytes_sent: tuple[int, ...]  # per source rank
-    bytes_received: tuple[int, ...]  # per destination rank
+    bytes_sent: tuple[int, ...]  # per refit-group rank (sources, then destinations)
+    bytes_received: tuple[int, ...]  # per refit-group rank
     total_bytes: int
     min_bytes: int  # sum of destination needs: the floor any refit must move
     baseline_bytes: int  # gather to one training rank + broadcast to every inference rank
@@ -66,12 +67,7 @@ class RefitPlan:
 
     def messages_of(self, group_rank: int) -> list[Message]:
         """Every message this refit-group rank sends or receives, in round order."""
-        out = []
-        for messages in self.rounds:
-            for m in messages:
-                if m.src == group_rank or self.num_sources + m.dst == group_rank:
-                    out.append(m)
-        return out
+        return [m for msgs in self.rounds for m in msgs if group_rank in (m.src, m.dst)]
 
     # -- serialization (JSON, no pickle) ----------------------------------------------
     def _body(self) -> dict[str, Any]:
@@ -190,16 +186,17 @@ def _fingerprint(body: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _needs_all(destinations: list[RankLayout], regions: dict) -> list[Need]:
-    """Needs of every destination, computed once per replica class."""
+def _needs_all(destinations: list[RankLayout], regions: dict, offset: int) -> list[Need]:
+    """Needs of every destination (as refit-group ranks), computed once per replica class."""
     needs: list[Need] = []
     done: dict[int, list[Need]] = {}
     for layout in destinations:
         rep = min(layout.replicas)
+        group_rank = offset + layout.rank
         if rep in done and rep != layout.rank:
-            needs += [Need(layout.rank, n.dst_piece, n.canonical_box, n.region) for n in done[rep]]
+            needs += [Need(group_rank, n.dst_piece, n.canonical_box, n.region) for n in done[rep]]
             continue
-        own = destination_needs(layout, regions)
+        own = destination_needs(layout, regions, group_rank)
         done[layout.rank] = own
         needs += own
     return needs
@@ -224,7 +221,7 @@ def _baseline_bytes(
     for layout in destinations:
         for p in layout.pieces():
             readers.setdefault(p.canonical, set()).add(layout.rank)
-            itemsize[p.canonical] = DTYPE_BYTES[dtype_of[(layout.rank, p.local)]]
+            itemsize[p.canonical] = DTYPE_BYTES[dtype_of[(len(sources) + layout.rank, p.local)]]
     total = 0
     for name, ranks in readers.items():
         t = spec.tensor(name)
@@ -273,19 +270,21 @@ def plan_refit(
         raise PlanError("destination layouts must be given for ranks 0..D-1 in order")
     bucket_bytes = int(bucket_mb * 2**20)
     regions = source_regions(spec, sources)
-    dtype_of = {(lay.rank, t.name): t.dtype for lay in destinations for t in lay.tensors}
-    needs = _needs_all(destinations, regions)
+    s = len(sources)
+    dtype_of = {(s + lay.rank, t.name): t.dtype for lay in destinations for t in lay.tensors}
+    needs = _needs_all(destinations, regions, s)
     transfers = coalesce(assign_senders(needs, dtype_of))
     rounds = schedule(transfers, bucket_bytes)
 
-    sent = [0] * len(sources)
-    received = [0] * len(destinations)
+    sent = [0] * (s + len(destinations))
+    received = [0] * (s + len(destinations))
     used_src: list[set[str]] = [set() for _ in sources]
     for messages in rounds:
         for m in messages:
             sent[m.src] += m.nbytes
             received[m.dst] += m.nbytes
-            used_src[m.src].update(t.src_tensor for t in m.transfers)
+            if m.src < s:
+                used_src[m.src].update(t.src_tensor for t in m.transfers)
     min_bytes = sum(
         p.canonical_box.numel * DTYPE_BYTES[t.dtype]
         for lay in destinations

@@ -143,16 +143,15 @@ def schedule(transfers: list[Transfer], bucket_bytes: int) -> list[list[Message]
     # Groups bound for the same receivers go next to each other, so a round serves few
     # receivers with large messages rather than every receiver with a small one.
     groups.sort(key=lambda g: (g[0].src, tuple(t.dst for t in g)))
-    # Sources and destinations are numbered separately: key staging loads by side.
-    used: list[dict[tuple[str, int], int]] = []
+    # Staging load per refit-group rank and round: what it sends plus what it receives.
+    used: list[dict[int, int]] = []
     placed: list[list[Transfer]] = []
 
     def fits(r: int, group: list[Transfer]) -> bool:
         load = used[r]
-        src = ("src", group[0].src)
-        if load.get(src, 0) + sum(t.nbytes for t in group) > bucket_bytes:
+        if load.get(group[0].src, 0) + sum(t.nbytes for t in group) > bucket_bytes:
             return False
-        return all(load.get(("dst", t.dst), 0) + t.nbytes <= bucket_bytes for t in group)
+        return all(load.get(t.dst, 0) + t.nbytes <= bucket_bytes for t in group)
 
     for group in groups:
         if sum(t.nbytes for t in group) > bucket_bytes:
@@ -165,7 +164,7 @@ def schedule(transfers: list[Transfer], bucket_bytes: int) -> list[list[Message]
                 used.append({})
                 placed.append([])
             for t in piece:
-                for key in (("src", t.src), ("dst", t.dst)):
+                for key in (t.src, t.dst):
                     used[r][key] = used[r].get(key, 0) + t.nbytes
                 placed[r].append(t)
     rounds: list[list[Message]] = []

@@ -35,8 +35,9 @@ def verify_plan(plan: RefitPlan, sources: list[RankLayout], destinations: list[R
     for lay in destinations:
         for p in lay.pieces():
             dst_pieces[lay.rank][p.canonical].append(p)
+    s = len(sources)
     counts = {
-        (lay.rank, t.name): np.zeros(t.shape, dtype=np.int32)
+        (s + lay.rank, t.name): np.zeros(t.shape, dtype=np.int32)
         for lay in destinations
         for t in lay.tensors
     }
@@ -51,7 +52,7 @@ def verify_plan(plan: RefitPlan, sources: list[RankLayout], destinations: list[R
                     )
                 if map_sub_box(sp.canonical_box, sp.local_box, t.canonical_box) != t.src_box:
                     raise AssertionError(f"transfer {t} reads the wrong source box")
-                dp = _containing(dst_pieces[t.dst], t.canonical, t.canonical_box)
+                dp = _containing(dst_pieces[t.dst - s], t.canonical, t.canonical_box)
                 if dp is None or dp.local != t.dst_tensor:
                     raise AssertionError(
                         f"destination rank {t.dst} does not need {t.canonical}{t.canonical_box}"
@@ -65,7 +66,7 @@ def verify_plan(plan: RefitPlan, sources: list[RankLayout], destinations: list[R
             want = np.zeros(tensor.shape, dtype=np.int32)
             for p in tensor.pieces:
                 want[p.local_box.slices()] = 1
-            got = counts[(lay.rank, tensor.name)]
+            got = counts[(s + lay.rank, tensor.name)]
             if not np.array_equal(got, want):
                 bad = int(np.sum(got != want))
                 raise AssertionError(
