@@ -19,6 +19,12 @@ def add_run_arguments(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--train", default="tp=2,pp=2", help="tp=,pp=,vpp=,cp=,dp=,ep=,etp=")
     p.add_argument("--infer", default="tp=2,dp=2", help="tp=,pp=,dp=,engine_dp=,ep=")
     p.add_argument("--bucket-mb", type=float, default=512)
+    p.add_argument(
+        "--relay",
+        choices=("none", "chain"),
+        default="none",
+        help="chain: forward slices between inference replicas",
+    )
     p.add_argument("--train-dtype", default=None, help="training params dtype (e.g. float32)")
     p.add_argument(
         "--first-stage-layers",
@@ -64,6 +70,10 @@ def _config(args: argparse.Namespace) -> RunConfig:
         seed=args.seed,
         train_dtype=args.train_dtype,
         infer_dtype=args.infer_dtype,
+        transport=args.transport,
+        first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers,
+        relay=args.relay,
     )
 
 
@@ -100,7 +110,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = _config(args)
     t0 = time.perf_counter()
     spec, sources, destinations = build_layouts(cfg)
-    plan = plan_refit(spec, sources, destinations, bucket_mb=cfg.bucket_mb)
+    plan = plan_refit(spec, sources, destinations, bucket_mb=cfg.bucket_mb, relay=cfg.relay)
     summary = plan_summary(plan, time.perf_counter() - t0)
     if args.out:
         with open(args.out, "w") as f:
@@ -152,7 +162,7 @@ def _step_stats(result: RunResult, backend: str) -> dict[str, float]:
 def run_report(cfg: RunConfig, show_progress: bool) -> tuple[dict[str, Any], RunResult]:
     t0 = time.perf_counter()
     spec, sources, destinations = build_layouts(cfg)
-    plan = plan_refit(spec, sources, destinations, bucket_mb=cfg.bucket_mb)
+    plan = plan_refit(spec, sources, destinations, bucket_mb=cfg.bucket_mb, relay=cfg.relay)
     build = time.perf_counter() - t0
     bytes_by_backend = {"reshard": plan.stats.total_bytes}
     if "broadcast" in cfg.backends:
@@ -175,7 +185,7 @@ def run_report(cfg: RunConfig, show_progress: bool) -> tuple[dict[str, Any], Run
     report: dict[str, Any] = {
         "config": {
             k: getattr(cfg, k)
-            for k in ("model", "train", "infer", "steps", "bucket_mb", "transport")
+            for k in ("model", "train", "infer", "steps", "bucket_mb", "transport", "relay")
         },
         "plan": plan_summary(plan, build),
         "errors": {str(k): v for k, v in result.errors().items()},

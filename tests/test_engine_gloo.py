@@ -49,6 +49,12 @@ CASES = {
         {},
         dict(train="ep=2,dp=2", infer="engine_dp=2,ep=2,dp=2"),
     ),
+    # relay: 2 training ranks -> 4 inference replicas, each slice forwarded along a chain
+    "dense_relay_chain_2_to_4_replicas": (
+        "llama",
+        {},
+        dict(train="tp=2", infer="tp=1,dp=4", relay="chain"),
+    ),
     # DeepSeek-V3 shapes: MLA, shared experts, fp32 routing bias; TP on both sides
     "deepseek_mla_tp": (
         "deepseek_v3",

@@ -36,8 +36,10 @@ def _canonical(spec, seed: int) -> dict[str, torch.Tensor]:
     return {t.name: torch.randn(t.shape, generator=g) for t in spec}
 
 
-def _check(spec, sources, destinations, bucket_mb: float, seed: int) -> RefitPlan:
-    plan = plan_refit(spec, sources, destinations, bucket_mb=bucket_mb)
+def _check(
+    spec, sources, destinations, bucket_mb: float, seed: int, relay: str = "none"
+) -> RefitPlan:
+    plan = plan_refit(spec, sources, destinations, bucket_mb=bucket_mb, relay=relay)
     verify_plan(plan, sources, destinations)
     canonical = _canonical(spec, seed)
     src = [materialize(lay, canonical) for lay in sources]
@@ -78,8 +80,11 @@ def _check(spec, sources, destinations, bucket_mb: float, seed: int) -> RefitPla
     bucket_kb=st.sampled_from([1, 4, 512 * 1024]),
     src_fp32=st.booleans(),
     seed=st.integers(0, 2**16),
+    relay=st.sampled_from(["none", "chain"]),
 )
-def test_megatron_to_vllm(cfg, train, infer, expert_parallel, bucket_kb, src_fp32, seed) -> None:
+def test_megatron_to_vllm(
+    cfg, train, infer, expert_parallel, bucket_kb, src_fp32, seed, relay
+) -> None:
     spec = spec_from_hf_config(dict(cfg, torch_dtype="float32"))
     try:
         tpar = TrainParallel(**train)
@@ -91,8 +96,16 @@ def test_megatron_to_vllm(cfg, train, infer, expert_parallel, bucket_kb, src_fp3
     except ValueError:
         assume(False)
         return
-    plan = _check(spec, sources, destinations, bucket_kb / 1024, seed)
+    plan = _check(spec, sources, destinations, bucket_kb / 1024, seed, relay)
     assert plan.stats.total_bytes == plan.stats.min_bytes
+    if relay == "chain":  # no rank sends the same box twice
+        sent = [
+            (t.src, t.src_tensor, t.src_box)
+            for msgs in plan.rounds
+            for m in msgs
+            for t in m.transfers
+        ]
+        assert len(sent) == len(set(sent))
 
 
 @SETTINGS

@@ -231,3 +231,24 @@ def test_replica_messages_are_packed_once() -> None:
     distinct = {(b.data_ptr(), b.numel()) for b in sends}
     assert len(distinct) == 2  # ... but only one staged copy per TP shard
     assert program.send_buffer.numel() <= plan.stats.total_bytes // 4 + 64
+
+
+def test_relay_chain_takes_replicas_off_the_training_nic() -> None:
+    """One training rank, 4 inference replicas: direct sends 4 copies, the chain sends 1."""
+    from nemo_refit_reshard.plan.verify import verify_plan
+
+    src, dst = _layouts(LLAMA, "tp=1", "tp=2,dp=4")
+    direct = plan_refit(LLAMA, src, dst)
+    chain = plan_refit(LLAMA, src, dst, relay="chain")
+    verify_plan(chain, src, dst)
+    shard = [sum(p.canonical_box.numel * 4 for p in lay.pieces()) for lay in dst[:2]]
+    assert direct.stats.bytes_sent[0] == 4 * sum(shard)
+    # The chain sends every canonical element out of the training rank exactly once (even the
+    # norms both TP ranks need: TP rank 0 forwards them to TP rank 1) ...
+    assert chain.stats.bytes_sent[0] == LLAMA.num_params * 4
+    # ... and no inference rank forwards more than it holds; the last one forwards nothing.
+    assert all(sent <= max(shard) for sent in chain.stats.bytes_sent[1:])
+    assert chain.stats.bytes_sent[-1] == 0
+    assert chain.stats.total_bytes == direct.stats.total_bytes == chain.stats.min_bytes
+    with pytest.raises(PlanError, match="unknown relay mode 'tree'"):
+        plan_refit(LLAMA, src, dst, relay="tree")

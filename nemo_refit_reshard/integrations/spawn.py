@@ -34,6 +34,7 @@ class RunConfig:
     backends: tuple[str, ...] = ("reshard", "broadcast")
     steps: int = 3
     bucket_mb: float = 512
+    relay: str = "none"  # "chain": forward between inference replicas
     timeout_s: float = 600
     seed: int = 0
     train_dtype: str | None = None  # e.g. "float32" master weights; default checkpoint dtype
@@ -176,7 +177,7 @@ def run_local(
     t0 = time.perf_counter()
     if plan is None:
         spec, sources, destinations = build_layouts(cfg)
-        plan = plan_refit(spec, sources, destinations, bucket_mb=cfg.bucket_mb)
+        plan = plan_refit(spec, sources, destinations, bucket_mb=cfg.bucket_mb, relay=cfg.relay)
     world = plan.num_sources + plan.num_destinations
     with tempfile.TemporaryDirectory() as tmp:
         plan_path = os.path.join(tmp, "plan.json")

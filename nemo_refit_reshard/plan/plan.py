@@ -19,6 +19,7 @@ from ..layouts.base import Box, RankLayout
 from ..spec.model import ModelSpec
 from .balance import DTYPE_BYTES, Transfer, assign_senders
 from .overlap import Need, PlanError, destination_needs, source_regions
+from .relay import RELAY_MODES, chain_replicas
 from .schedule import Message, coalesce, schedule
 
 PLAN_VERSION = 1
@@ -260,8 +261,15 @@ def plan_refit(
     destinations: list[RankLayout],
     bucket_mb: float = 512,
     destination_spec: ModelSpec | None = None,
+    relay: str = "none",
 ) -> RefitPlan:
-    """Build the transfer plan from every source layout to every destination layout."""
+    """Build the transfer plan from every source layout to every destination layout.
+
+    ``relay="chain"`` forwards a box that one training rank would send to several
+    inference replicas along a chain of those replicas (``plan/relay.py``).
+    """
+    if relay not in RELAY_MODES:
+        raise PlanError(f"unknown relay mode {relay!r}; choose one of {RELAY_MODES}")
     if destination_spec is not None:
         check_specs_match(spec, destination_spec)
     if [lay.rank for lay in sources] != list(range(len(sources))):
@@ -274,7 +282,11 @@ def plan_refit(
     dtype_of = {(s + lay.rank, t.name): t.dtype for lay in destinations for t in lay.tensors}
     needs = _needs_all(destinations, regions, s)
     transfers = coalesce(assign_senders(needs, dtype_of))
-    rounds = schedule(transfers, bucket_bytes)
+    if relay == "chain":
+        direct, *forwarded = chain_replicas(transfers)
+        rounds = schedule(direct, bucket_bytes, forwarded)
+    else:
+        rounds = schedule(transfers, bucket_bytes)
 
     sent = [0] * (s + len(destinations))
     received = [0] * (s + len(destinations))

@@ -115,16 +115,17 @@ def _message_order(t: Transfer) -> tuple:
     return (-DTYPE_BYTES[t.dtype], t.dst_tensor, t.dst_box.offsets, t.src_tensor, t.src_box.offsets)
 
 
-def schedule(transfers: list[Transfer], bucket_bytes: int) -> list[list[Message]]:
-    """Rounds of messages; per round each rank stages at most ``bucket_bytes``."""
-    if bucket_bytes <= 0:
-        raise ValueError("bucket size must be positive")
-    # Each transfer is staged twice: by its sender and by its receiver.
+def _fan_out_groups(transfers: list[Transfer], bucket_bytes: int) -> list[list[Transfer]]:
+    """Bucket-sized parts, grouped by the source box they read.
+
+    Parts reading the same source box (one slice for several inference replicas) form
+    a fan-out group that goes into one round whole: the replicas' messages then hold
+    the same boxes in the same order, and the engine packs them once. The sender is
+    still charged per message, so the bucket bound holds even when nothing is shared.
+    Groups bound for the same receivers sit next to each other, so a round serves few
+    receivers with large messages rather than every receiver with a small one.
+    """
     parts = [p for t in transfers for p in _cut(t, bucket_bytes)]
-    # Parts reading the same source box (one slice for several inference replicas) form a
-    # fan-out group that goes into one round whole: the replicas' messages then hold the
-    # same boxes in the same order, and the engine packs them once. The sender is still
-    # charged per message, so the bucket bound holds even when no sharing happens.
     parts.sort(
         key=lambda t: (
             t.src,
@@ -140,12 +141,24 @@ def schedule(transfers: list[Transfer], bucket_bytes: int) -> list[list[Message]
     groups = [
         list(g) for _, g in groupby(parts, key=lambda t: (t.src, t.src_tensor, t.src_box, t.dtype))
     ]
-    # Groups bound for the same receivers go next to each other, so a round serves few
-    # receivers with large messages rather than every receiver with a small one.
     groups.sort(key=lambda g: (g[0].src, tuple(t.dst for t in g)))
+    return groups
+
+
+def schedule(
+    transfers: list[Transfer], bucket_bytes: int, forwarded: list[list[Transfer]] | None = None
+) -> list[list[Message]]:
+    """Rounds of messages; per round each rank stages at most ``bucket_bytes``.
+
+    ``forwarded[k]`` are relay hops at level ``k + 1``: each is placed at least one
+    round after the part that delivered its source box to its sender.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError("bucket size must be positive")
     # Staging load per refit-group rank and round: what it sends plus what it receives.
     used: list[dict[int, int]] = []
     placed: list[list[Transfer]] = []
+    arrived: dict[tuple[int, str, Box], int] = {}  # (rank, tensor, box) -> round it lands
 
     def fits(r: int, group: list[Transfer]) -> bool:
         load = used[r]
@@ -153,20 +166,29 @@ def schedule(transfers: list[Transfer], bucket_bytes: int) -> list[list[Message]
             return False
         return all(load.get(t.dst, 0) + t.nbytes <= bucket_bytes for t in group)
 
-    for group in groups:
-        if sum(t.nbytes for t in group) > bucket_bytes:
-            pieces = [[t] for t in group]  # too big to go whole: place each part alone
-        else:
-            pieces = [group]
+    def place(piece: list[Transfer], earliest: int) -> None:
+        r = next((i for i in range(earliest, len(used)) if fits(i, piece)), None)
+        if r is None:
+            r = max(len(used), earliest)
+        while len(used) <= r:
+            used.append({})
+            placed.append([])
+        for t in piece:
+            for key in (t.src, t.dst):
+                used[r][key] = used[r].get(key, 0) + t.nbytes
+            placed[r].append(t)
+            arrived[(t.dst, t.dst_tensor, t.dst_box)] = r
+
+    for group in _fan_out_groups(transfers, bucket_bytes):
+        # A group too big to go whole is placed part by part.
+        pieces = [[t] for t in group] if sum(t.nbytes for t in group) > bucket_bytes else [group]
         for piece in pieces:
-            r = next((i for i in range(len(used)) if fits(i, piece)), len(used))
-            if r == len(used):
-                used.append({})
-                placed.append([])
-            for t in piece:
-                for key in (t.src, t.dst):
-                    used[r][key] = used[r].get(key, 0) + t.nbytes
-                placed[r].append(t)
+            place(piece, 0)
+    for level in forwarded or []:
+        parts = [p for t in level for p in _cut(t, bucket_bytes)]
+        parts.sort(key=lambda t: (t.src, t.dst, t.src_tensor, t.src_box.offsets))
+        for t in parts:
+            place([t], arrived[(t.src, t.src_tensor, t.src_box)] + 1)
     rounds: list[list[Message]] = []
     for r, round_transfers in enumerate(placed):
         pairs: dict[tuple[int, int], list[Transfer]] = defaultdict(list)

@@ -43,9 +43,20 @@ def verify_plan(plan: RefitPlan, sources: list[RankLayout], destinations: list[R
     }
     sent = 0
     for messages in plan.rounds:
+        # A relay hop may only forward what its sender received in an earlier round.
         for m in messages:
             for t in m.transfers:
-                sp = _containing(src_pieces[t.src], t.canonical, t.canonical_box)
+                if t.src >= s:
+                    have = counts[(t.src, t.src_tensor)][t.src_box.slices()]
+                    if not (have == 1).all():
+                        raise AssertionError(
+                            f"rank {t.src} forwards {t.canonical}{t.canonical_box} in round "
+                            f"{m.round} before it has received it"
+                        )
+        for m in messages:
+            for t in m.transfers:
+                holders = src_pieces[t.src] if t.src < s else dst_pieces[t.src - s]
+                sp = _containing(holders, t.canonical, t.canonical_box)
                 if sp is None or sp.local != t.src_tensor:
                     raise AssertionError(
                         f"source rank {t.src} does not hold {t.canonical}{t.canonical_box}"
