@@ -252,3 +252,28 @@ def test_relay_chain_takes_replicas_off_the_training_nic() -> None:
     assert chain.stats.total_bytes == direct.stats.total_bytes == chain.stats.min_bytes
     with pytest.raises(PlanError, match="unknown relay mode 'tree'"):
         plan_refit(LLAMA, src, dst, relay="tree")
+
+
+class _TwoNodes:
+    """Training rank 0 shares a node with the inference rank (NVLink, 450 GB/s);
+    training rank 1 reaches it over a NIC (50 GB/s)."""
+
+    def link(self, src: int, dst: int) -> tuple[str, float]:
+        return ("nvlink", 1 / 450e9) if src == 0 else ("nic", 1 / 50e9)
+
+
+def test_topology_aware_replica_choice_prefers_the_fast_link() -> None:
+    src, dst = _layouts(LLAMA, "dp=2", "tp=1")
+    plain = plan_refit(LLAMA, src, dst)
+    aware = plan_refit(LLAMA, src, dst, links=_TwoNodes())
+
+    def busy(plan) -> float:  # predicted busy seconds of the slowest sender link
+        return max(plan.stats.bytes_sent[0] / 450e9, plan.stats.bytes_sent[1] / 50e9)
+
+    # Bytes-balanced: each replica sends about half. Time-balanced: NVLink carries ~9/10.
+    assert (
+        abs(plain.stats.bytes_sent[0] - plain.stats.bytes_sent[1]) < 0.1 * plain.stats.total_bytes
+    )
+    assert aware.stats.bytes_sent[0] > 0.85 * aware.stats.total_bytes
+    assert busy(aware) < 0.25 * busy(plain)
+    assert aware.stats.total_bytes == aware.stats.min_bytes

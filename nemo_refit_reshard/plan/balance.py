@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Protocol
 
 from ..layouts.base import Box
 from .overlap import Need
@@ -62,10 +63,25 @@ def split_box(box: Box, parts: int) -> list[Box]:
     return out
 
 
-def assign_senders(needs: list[Need], dtype_of: dict[tuple[int, str], str]) -> list[Transfer]:
-    """Turn needs into transfers, each with one sender, balancing sender bytes.
+class LinkModel(Protocol):
+    """What the balancer needs to know about the network (``plan/topology.py``)."""
+
+    def link(self, src: int, dst: int) -> tuple[str, float]:
+        """``(link id, seconds per byte)`` of the sender's side of ``src -> dst``
+        (e.g. its NVLink port when ``dst`` is on the same node, else its NIC)."""
+        ...
+
+
+def assign_senders(
+    needs: list[Need], dtype_of: dict[tuple[int, str], str], links: LinkModel | None = None
+) -> list[Transfer]:
+    """Turn needs into transfers, each with one sender, balancing the senders.
 
     ``dtype_of[(dst, local tensor)]`` is the destination dtype (the wire dtype).
+    Without ``links`` the balancer minimises the largest number of bytes one
+    sender sends. With ``links`` it minimises the largest predicted busy time of
+    a sender's link — bytes × seconds-per-byte, per (sender, link) — so holders
+    on the receiver's node (NVLink) are preferred and NIC load is spread.
     """
     senders = {h.rank for need in needs for h in need.region.holders}
     total = sum(
@@ -82,11 +98,25 @@ def assign_senders(needs: list[Need], dtype_of: dict[tuple[int, str], str]) -> l
             items.append((box.numel * nbytes // max(1, need.numel), index, need, box))
     # Largest first; index keeps the order total for equal sizes.
     items.sort(key=lambda it: (-it[0], it[1], it[3].offsets))
-    load = dict.fromkeys(sorted(senders), 0)
+    busy: dict[tuple[int, str], float] = {}  # (sender, link) -> predicted busy seconds
+
+    def cost(rank: int, dst: int, nbytes: int) -> tuple[tuple[int, str], float]:
+        if links is None:
+            return (rank, ""), float(nbytes)
+        link, seconds_per_byte = links.link(rank, dst)
+        return (rank, link), nbytes * seconds_per_byte
+
     out: list[Transfer] = []
     for nbytes, _, need, box in items:
-        holder = min(need.region.holders, key=lambda h: (load[h.rank], h.rank))
-        load[holder.rank] += nbytes
+        best = None
+        for h in need.region.holders:
+            key, seconds = cost(h.rank, need.dst, nbytes)
+            score = (busy.get(key, 0.0) + seconds, h.rank)
+            if best is None or score < best[0]:
+                best = (score, h, key, seconds)
+        assert best is not None
+        _, holder, key, seconds = best
+        busy[key] = busy.get(key, 0.0) + seconds
         out.append(
             Transfer(
                 src=holder.rank,

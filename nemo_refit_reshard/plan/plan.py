@@ -17,7 +17,7 @@ from typing import Any
 
 from ..layouts.base import Box, RankLayout
 from ..spec.model import ModelSpec
-from .balance import DTYPE_BYTES, Transfer, assign_senders
+from .balance import DTYPE_BYTES, LinkModel, Transfer, assign_senders
 from .overlap import Need, PlanError, destination_needs, source_regions
 from .relay import RELAY_MODES, chain_replicas
 from .schedule import Message, coalesce, schedule
@@ -262,11 +262,14 @@ def plan_refit(
     bucket_mb: float = 512,
     destination_spec: ModelSpec | None = None,
     relay: str = "none",
+    links: LinkModel | None = None,
 ) -> RefitPlan:
     """Build the transfer plan from every source layout to every destination layout.
 
     ``relay="chain"`` forwards a box that one training rank would send to several
     inference replicas along a chain of those replicas (``plan/relay.py``).
+    ``links`` (a topology, ``plan/topology.py``) makes replica choice minimise
+    predicted link busy time instead of bytes per sender.
     """
     if relay not in RELAY_MODES:
         raise PlanError(f"unknown relay mode {relay!r}; choose one of {RELAY_MODES}")
@@ -281,7 +284,7 @@ def plan_refit(
     s = len(sources)
     dtype_of = {(s + lay.rank, t.name): t.dtype for lay in destinations for t in lay.tensors}
     needs = _needs_all(destinations, regions, s)
-    transfers = coalesce(assign_senders(needs, dtype_of))
+    transfers = coalesce(assign_senders(needs, dtype_of, links))
     if relay == "chain":
         direct, *forwarded = chain_replicas(transfers)
         rounds = schedule(direct, bucket_bytes, forwarded)
