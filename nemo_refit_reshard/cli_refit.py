@@ -1,4 +1,4 @@
-"""The ``plan``, ``demo`` and ``bench`` commands."""
+"""The ``plan``, ``demo``, ``bench`` and ``simulate`` commands."""
 
 from __future__ import annotations
 
@@ -258,6 +258,119 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return _finish(report, args.json)
 
 
+def _plot_simulation(plan: RefitPlan, prediction: Any, placement: Any, path: str) -> None:
+    """Per-rank bytes sent / received (NVLink and NIC) and the node-to-node traffic matrix."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .plan.predict import traffic_matrix
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5))
+    ranks = list(range(len(prediction.gpu_bytes)))
+    sent = [(g.sent_nvlink, g.sent_nic) for g in prediction.gpu_bytes]
+    recv = [(g.received_nvlink, g.received_nic) for g in prediction.gpu_bytes]
+    width = 0.4
+    for shift, rows, label in ((-width / 2, sent, "sent"), (width / 2, recv, "received")):
+        xs = [r + shift for r in ranks]
+        left.bar(xs, [a / 1e9 for a, _ in rows], width, label=f"{label} NVLink")
+        left.bar(
+            xs, [b / 1e9 for _, b in rows], width, [a / 1e9 for a, _ in rows], label=f"{label} NIC"
+        )
+    left.axvline(plan.num_sources - 0.5, color="grey", linestyle=":")
+    left.set(xlabel="refit-group rank (training | inference)", ylabel="GB", title="per GPU")
+    left.legend()
+    nodes = sorted(set(placement.nodes))
+    matrix = traffic_matrix(plan, placement)
+    grid = [[matrix.get((a, b), 0) / 1e9 for b in nodes] for a in nodes]
+    image = right.imshow(grid, cmap="viridis")
+    right.set(xlabel="destination node", ylabel="source node", title="traffic (GB)")
+    right.set_xticks(range(len(nodes)), [str(n) for n in nodes])
+    right.set_yticks(range(len(nodes)), [str(n) for n in nodes])
+    fig.colorbar(image, ax=right)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Predict the refit's time on a cluster model: no processes, no GPUs."""
+    from .plan.predict import bandwidth_floor, predict_broadcast, predict_refit
+    from .plan.topology import Cluster, Placement
+
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+    cfg = _config(args)
+    cluster = Cluster.parse(args.cluster)
+    spec, sources, destinations = build_layouts(cfg)
+    plan = plan_refit(spec, sources, destinations, bucket_mb=cfg.bucket_mb, relay=cfg.relay)
+    placement = Placement.packed(len(sources), len(destinations), cluster)
+    pred = predict_refit(plan, cluster, placement)
+    floor = bandwidth_floor(plan, sources, destinations, cluster, placement)
+    bplan = plan_broadcast(spec, sources, destinations, cfg.bucket_mb)
+    base = predict_broadcast(bplan, cluster, placement)
+    report = {
+        "model": spec.name,
+        "train": cfg.train,
+        "infer": cfg.infer,
+        "relay": cfg.relay,
+        "cluster": str(cluster),
+        "training_nodes": len(placement.training_nodes),
+        "inference_nodes": len(placement.inference_nodes),
+        "plan": plan.fingerprint,
+        "predicted": pred.to_json(),
+        "predicted_s": pred.seconds,
+        "floor": floor.to_json(),
+        "floor_s": floor.seconds,
+        "floor_term": floor.binding.key,
+        "ratio_to_floor": pred.seconds / floor.seconds if floor.seconds else None,
+        "baseline_s": base.seconds,
+        "baseline_gather_s": base.gather_seconds,
+        "baseline_broadcast_s": base.broadcast_seconds,
+        "speedup": base.seconds / pred.seconds if pred.seconds else None,
+    }
+    if args.plot:
+        _plot_simulation(plan, pred, placement, args.plot)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+
+    def ms(x: float) -> str:
+        return f"{x * 1e3:.3f} ms"
+
+    def times(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}x"
+
+    b = floor.binding
+    print(
+        f"simulate {spec.name}: training {cfg.train} ({plan.num_sources} GPUs on "
+        f"{report['training_nodes']} nodes) -> inference {cfg.infer} ({plan.num_destinations} "
+        f"GPUs on {report['inference_nodes']} nodes), relay {cfg.relay}"
+    )
+    slowest = (
+        f"slowest round {pred.slowest_round}: rank {pred.bottleneck_rank} {pred.bottleneck_link}"
+        if pred.slowest_round is not None
+        else "no messages"
+    )
+    rows = [
+        ("cluster", str(cluster)),
+        ("predicted refit", f"{ms(pred.seconds)} ({len(pred.round_seconds)} rounds; {slowest})"),
+        ("bandwidth floor", f"{ms(floor.seconds)} (({b.key}) {b.what}, {b.where})"),
+        ("predicted / floor", times(report["ratio_to_floor"])),
+        ("gather-broadcast baseline", ms(base.seconds)),
+        ("speedup over baseline", times(report["speedup"])),
+    ]
+    for k, v in rows:
+        print(f"  {k:27} {v}")
+    if args.plot:
+        print(f"  plot written to {args.plot}")
+    return 0
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser("plan", help="build the transfer plan and print its stats")
     add_run_arguments(plan, steps=1)
@@ -269,3 +382,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="like demo with more steps; --json for the figures")
     add_run_arguments(bench, steps=10)
     bench.set_defaults(func=cmd_bench)
+    simulate = sub.add_parser("simulate", help="predict refit time on a cluster model")
+    add_run_arguments(simulate, steps=1)
+    simulate.add_argument(
+        "--cluster",
+        default="gpus_per_node=8,nvlink_gbps=450,nic_gbps=50",
+        help="gpus_per_node=,nvlink_gbps=,nic_gbps=,nvlink_latency_us=,nic_latency_us= "
+        "(GB/s per GPU per direction: nic_gbps=50 is one 400 Gb/s NIC per GPU)",
+    )
+    simulate.add_argument("--plot", help="write a PNG of per-GPU bytes and node traffic here")
+    simulate.set_defaults(func=cmd_simulate)

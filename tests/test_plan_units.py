@@ -65,10 +65,10 @@ def test_bucket_bounds_staging_per_round() -> None:
     plan = plan_refit(LLAMA, src, dst, bucket_mb=bucket_mb)
     assert plan.stats.num_rounds > 1
     for messages in plan.rounds:
-        staged: dict[int, int] = defaultdict(int)  # per refit-group rank: sends + receives
+        staged: dict[tuple[int, str], int] = defaultdict(int)  # per rank and direction
         for m in messages:
-            staged[m.src] += m.nbytes
-            staged[m.dst] += m.nbytes
+            staged[(m.src, "send")] += m.nbytes
+            staged[(m.dst, "recv")] += m.nbytes
             assert len({(x.src, x.dst) for x in messages}) == len(messages)  # one per pair
         assert max(staged.values()) <= 16 * 1024
 

@@ -5,10 +5,11 @@ their boxes are adjacent along the first dimension that is not 1 and equal
 elsewhere, on both sides — then the row-major order of the merged box is the
 two parts one after the other, so packing stays a straight copy.
 
-Bucketing bounds what each rank stages per round: the bytes it sends plus the
-bytes it receives in a round stay within ``bucket_bytes`` (a transfer larger
-than that is cut first). Rounds are filled first-fit in a fixed order, so every
-rank computes the same schedule.
+Bucketing bounds what each rank stages per round: the bytes it sends and the
+bytes it receives in a round each stay within ``bucket_bytes`` (a transfer
+larger than that is cut first), so a rank's staging is at most twice the bucket.
+Rounds are filled first-fit in a fixed order, so every rank computes the same
+schedule.
 """
 
 from __future__ import annotations
@@ -155,16 +156,17 @@ def schedule(
     """
     if bucket_bytes <= 0:
         raise ValueError("bucket size must be positive")
-    # Staging load per refit-group rank and round: what it sends plus what it receives.
-    used: list[dict[int, int]] = []
+    # Staging per round, per rank and direction: sends and receives have separate
+    # budgets, so a relay rank can receive one chunk while it forwards the previous one.
+    used: list[dict[tuple[int, str], int]] = []
     placed: list[list[Transfer]] = []
     arrived: dict[tuple[int, str, Box], int] = {}  # (rank, tensor, box) -> round it lands
 
     def fits(r: int, group: list[Transfer]) -> bool:
         load = used[r]
-        if load.get(group[0].src, 0) + sum(t.nbytes for t in group) > bucket_bytes:
+        if load.get((group[0].src, "send"), 0) + sum(t.nbytes for t in group) > bucket_bytes:
             return False
-        return all(load.get(t.dst, 0) + t.nbytes <= bucket_bytes for t in group)
+        return all(load.get((t.dst, "recv"), 0) + t.nbytes <= bucket_bytes for t in group)
 
     def place(piece: list[Transfer], earliest: int) -> None:
         r = next((i for i in range(earliest, len(used)) if fits(i, piece)), None)
@@ -174,7 +176,7 @@ def schedule(
             used.append({})
             placed.append([])
         for t in piece:
-            for key in (t.src, t.dst):
+            for key in ((t.src, "send"), (t.dst, "recv")):
                 used[r][key] = used[r].get(key, 0) + t.nbytes
             placed[r].append(t)
             arrived[(t.dst, t.dst_tensor, t.dst_box)] = r
