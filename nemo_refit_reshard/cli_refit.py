@@ -297,7 +297,7 @@ def _plot_simulation(plan: RefitPlan, prediction: Any, placement: Any, path: str
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Predict the refit's time on a cluster model: no processes, no GPUs."""
     from .plan.predict import bandwidth_floor, predict_broadcast, predict_refit
-    from .plan.topology import Cluster, Placement
+    from .plan.topology import Cluster, Placement, Topology
 
     if args.plot:
         try:
@@ -307,8 +307,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     cfg = _config(args)
     cluster = Cluster.parse(args.cluster)
     spec, sources, destinations = build_layouts(cfg)
-    plan = plan_refit(spec, sources, destinations, bucket_mb=cfg.bucket_mb, relay=cfg.relay)
     placement = Placement.packed(len(sources), len(destinations), cluster)
+    # Replica choice balances predicted link time on this cluster, not bytes per sender.
+    plan = plan_refit(
+        spec,
+        sources,
+        destinations,
+        bucket_mb=cfg.bucket_mb,
+        relay=cfg.relay,
+        links=Topology(cluster, placement),
+    )
     pred = predict_refit(plan, cluster, placement)
     floor = bandwidth_floor(plan, sources, destinations, cluster, placement)
     bplan = plan_broadcast(spec, sources, destinations, cfg.bucket_mb)
