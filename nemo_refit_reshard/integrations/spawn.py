@@ -90,31 +90,26 @@ def _run_rank(rank: int, cfg: RunConfig, plan_path: str, port: int, result: dict
     import torch
 
     from ..engine.materialize import SyntheticWeights, materialize, mismatches
-    from ..engine.refit import Refitter
-    from ..engine.transport import GlooTransport
     from ..plan.baseline import plan_broadcast
+    from .worker import RefitEndpoint, RefitWorker
 
-    plan = RefitPlan.from_json(Path(plan_path).read_text())
+    plan_json = Path(plan_path).read_text()
     spec, sources, destinations = build_layouts(cfg)
     weights = SyntheticWeights(spec, cfg.seed)
     s = len(sources)
     is_source = rank < s
     layout = sources[rank] if is_source else destinations[rank - s]
-    world = s + len(destinations)
     if cfg.transport == "cupy-nccl":
-        import torch
-
-        from ..engine.cupy_nccl import CupyNcclTransport
-
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        transport = CupyNcclTransport("127.0.0.1", port, rank, world, device.index, cfg.timeout_s)
-    elif cfg.transport == "gloo":
-        device = torch.device("cpu")
-        transport = GlooTransport("127.0.0.1", port, rank, world, timeout_s=cfg.timeout_s)
     else:
-        raise ValueError(f"unknown transport {cfg.transport!r}; choose gloo or cupy-nccl")
+        device = torch.device("cpu")
     tensors = materialize(layout, weights, fill=float("nan"), device=device)
+    endpoint = RefitEndpoint(
+        "127.0.0.1", port, s + len(destinations), rank, cfg.transport, cfg.timeout_s
+    )
+    worker = RefitWorker(endpoint, tensors, device)
+    worker.join()
     bplan = (
         plan_broadcast(spec, sources, destinations, cfg.bucket_mb)
         if ("broadcast" in cfg.backends)
@@ -123,8 +118,8 @@ def _run_rank(rank: int, cfg: RunConfig, plan_path: str, port: int, result: dict
     progress = Path(plan_path).with_name(f"progress{rank}")
     done = 0
     for b_index, backend in enumerate(cfg.backends):
-        refitter = Refitter(plan, rank, tensors, transport, backend, bplan, device=device)
-        refitter.refit()  # warm-up: gloo connects pairs lazily on first use
+        worker.load_plan(plan_json, backend, bplan)
+        worker.refit()  # warm-up: gloo connects pairs lazily on first use
         timings = []
         for step in range(cfg.steps):
             if not is_source:
@@ -132,12 +127,12 @@ def _run_rank(rank: int, cfg: RunConfig, plan_path: str, port: int, result: dict
                     t.fill_(float("nan"))
             if cfg.kill_rank == rank and b_index == 0 and step == cfg.kill_step:
                 os._exit(3)  # simulated crash: no cleanup, sockets reset
-            transport.barrier()  # every rank starts the step together
-            timing = refitter.refit()
+            worker.barrier()  # every rank starts the step together
+            timing = worker.refit()
             timings.append([timing.seconds, timing.exchange_seconds])
             done += 1
             progress.write_text(str(done))
-        entry: dict[str, Any] = {"timings": timings, "staging_bytes": _staging(refitter)}
+        entry: dict[str, Any] = {"timings": timings, "staging_bytes": _staging(worker.refitter)}
         if not is_source and cfg.verify:
             entry["mismatches"] = mismatches(layout, tensors, weights)
         result["backends"][backend] = entry

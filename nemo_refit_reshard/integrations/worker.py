@@ -1,0 +1,143 @@
+"""Worker-side refit API, framework neutral: what a training or generation worker calls.
+
+The driver (NeMo RL's or veRL's controller, or ``integrations/spawn.py``)
+builds the plan once from every rank's layout and ships its JSON to every
+worker, together with a :class:`RefitEndpoint` (the refit group's rendezvous
+address and this worker's rank in it). A worker then::
+
+    worker = RefitWorker(endpoint, dict(model.named_parameters()))
+    worker.join()                 # rendezvous: every rank of the refit group
+    worker.load_plan(plan_json)   # check fingerprints + live tensors, compile
+    ...
+    worker.refit()                # every training step, on every rank
+
+Training workers send from their parameters; generation workers receive into
+theirs, in place. Nothing here knows Megatron, vLLM or Ray.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from ..engine.refit import Refitter, StepTiming
+from ..engine.transport import DEFAULT_TIMEOUT_S, GlooTransport, Transport
+from ..plan.baseline import BroadcastPlan
+from ..plan.plan import RefitPlan
+
+TRANSPORTS = ("gloo", "cupy-nccl")
+
+
+@dataclass(frozen=True)
+class RefitEndpoint:
+    """Where and as whom a worker joins the refit group (JSON-serialisable)."""
+
+    host: str
+    port: int
+    world_size: int
+    group_rank: int  # training ranks 0..S-1, generation rank d is S + d
+    transport: str = "gloo"
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"unknown refit transport {self.transport!r}; choose from {TRANSPORTS}"
+            )
+        if not 0 <= self.group_rank < self.world_size:
+            raise ValueError(f"refit rank {self.group_rank} outside a group of {self.world_size}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RefitEndpoint:
+        return cls(**json.loads(text))
+
+
+def describe_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Name -> ``[shape, dtype]`` of a worker's live tensors, for the driver to check."""
+    return {
+        name: [list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in tensors.items()
+    }
+
+
+class RefitWorker:
+    """One worker's membership in the refit group."""
+
+    def __init__(
+        self,
+        endpoint: RefitEndpoint,
+        tensors: Mapping[str, torch.Tensor],
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.tensors = tensors
+        first = next(iter(tensors.values()), None)
+        self.device = (
+            torch.device(device)
+            if device is not None
+            else (first.device if first is not None else torch.device("cpu"))
+        )
+        self.transport: Transport | None = None
+        self.refitter: Refitter | None = None
+
+    def join(self) -> None:
+        """Rendezvous with every other rank of the refit group (blocks up to the timeout)."""
+        e = self.endpoint
+        if e.transport == "gloo":
+            self.transport = GlooTransport(e.host, e.port, e.group_rank, e.world_size, e.timeout_s)
+        else:
+            from ..engine.cupy_nccl import CupyNcclTransport
+
+            self.transport = CupyNcclTransport(
+                e.host, e.port, e.group_rank, e.world_size, self.device.index, e.timeout_s
+            )
+
+    def load_plan(
+        self,
+        plan: RefitPlan | str,
+        backend: str = "reshard",
+        broadcast_plan: BroadcastPlan | None = None,
+    ) -> None:
+        """Check that every rank holds this plan and that the live tensors match it, then
+        compile this rank's program. Collective: every rank of the group must call it."""
+        if self.transport is None:
+            raise RuntimeError("call join() before load_plan()")
+        if isinstance(plan, str):
+            plan = RefitPlan.from_json(plan)
+        world = plan.num_sources + plan.num_destinations
+        if world != self.endpoint.world_size:
+            raise ValueError(
+                f"the plan spans {world} ranks but this refit group has "
+                f"{self.endpoint.world_size}; build the plan for this group"
+            )
+        self.refitter = Refitter(
+            plan,
+            self.endpoint.group_rank,
+            self.tensors,
+            self.transport,
+            backend,
+            broadcast_plan,
+            self.device,
+        )
+
+    def refit(self) -> StepTiming:
+        """One refit step (collective over the refit group)."""
+        if self.refitter is None:
+            raise RuntimeError("call load_plan() before refit()")
+        return self.refitter.refit()
+
+    def barrier(self) -> None:
+        if self.transport is None:
+            raise RuntimeError("call join() first")
+        self.transport.barrier()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
