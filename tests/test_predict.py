@@ -290,7 +290,8 @@ def _expected(config: str, cluster: Cluster, relay: str = "none"):
     src = [megatron_layout(spec, tp, 0)]
     dst = [vllm_layout(spec, ip, r) for r in range(4)]
     placement = Placement.packed(1, 4, cluster)
-    plan = plan_refit(spec, src, dst, relay=relay)
+    # simulate plans topology-aware: replica choice and relay chains see the cluster
+    plan = plan_refit(spec, src, dst, relay=relay, links=Topology(cluster, placement))
     return (
         predict_refit(plan, cluster, placement),
         bandwidth_floor(plan, src, dst, cluster, placement),

@@ -286,7 +286,7 @@ def plan_refit(
     needs = _needs_all(destinations, regions, s)
     transfers = coalesce(assign_senders(needs, dtype_of, links))
     if relay == "chain":
-        direct, *forwarded = chain_replicas(transfers)
+        direct, *forwarded = chain_replicas(transfers, links)
         rounds = schedule(direct, bucket_bytes, forwarded)
     else:
         rounds = schedule(transfers, bucket_bytes)

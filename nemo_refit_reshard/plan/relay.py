@@ -15,13 +15,48 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .balance import Transfer
+from ..layouts.base import Box, map_sub_box
+from .balance import LinkModel, Transfer, split_box
 
 RELAY_MODES = ("none", "chain")
 
 
-def chain_replicas(transfers: list[Transfer]) -> list[list[Transfer]]:
-    """Transfers by hop level: level 0 from training ranks, level k forwarded k times."""
+def _node_groups(dsts: list[int], links: LinkModel | None) -> list[list[int]]:
+    """Receivers grouped by node (consecutive ranks sharing NVLink), in rank order."""
+    groups: list[list[int]] = []
+    for d in dsts:
+        if groups and links is not None and links.link(groups[-1][0], d)[0] == "nvlink":
+            groups[-1].append(d)
+        else:
+            groups.append([d])
+    return groups
+
+
+def _part(t: Transfer, box: Box) -> Transfer:
+    """``t`` restricted to the canonical sub-box ``box``."""
+    return Transfer(
+        t.src,
+        t.dst,
+        t.src_tensor,
+        map_sub_box(t.canonical_box, t.src_box, box),
+        t.dst_tensor,
+        map_sub_box(t.canonical_box, t.dst_box, box),
+        t.canonical,
+        box,
+        t.dtype,
+    )
+
+
+def chain_replicas(
+    transfers: list[Transfer], links: LinkModel | None = None
+) -> list[list[Transfer]]:
+    """Transfers by hop level: level 0 from training ranks, level k forwarded k times.
+
+    With a topology, receivers sharing a node are chained next to each other (the
+    hop between them is NVLink) and the box is cut into as many parts as the
+    largest node group has members; part j enters every node through that node's
+    j-th member, so all of a node's NICs carry an equal share of what enters it.
+    """
     groups: dict[tuple, list[Transfer]] = defaultdict(list)
     for t in transfers:
         key = (
@@ -37,23 +72,29 @@ def chain_replicas(transfers: list[Transfer]) -> list[list[Transfer]]:
         groups[key].append(t)
     levels: list[list[Transfer]] = [[]]
     for key in sorted(groups, key=lambda k: (k[0], k[1], k[2].offsets, k[4], k[5].offsets)):
-        chain = sorted(groups[key], key=lambda t: t.dst)
-        levels[0].append(chain[0])
-        for hop in range(1, len(chain)):
-            prev, t = chain[hop - 1], chain[hop]
-            if len(levels) <= hop:
-                levels.append([])
-            levels[hop].append(
-                Transfer(
-                    src=prev.dst,
-                    dst=t.dst,
-                    src_tensor=prev.dst_tensor,
-                    src_box=prev.dst_box,
-                    dst_tensor=t.dst_tensor,
-                    dst_box=t.dst_box,
-                    canonical=t.canonical,
-                    canonical_box=t.canonical_box,
-                    dtype=t.dtype,
+        by_dst = {t.dst: t for t in groups[key]}
+        nodes = _node_groups(sorted(by_dst), links)
+        width = max(len(g) for g in nodes)
+        boxes = split_box(key[7], width) if width > 1 else [key[7]]
+        for j, box in enumerate(boxes):
+            order = [d for g in nodes for d in g[j % len(g) :] + g[: j % len(g)]]
+            chain = [_part(by_dst[d], box) if len(boxes) > 1 else by_dst[d] for d in order]
+            levels[0].append(chain[0])
+            for hop in range(1, len(chain)):
+                prev, t = chain[hop - 1], chain[hop]
+                if len(levels) <= hop:
+                    levels.append([])
+                levels[hop].append(
+                    Transfer(
+                        src=prev.dst,
+                        dst=t.dst,
+                        src_tensor=prev.dst_tensor,
+                        src_box=prev.dst_box,
+                        dst_tensor=t.dst_tensor,
+                        dst_box=t.dst_box,
+                        canonical=t.canonical,
+                        canonical_box=t.canonical_box,
+                        dtype=t.dtype,
+                    )
                 )
-            )
     return levels
