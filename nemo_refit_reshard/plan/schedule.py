@@ -160,13 +160,21 @@ def schedule(
     # budgets, so a relay rank can receive one chunk while it forwards the previous one.
     used: list[dict[tuple[int, str], int]] = []
     placed: list[list[Transfer]] = []
-    arrived: dict[tuple[int, str, Box], int] = {}  # (rank, tensor, box) -> round it lands
 
     def fits(r: int, group: list[Transfer]) -> bool:
         load = used[r]
         if load.get((group[0].src, "send"), 0) + sum(t.nbytes for t in group) > bucket_bytes:
             return False
         return all(load.get((t.dst, "recv"), 0) + t.nbytes <= bucket_bytes for t in group)
+
+    # Relay hops wait for the part that brings their box to their sender; each is placed
+    # as soon as that part is, so hops of one box follow each other round after round
+    # while the next boxes' first hops proceed: the chain pipelines.
+    waiting: dict[tuple[int, str, Box], list[Transfer]] = defaultdict(list)
+    for level in forwarded or []:
+        for t in level:
+            for part in _cut(t, bucket_bytes):
+                waiting[(part.src, part.src_tensor, part.src_box)].append(part)
 
     def place(piece: list[Transfer], earliest: int) -> None:
         r = next((i for i in range(earliest, len(used)) if fits(i, piece)), None)
@@ -179,18 +187,17 @@ def schedule(
             for key in ((t.src, "send"), (t.dst, "recv")):
                 used[r][key] = used[r].get(key, 0) + t.nbytes
             placed[r].append(t)
-            arrived[(t.dst, t.dst_tensor, t.dst_box)] = r
+        for t in piece:
+            for hop in waiting.pop((t.dst, t.dst_tensor, t.dst_box), []):
+                place([hop], r + 1)
 
     for group in _fan_out_groups(transfers, bucket_bytes):
         # A group too big to go whole is placed part by part.
         pieces = [[t] for t in group] if sum(t.nbytes for t in group) > bucket_bytes else [group]
         for piece in pieces:
             place(piece, 0)
-    for level in forwarded or []:
-        parts = [p for t in level for p in _cut(t, bucket_bytes)]
-        parts.sort(key=lambda t: (t.src, t.dst, t.src_tensor, t.src_box.offsets))
-        for t in parts:
-            place([t], arrived[(t.src, t.src_tensor, t.src_box)] + 1)
+    if waiting:
+        raise AssertionError(f"{len(waiting)} relay hops never received their data")
     rounds: list[list[Message]] = []
     for r, round_transfers in enumerate(placed):
         pairs: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
