@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol
 
-from ..layouts.base import Box
+from ..layouts.base import Box, map_sub_box
 from .overlap import Need
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1}
@@ -42,6 +42,20 @@ class Transfer:
     @cached_property
     def nbytes(self) -> int:
         return self.canonical_box.numel * DTYPE_BYTES[self.dtype]
+
+    def part(self, box: Box) -> Transfer:
+        """This transfer restricted to ``box``, a sub-box of its canonical box."""
+        return Transfer(
+            self.src,
+            self.dst,
+            self.src_tensor,
+            map_sub_box(self.canonical_box, self.src_box, box),
+            self.dst_tensor,
+            map_sub_box(self.canonical_box, self.dst_box, box),
+            self.canonical,
+            box,
+            self.dtype,
+        )
 
 
 def split_box(box: Box, parts: int) -> list[Box]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..layouts.base import Box, map_sub_box
 from .balance import LinkModel, Transfer, split_box
 
 RELAY_MODES = ("none", "chain")
@@ -30,21 +29,6 @@ def _node_groups(dsts: list[int], links: LinkModel | None) -> list[list[int]]:
         else:
             groups.append([d])
     return groups
-
-
-def _part(t: Transfer, box: Box) -> Transfer:
-    """``t`` restricted to the canonical sub-box ``box``."""
-    return Transfer(
-        t.src,
-        t.dst,
-        t.src_tensor,
-        map_sub_box(t.canonical_box, t.src_box, box),
-        t.dst_tensor,
-        map_sub_box(t.canonical_box, t.dst_box, box),
-        t.canonical,
-        box,
-        t.dtype,
-    )
 
 
 def chain_replicas(
@@ -78,7 +62,7 @@ def chain_replicas(
         boxes = split_box(key[7], width) if width > 1 else [key[7]]
         for j, box in enumerate(boxes):
             order = [d for g in nodes for d in g[j % len(g) :] + g[: j % len(g)]]
-            chain = [_part(by_dst[d], box) if len(boxes) > 1 else by_dst[d] for d in order]
+            chain = [by_dst[d].part(box) if len(boxes) > 1 else by_dst[d] for d in order]
             levels[0].append(chain[0])
             for hop in range(1, len(chain)):
                 prev, t = chain[hop - 1], chain[hop]

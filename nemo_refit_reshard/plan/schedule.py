@@ -18,7 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from itertools import groupby
 
-from ..layouts.base import Box, map_sub_box
+from ..layouts.base import Box
 from .balance import DTYPE_BYTES, Transfer, split_box
 
 
@@ -75,20 +75,7 @@ def _cut(t: Transfer, max_bytes: int) -> list[Transfer]:
             f"bucket of {max_bytes} bytes cannot hold one row of {t.canonical} "
             f"({t.nbytes // rows} bytes); raise bucket_mb"
         )
-    return [
-        Transfer(
-            t.src,
-            t.dst,
-            t.src_tensor,
-            map_sub_box(t.canonical_box, t.src_box, box),
-            t.dst_tensor,
-            map_sub_box(t.canonical_box, t.dst_box, box),
-            t.canonical,
-            box,
-            t.dtype,
-        )
-        for box in split_box(t.canonical_box, parts)
-    ]
+    return [t.part(box) for box in split_box(t.canonical_box, parts)]
 
 
 @dataclass(frozen=True)
