@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from hypothesis import HealthCheck, assume, given, settings
@@ -25,8 +26,10 @@ from nemo_refit_reshard.layouts import (
 )
 from nemo_refit_reshard.spec import InferParallel, ModelSpec, TrainParallel, spec_from_hf_config
 
+# HYPOTHESIS_EXAMPLES=600 runs a deeper search locally; CI keeps the default.
+EXAMPLES = int(os.environ.get("HYPOTHESIS_EXAMPLES", "150"))
 SETTINGS = settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.filter_too_much]
+    max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.filter_too_much]
 )
 
 

@@ -7,6 +7,8 @@ and compares every destination element, bit for bit after the dtype cast.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -26,8 +28,10 @@ from nemo_refit_reshard.plan import RefitPlan, plan_refit
 from nemo_refit_reshard.plan.verify import verify_plan
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
 
+# HYPOTHESIS_EXAMPLES=600 runs a deeper search locally; CI keeps the default.
+EXAMPLES = int(os.environ.get("HYPOTHESIS_EXAMPLES", "60"))
 SETTINGS = settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.filter_too_much]
+    max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.filter_too_much]
 )
 
 
