@@ -277,3 +277,27 @@ def test_topology_aware_replica_choice_prefers_the_fast_link() -> None:
     assert aware.stats.bytes_sent[0] > 0.85 * aware.stats.total_bytes
     assert busy(aware) < 0.25 * busy(plain)
     assert aware.stats.total_bytes == aware.stats.min_bytes
+
+
+def test_rank_plan_slices_hold_only_their_share() -> None:
+    from nemo_refit_reshard.plan.rank_plan import RankPlan, load_plan_json, rank_plan
+
+    src, dst = _layouts(MOE, "tp=2,ep=2,etp=1", "tp=2,dp=2")
+    plan = plan_refit(MOE, src, dst)
+    world = plan.num_sources + plan.num_destinations
+    slices = [rank_plan(plan, r) for r in range(world)]
+    # every message is in exactly the sender's and the receiver's slice
+    for msgs in plan.rounds:
+        for m in msgs:
+            holders = [s.group_rank for s in slices if m in s.messages]
+            assert holders == sorted({m.src, m.dst})
+    again = load_plan_json(slices[3].to_json())
+    assert isinstance(again, RankPlan) and again == slices[3]
+    assert again.fingerprint == plan.fingerprint
+    assert len(slices[3].to_json()) < len(plan.to_json()) / 2
+    # a slice compiles to the same program as the full plan
+    tensors = {t.name: torch.zeros(t.shape) for t in dst[1].tensors}
+    full, part = RankProgram(plan, 3, tensors), RankProgram(again, 3, tensors)
+    assert [len(p.copies_in) for p in full.rounds] == [len(p.copies_in) for p in part.rounds]
+    with pytest.raises(PlanError, match="this plan slice is for refit rank 3, not 2"):
+        RankProgram(again, 2, tensors)

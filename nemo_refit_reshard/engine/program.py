@@ -23,6 +23,7 @@ from ..layouts.base import Box
 from ..plan.balance import DTYPE_BYTES
 from ..plan.overlap import PlanError
 from ..plan.plan import RefitPlan
+from ..plan.rank_plan import RankPlan
 from ..plan.schedule import Message
 from .transport import Transport
 
@@ -115,7 +116,7 @@ class RankProgram:
 
     def __init__(
         self,
-        plan: RefitPlan,
+        plan: RefitPlan | RankPlan,
         group_rank: int,
         tensors: Mapping[str, torch.Tensor],
         device: torch.device | str = "cpu",
@@ -125,18 +126,15 @@ class RankProgram:
         self.device = torch.device(device)
         s = plan.num_sources
         self.is_source = group_rank < s
-        if self.is_source:
-            expected = plan.source_tensors[group_rank]
-            who = f"source rank {group_rank}"
-        else:
-            expected = plan.destination_tensors[group_rank - s]
-            who = f"destination rank {group_rank - s}"
-        check_live_tensors(expected, tensors, self.device, who)
+        who = (
+            f"source rank {group_rank}" if self.is_source else f"destination rank {group_rank - s}"
+        )
+        check_live_tensors(plan.expected_tensors(group_rank), tensors, self.device, who)
         messages = plan.messages_of(group_rank)
         by_round: dict[int, list[Message]] = {}
         for m in messages:
             by_round.setdefault(m.round, []).append(m)
-        layouts = [self._layout_round(by_round.get(r, [])) for r in range(len(plan.rounds))]
+        layouts = [self._layout_round(by_round.get(r, [])) for r in range(plan.num_rounds)]
         send_size = max((lay[1] for lay in layouts), default=0)
         recv_size = max((lay[2] for lay in layouts), default=0)
         self.send_buffer = torch.empty(send_size, dtype=torch.uint8, device=self.device)

@@ -16,6 +16,7 @@ import torch
 from ..plan.baseline import BroadcastPlan
 from ..plan.overlap import PlanError
 from ..plan.plan import RefitPlan
+from ..plan.rank_plan import RankPlan
 from .broadcast import BroadcastProgram
 from .program import RankProgram
 from .transport import Transport
@@ -66,7 +67,7 @@ class Refitter:
 
     def __init__(
         self,
-        plan: RefitPlan,
+        plan: RefitPlan | RankPlan,
         group_rank: int,
         tensors: Mapping[str, torch.Tensor],
         transport: Transport,

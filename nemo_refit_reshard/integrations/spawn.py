@@ -23,6 +23,7 @@ from typing import Any
 
 from ..layouts import MegatronOptions, VllmOptions, megatron_layout, vllm_layout
 from ..plan import RefitPlan, plan_refit
+from ..plan.rank_plan import rank_plan
 from ..spec import InferParallel, TrainParallel, load_model_spec
 
 
@@ -93,7 +94,8 @@ def _run_rank(rank: int, cfg: RunConfig, plan_path: str, port: int, result: dict
     from ..plan.baseline import plan_broadcast
     from .worker import RefitEndpoint, RefitWorker
 
-    plan_json = Path(plan_path).read_text()
+    # Each worker reads only its own slice of the plan (written by the driver).
+    plan_json = Path(plan_path).with_name(f"plan{rank}.json").read_text()
     spec, sources, destinations = build_layouts(cfg)
     weights = SyntheticWeights(spec, cfg.seed)
     s = len(sources)
@@ -177,6 +179,8 @@ def run_local(
     with tempfile.TemporaryDirectory() as tmp:
         plan_path = os.path.join(tmp, "plan.json")
         Path(plan_path).write_text(plan.to_json())
+        for r in range(world):
+            Path(tmp, f"plan{r}.json").write_text(rank_plan(plan, r).to_json())
         port = _free_port()
         ctx = mp.start_processes(
             _worker,

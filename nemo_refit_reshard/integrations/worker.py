@@ -28,6 +28,7 @@ from ..engine.refit import Refitter, StepTiming
 from ..engine.transport import DEFAULT_TIMEOUT_S, GlooTransport, Transport
 from ..plan.baseline import BroadcastPlan
 from ..plan.plan import RefitPlan
+from ..plan.rank_plan import RankPlan, load_plan_json
 
 TRANSPORTS = ("gloo", "cupy-nccl")
 
@@ -100,16 +101,17 @@ class RefitWorker:
 
     def load_plan(
         self,
-        plan: RefitPlan | str,
+        plan: RefitPlan | RankPlan | str,
         backend: str = "reshard",
         broadcast_plan: BroadcastPlan | None = None,
     ) -> None:
         """Check that every rank holds this plan and that the live tensors match it, then
-        compile this rank's program. Collective: every rank of the group must call it."""
+        compile this rank's program. ``plan`` is the full plan or this rank's slice
+        (``RankPlan``), as an object or JSON. Collective: every rank must call it."""
         if self.transport is None:
             raise RuntimeError("call join() before load_plan()")
         if isinstance(plan, str):
-            plan = RefitPlan.from_json(plan)
+            plan = load_plan_json(plan)
         world = plan.num_sources + plan.num_destinations
         if world != self.endpoint.world_size:
             raise ValueError(

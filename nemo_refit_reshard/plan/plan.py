@@ -66,6 +66,16 @@ class RefitPlan:
     stats: PlanStats
     fingerprint: str = field(default="")
 
+    @property
+    def num_rounds(self) -> int:
+        return len(self.rounds)
+
+    def expected_tensors(self, group_rank: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """The live tensors (name -> shape, dtype) this refit-group rank must hold."""
+        if group_rank < self.num_sources:
+            return self.source_tensors[group_rank]
+        return self.destination_tensors[group_rank - self.num_sources]
+
     def messages_of(self, group_rank: int) -> list[Message]:
         """Every message this refit-group rank sends or receives, in round order."""
         return [m for msgs in self.rounds for m in msgs if group_rank in (m.src, m.dst)]
