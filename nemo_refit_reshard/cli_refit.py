@@ -21,9 +21,10 @@ def add_run_arguments(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--bucket-mb", type=float, default=512)
     p.add_argument(
         "--relay",
-        choices=("none", "chain"),
+        choices=("none", "chain", "auto"),
         default="none",
-        help="chain: forward slices between inference replicas",
+        help="chain: forward slices between inference replicas; auto (simulate only): "
+        "whichever the cluster model predicts faster",
     )
     p.add_argument("--train-dtype", default=None, help="training params dtype (e.g. float32)")
     p.add_argument(
@@ -59,6 +60,8 @@ def _config(args: argparse.Namespace) -> RunConfig:
             raise ValueError(f"unknown backend {b!r}; choose from reshard, broadcast")
     if args.steps < 1:
         raise ValueError("--steps must be >= 1")
+    if args.relay == "auto" and args.command != "simulate":
+        raise ValueError("--relay auto needs a cluster model to choose with: use it with simulate")
     return RunConfig(
         model=args.model,
         train=args.train,
@@ -309,14 +312,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     spec, sources, destinations = build_layouts(cfg)
     placement = Placement.packed(len(sources), len(destinations), cluster)
     # Replica choice balances predicted link time on this cluster, not bytes per sender.
-    plan = plan_refit(
-        spec,
-        sources,
-        destinations,
-        bucket_mb=cfg.bucket_mb,
-        relay=cfg.relay,
-        links=Topology(cluster, placement),
-    )
+    candidates = []
+    for relay in ("none", "chain") if cfg.relay == "auto" else (cfg.relay,):
+        plan = plan_refit(
+            spec,
+            sources,
+            destinations,
+            bucket_mb=cfg.bucket_mb,
+            relay=relay,
+            links=Topology(cluster, placement),
+        )
+        candidates.append((predict_refit(plan, cluster, placement).seconds, relay, plan))
+    _, chosen, plan = min(candidates, key=lambda c: c[0])
     pred = predict_refit(plan, cluster, placement)
     floor = bandwidth_floor(plan, sources, destinations, cluster, placement)
     bplan = plan_broadcast(spec, sources, destinations, cfg.bucket_mb)
@@ -325,7 +332,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         "model": spec.name,
         "train": cfg.train,
         "infer": cfg.infer,
-        "relay": cfg.relay,
+        "relay": chosen if cfg.relay != "auto" else f"auto: {chosen}",
         "cluster": str(cluster),
         "training_nodes": len(placement.training_nodes),
         "inference_nodes": len(placement.inference_nodes),
@@ -357,7 +364,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(
         f"simulate {spec.name}: training {cfg.train} ({plan.num_sources} GPUs on "
         f"{report['training_nodes']} nodes) -> inference {cfg.infer} ({plan.num_destinations} "
-        f"GPUs on {report['inference_nodes']} nodes), relay {cfg.relay}"
+        f"GPUs on {report['inference_nodes']} nodes), relay {report['relay']}"
     )
     slowest = (
         f"slowest round {pred.slowest_round}: rank {pred.bottleneck_rank} {pred.bottleneck_link}"

@@ -340,3 +340,31 @@ def test_cli_simulate_plot(llama_config, tmp_path, capsys, monkeypatch) -> None:
 def test_cli_simulate_rejects_bad_cluster(llama_config, capsys) -> None:
     assert main(["simulate", "--model", llama_config, "--cluster", "nic=1"]) == 2
     assert "unknown cluster key 'nic'" in capsys.readouterr().err
+
+
+def test_cli_simulate_relay_auto_picks_the_faster_plan(llama_config, capsys) -> None:
+    base = [
+        "simulate",
+        "--model",
+        llama_config,
+        "--train",
+        "tp=1",
+        "--infer",
+        "tp=1,dp=4",
+        "--cluster",
+        "gpus_per_node=8",
+        "--json",
+        "--bucket-mb",
+        "0.01",
+    ]
+    seconds = {}
+    for relay in ("none", "chain"):
+        assert main([*base, "--relay", relay]) == 0
+        seconds[relay] = json.loads(capsys.readouterr().out)["predicted_s"]
+    assert main([*base, "--relay", "auto"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    best = min(seconds, key=seconds.get)
+    assert report["relay"] == f"auto: {best}" and report["predicted_s"] == seconds[best]
+    assert best == "chain"  # one training GPU feeding four replicas: forwarding wins
+    assert main(["plan", "--model", llama_config, "--relay", "auto"]) == 2
+    assert "--relay auto needs a cluster model" in capsys.readouterr().err
