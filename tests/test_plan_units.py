@@ -301,3 +301,15 @@ def test_rank_plan_slices_hold_only_their_share() -> None:
     assert [len(p.copies_in) for p in full.rounds] == [len(p.copies_in) for p in part.rounds]
     with pytest.raises(PlanError, match="this plan slice is for refit rank 3, not 2"):
         RankProgram(again, 2, tensors)
+
+
+def test_broadcast_baseline_in_process_is_bit_exact() -> None:
+    from nemo_refit_reshard.engine.materialize import empty_like_layout, materialize, mismatches
+    from nemo_refit_reshard.engine.simulate import simulate_broadcast
+
+    src, dst = _layouts(MOE, "tp=2,ep=2,etp=1", "tp=2,dp=2")
+    canonical = {t.name: torch.randn(t.shape) for t in MOE}
+    sources = [materialize(lay, canonical) for lay in src]
+    destinations = [empty_like_layout(lay) for lay in dst]
+    simulate_broadcast(plan_broadcast(MOE, src, dst, bucket_mb=0.05), sources, destinations)
+    assert [mismatches(lay, t, canonical) for lay, t in zip(dst, destinations)] == [[]] * 4

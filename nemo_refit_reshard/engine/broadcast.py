@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..layouts.base import Box
 from ..plan.baseline import BroadcastPlan, BroadcastStep
 from .program import TORCH_DTYPES, CopyPhase, _align, _view
 from .transport import Transport
@@ -90,18 +91,18 @@ class BroadcastProgram:
                     out_by_reader[s + dst].append(st)
                 if s + dst == me:
                     in_by_root[st.root].append((st, pieces))
-        self._pack(bcast, out_by_reader, full_view, lambda st: _whole(st.shape))
-        spans, recv_views = _Spans(), []
+        self._pack(bcast, out_by_reader, full_view, lambda st: Box.full(st.shape))
+        # One message per root: the whole tensors this rank reads from it, back to back.
+        spans, recv_views, ranges = _Spans(), [], []
         for root in sorted(in_by_root):
             start = spans.take(0)
             for st, pieces in in_by_root[root]:
-                recv_views.append((root, spans.take(st.nbytes), st, pieces))
-            in_by_root[root] = [start, spans.size]  # type: ignore[assignment]
+                recv_views.append((spans.take(st.nbytes), st, pieces))
+            ranges.append((root, start, spans.size))
         buf = self._alloc(spans.size)
-        for root in sorted(in_by_root):
-            start, end = in_by_root[root]  # type: ignore[misc]
+        for root, start, end in ranges:
             bcast.recvs.append((root, buf[start:end]))
-        for _, off, st, pieces in recv_views:
+        for off, st, pieces in recv_views:
             whole = _view(buf, off, st.nbytes, st.dtype, st.shape)
             for name, local_box, cbox in pieces:
                 dst_view = t[name][local_box.slices()]
@@ -145,9 +146,3 @@ class BroadcastProgram:
         with torch.no_grad():
             for phase in self.phases:
                 phase.run(transport)
-
-
-def _whole(shape: tuple[int, ...]):
-    from ..layouts.base import Box
-
-    return Box.full(shape)
