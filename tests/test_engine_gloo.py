@@ -163,3 +163,40 @@ def test_existing_torch_distributed_group(tmp_path) -> None:
     )
     for rank in (1, 2):
         assert json.loads((tmp_path / f"{rank}.json").read_text()) == []
+
+
+def _two_worlds_worker(rank: int, tmp: str, port: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from nemo_refit_reshard.engine.transport import GlooTransport
+
+    # Each pool already runs its own default torch.distributed world: training = {0},
+    # inference = {1, 2}. The refit group spans both without touching either.
+    pool, pool_rank, pool_size = ("train", 0, 1) if rank == 0 else ("infer", rank - 1, 2)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/{pool}", rank=pool_rank, world_size=pool_size
+    )
+    refit = GlooTransport("127.0.0.1", port, rank, 3, timeout_s=30)
+    payload = torch.arange(8, dtype=torch.uint8) + 10 * rank
+    sends = [(p, payload) for p in range(3) if p != rank]
+    got = {p: torch.zeros(8, dtype=torch.uint8) for p in range(3) if p != rank}
+    refit.exchange(sends, list(got.items()))
+    # the pool's own world still works afterwards
+    total = torch.tensor([rank])
+    dist.all_reduce(total)
+    with open(os.path.join(tmp, f"{rank}.json"), "w") as f:
+        json.dump({"got": {p: t.tolist() for p, t in got.items()}, "pool_sum": int(total)}, f)
+    dist.destroy_process_group()
+
+
+def test_refit_group_spans_pools_that_have_their_own_worlds(tmp_path) -> None:
+    mp.start_processes(
+        _two_worlds_worker, args=(str(tmp_path), _free_port()), nprocs=3, start_method="spawn"
+    )
+    for rank in range(3):
+        report = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert report["got"] == {
+            str(p): [10 * p + i for i in range(8)] for p in range(3) if p != rank
+        }
+        assert report["pool_sum"] == (0 if rank == 0 else 3)
