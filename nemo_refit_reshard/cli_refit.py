@@ -299,7 +299,12 @@ def _plot_simulation(plan: RefitPlan, prediction: Any, placement: Any, path: str
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Predict the refit's time on a cluster model: no processes, no GPUs."""
-    from .plan.predict import bandwidth_floor, predict_broadcast, predict_refit
+    from .plan.predict import (
+        bandwidth_floor,
+        predict_broadcast,
+        predict_refit,
+        predict_timeline,
+    )
     from .plan.topology import Cluster, Placement, Topology
 
     if args.plot:
@@ -339,6 +344,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         "plan": plan.fingerprint,
         "predicted": pred.to_json(),
         "predicted_s": pred.seconds,
+        "predicted_timeline_s": predict_timeline(plan, cluster, placement),
         "floor": floor.to_json(),
         "floor_s": floor.seconds,
         "floor_term": floor.binding.key,
@@ -376,6 +382,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         ("predicted refit", f"{ms(pred.seconds)} ({len(pred.round_seconds)} rounds; {slowest})"),
         ("bandwidth floor", f"{ms(floor.seconds)} (({b.key}) {b.what}, {b.where})"),
         ("predicted / floor", times(report["ratio_to_floor"])),
+        ("no round barrier (timeline)", ms(report["predicted_timeline_s"])),
         ("gather-broadcast baseline", ms(base.seconds)),
         ("speedup over baseline", times(report["speedup"])),
     ]

@@ -368,3 +368,19 @@ def test_cli_simulate_relay_auto_picks_the_faster_plan(llama_config, capsys) -> 
     assert best == "chain"  # one training GPU feeding four replicas: forwarding wins
     assert main(["plan", "--model", llama_config, "--relay", "auto"]) == 2
     assert "--relay auto needs a cluster model" in capsys.readouterr().err
+
+
+def test_timeline_has_no_barrier_between_rounds() -> None:
+    """Two independent pairs whose big messages fall in different rounds: the round model
+    pays both (4 ms), the timeline only the longer chain of each pair (2 ms + 0.02 ms)."""
+    from nemo_refit_reshard.plan.predict import predict_timeline
+
+    c = Cluster(gpus_per_node=1)  # every rank on its own node: all NIC
+    plan = _plan(2, 2, [[(0, 2, 100 * MB), (1, 3, MB)], [(1, 3, 100 * MB), (0, 2, MB)]])
+    placement = Placement.packed(2, 2, c)
+    assert predict_refit(plan, c, placement).seconds == approx(2 * (2e-3 + NIC_LAT))
+    assert predict_timeline(plan, c, placement) == approx(2e-3 + 0.02e-3 + 2 * NIC_LAT)
+    # A dependency through a shared rank keeps the rounds in sequence.
+    chained = _plan(1, 2, [[(0, 1, 100 * MB)], [(1, 2, 100 * MB)]])
+    placement = Placement.packed(1, 2, c)
+    assert predict_timeline(chained, c, placement) == approx(2 * (2e-3 + NIC_LAT))

@@ -125,6 +125,46 @@ def predict_refit(plan: RefitPlan, cluster: Cluster, placement: Placement) -> Pr
     )
 
 
+def predict_timeline(plan: RefitPlan, cluster: Cluster, placement: Placement) -> float:
+    """Refit time without a global barrier between rounds, as the engine runs.
+
+    A rank runs its rounds in order and, in a round, waits only for its own
+    messages. Its round ``r`` can start once it and every peer it exchanges with in
+    ``r`` have finished their round ``r-1``; it then takes its own link time::
+
+        T[g][r] = max(T[g][r-1], max over peers p of T[p][r-1])
+                  + max over links L of (max(out_L, in_L) / bw_L + lat_L * n_L)
+
+    (``T[g][r] = T[g][r-1]`` when ``g`` has no message in ``r``). The refit takes
+    ``max over g of T[g][last]``. Never more than :func:`predict_refit`.
+    """
+    _check_placement(placement, plan.num_sources, plan.num_destinations)
+    done = [0.0] * (plan.num_sources + plan.num_destinations)
+    for msgs in plan.rounds:
+        peers: dict[int, set[int]] = defaultdict(set)
+        loads: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0, 0, 0])
+        for m in msgs:
+            if m.src == m.dst:
+                continue
+            peers[m.src].add(m.dst)
+            peers[m.dst].add(m.src)
+            link = _link_of(placement, m.src, m.dst)
+            out, inn = loads[(m.src, link)], loads[(m.dst, link)]
+            out[0] += m.nbytes
+            out[2] += 1
+            inn[1] += m.nbytes
+            inn[2] += 1
+        own: dict[int, float] = defaultdict(float)
+        for (rank, link), (out_b, in_b, count) in loads.items():
+            bw, lat = _link(cluster, link)
+            own[rank] = max(own[rank], max(out_b, in_b) / bw + lat * count)
+        before = list(done)
+        for rank, ps in peers.items():
+            start = max([before[rank]] + [before[p] for p in ps])
+            done[rank] = start + own[rank]
+    return max(done, default=0.0)
+
+
 def traffic_matrix(plan: RefitPlan, placement: Placement) -> dict[tuple[int, int], int]:
     """Bytes per (source node, destination node), the diagonal being NVLink traffic."""
     out: dict[tuple[int, int], int] = defaultdict(int)
