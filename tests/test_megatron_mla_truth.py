@@ -1,0 +1,394 @@
+"""The Megatron provider against real megatron-core MLA (DeepSeek-V3-like) ``GPTModel``s.
+
+Like ``test_megatron_truth.py`` but for ``TINY_CONFIGS["deepseek_v3"]`` (MLA with
+q-LoRA, layer 0 dense, layers 1-2 MoE with 4 routed experts, 1 shared expert and a
+router ``expert_bias``), built with the *local* spec
+(``get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True)`` per layer,
+via ``get_gpt_decoder_block_spec`` and ``moe_layer_freq=[0, 1, 1]``) in one spawn of
+2 gloo CPU ranks. On every rank, for every configuration:
+
+1. names/shapes: ``state_dict()`` names (parameters + persistent buffers) and shapes
+   equal the provider's local tensors; ``parallel_state`` coordinates equal
+   ``layout.position``.
+2. placement: parameters filled through the provider's pieces with distinct integer
+   tags; every ShardedTensor of ``model.sharded_state_dict()`` must sit at the global
+   offset the tags imply, and equal the independently built global tensor there
+   (:func:`_mla_global`). Ranks with identical shard sets must be ``layout.replicas``.
+3. logits: parameters filled from a random HF ``DeepseekV3ForCausalLM`` checkpoint
+   through the pieces; Megatron's forward must match HF's logits. RoPE: HF
+   ``rope_interleave=True`` (the DeepSeek default) de-interleaves the rope sub-dims
+   (``[0::2 | 1::2]``) before ``rotate_half``; Megatron's ``_apply_rotary_pos_emb_bshd``
+   does exactly that whenever ``multi_latent_attention`` is set, so Megatron keeps
+   ``rotary_interleaved=False`` and ``rope_type="rope"`` (no YaRN; softmax scale
+   ``1/sqrt(qk_nope + qk_rope)`` like HF without ``rope_scaling``).
+   Controls: a shared-expert gate/up swap must break parity, and the logits must *not*
+   match HF run with ``rope_interleave=False`` (so the RoPE layout is really tested; the
+   router ``e_score_correction_bias`` is randomised so that it changes expert choice).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import traceback
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import megatron_cpu as mc
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from nemo_refit_reshard.layouts.megatron import MegatronOptions, megatron_layout
+from nemo_refit_reshard.spec.model import spec_from_hf_config
+from nemo_refit_reshard.spec.parallel import TrainParallel
+
+pytestmark = pytest.mark.slow
+
+WORLD, BATCH, SEQ = 2, 2, 8
+P = TrainParallel
+# Negative control: fill the shared experts' fc1 with gate and up swapped.
+NEG = ("shared_experts", "gate_proj", "up_proj")
+_BASE_GLOBAL = mc.megatron_global  # before the worker swaps in _mla_global
+CASES: dict[str, P] = {
+    "dsv3_tp2": P(tp=2),
+    "dsv3_ep2": P(tp=1, ep=2, dp=2),
+    "dsv3_tp2_ep2_etp1": P(tp=2, ep=2, etp=1),
+}
+
+
+# ------------------------------------------------------------------------------- workers
+def _cpu_mla_patches() -> type:
+    """Extra CPU patches for MLA (not in ``megatron_cpu.apply_cpu_patches``; see
+    /tmp/notes_megatron.md P6) and a core-attention class MLA can use without TE."""
+    from megatron.core.transformer import multi_latent_attention as mla_mod
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    # P6: megatron.core.extensions.transformer_engine imports without TE (``te`` is a
+    # MagicMock), so multi_latent_attention's try-import sets HAVE_TE=True and
+    # MLASelfAttention.__init__ calls isinstance(..., TELinear) on a MagicMock: TypeError.
+    mla_mod.HAVE_TE = False
+
+    class DotProductAttentionKV(DotProductAttention):
+        """MLASelfAttention passes ``k_channels``/``v_channels`` to its core attention,
+        which only TEDotProductAttention accepts; the local DotProductAttention would
+        also size its output by ``kv_channels`` instead of ``v_head_dim``."""
+
+        def __init__(self, *args: Any, k_channels: Any = None, v_channels: Any = None, **kw: Any):
+            super().__init__(*args, **kw)
+            if v_channels is not None:
+                self.hidden_size_per_attention_head = v_channels
+                heads = self.num_attention_heads_per_partition
+                self.hidden_size_per_partition = v_channels * heads
+
+    return DotProductAttentionKV
+
+
+def _mla_config(hf: dict[str, Any], par: P) -> Any:
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    spec = spec_from_hf_config(hf)
+    arch, moe = spec.arch, spec.arch.moe
+    assert moe is not None and arch.mla is not None
+    return MLATransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        ffn_hidden_size=arch.intermediate_size,
+        q_lora_rank=hf["q_lora_rank"],
+        kv_lora_rank=hf["kv_lora_rank"],
+        qk_head_dim=hf["qk_nope_head_dim"],
+        qk_pos_emb_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"],
+        rope_type="rope",
+        rotary_base=mc.rope_theta(hf),
+        rotary_scaling_factor=1.0,
+        rotary_interleaved=False,  # see the module docstring
+        qk_layernorm=True,  # q_a_layernorm / kv_a_layernorm
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        add_bias_linear=False,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=par.tp,
+        expert_model_parallel_size=par.ep,
+        expert_tensor_parallel_size=par.expert_tp,
+        use_cpu_initialization=True,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        num_moe_experts=moe.num_experts,
+        moe_ffn_hidden_size=moe.expert_intermediate_size,
+        moe_shared_expert_intermediate_size=moe.shared_intermediate_size,
+        moe_layer_freq=[int(arch.is_sparse(i)) for i in range(arch.num_layers)],
+        moe_router_topk=int(hf["num_experts_per_tok"]),
+        # DeepSeek-V3 routing: sigmoid scores, top-k chosen on scores + expert_bias,
+        # weights = chosen raw scores renormalised (norm_topk_prob) times the scale.
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        moe_router_num_groups=hf.get("n_group"),
+        moe_router_group_topk=hf.get("topk_group"),
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+    )
+
+
+def _mla_global(key: str, arch: Any, c: dict[str, torch.Tensor], vocab: int) -> torch.Tensor:
+    """Megatron's global tensor for sharded key ``key`` (heterogeneous block:
+    ``decoder.layers.<global i>.<sub>``), from the HF DeepSeek-V3 canonical tensors."""
+    m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", key)
+    if m is None:
+        return _BASE_GLOBAL(key, arch, c, vocab)
+    p, sub = f"model.layers.{m[1]}.", m[2]
+    direct = {
+        "input_layernorm.weight": "input_layernorm.weight",
+        "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+        "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+        "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+        "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+        "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+        "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+        "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+        "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
+        "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight",
+    }
+    if sub in direct:
+        return c[p + direct[sub]]
+    if sub == "mlp.shared_experts.linear_fc1.weight":
+        s = p + "mlp.shared_experts."
+        return torch.cat([c[s + "gate_proj.weight"], c[s + "up_proj.weight"]])
+    return mc._layer_global(arch, c, int(m[1]), sub)  # dense MLP, routed experts, router
+
+
+def _run_case(rank: int, par: P, payload: dict[str, Any], attn_cls: type) -> dict[str, Any]:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from test_megatron_truth import _corrupt, _shard_record
+
+    hf = payload["hf"]
+    spec = spec_from_hf_config(hf)
+    arch = spec.arch
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=par.tp,
+        expert_model_parallel_size=par.ep,
+        expert_tensor_parallel_size=par.expert_tp,
+    )
+    model_parallel_cuda_manual_seed(1234)
+    torch.manual_seed(0)
+    cfg = _mla_config(hf, par)
+    # Per-layer local specs (get_gpt_layer_local_spec(multi_latent_attention=True,
+    # qk_layernorm=True, num_experts=None|4)): layer 0 dense from moe_layer_freq.
+    block = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+    for layer_spec in block.layer_specs:
+        layer_spec.submodules.self_attention.submodules.core_attention = attn_cls
+    vocab = mc.padded_vocab(arch.vocab_size, par.tp)
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=block,
+        vocab_size=vocab,
+        max_sequence_length=64,
+        position_embedding_type="rope",
+        rotary_base=mc.rope_theta(hf),
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+    ).eval()
+    params = mc.local_tensors([model], 1)
+    layout = megatron_layout(spec, par, rank, MegatronOptions())
+    mine = tuple(t for t in layout.tensors if t.name in params and params[t.name].shape == t.shape)
+    out: dict[str, Any] = dict(names={n: tuple(p.shape) for n, p in params.items()})
+    out["position"] = dict(
+        tp=ps.get_tensor_model_parallel_rank(),
+        cp=ps.get_context_parallel_rank(),
+        dp=ps.get_data_parallel_rank(),
+        pp=ps.get_pipeline_model_parallel_rank(),
+        etp=ps.get_expert_tensor_parallel_rank(),
+        ep=ps.get_expert_model_parallel_rank(),
+        edp=ps.get_expert_data_parallel_rank(),
+    )
+
+    tags = mc.tag_tensors(spec)
+    mc.fill(params, mine, tags)
+    records = []
+    meta = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    for name, obj in model.sharded_state_dict(metadata=meta).items():
+        if isinstance(obj, ShardedTensorFactory):
+            built = obj.build()
+            shards = built if isinstance(built, list) else [built]
+        elif isinstance(obj, ShardedTensor) and not name.endswith("_extra_state"):
+            shards = [obj]
+        else:
+            continue
+        records += [_shard_record(name, st, arch, tags, vocab) for st in shards]
+    out["records"] = records
+
+    ids = payload["inputs"][out["position"]["dp"]]
+    pos = torch.arange(SEQ).expand(BATCH, SEQ)
+    for key, tensors in [("logits", mine), ("negative", _corrupt(mine, NEG))]:
+        mc.fill(params, tensors, payload["canonical"])
+        with torch.no_grad():
+            local = model(ids, pos, mc.causal_mask(SEQ)).contiguous()  # [b, s, Vp/T]
+        parts = [torch.empty_like(local) for _ in range(par.tp)]
+        dist.all_gather(parts, local, group=ps.get_tensor_model_parallel_group())
+        out[key] = torch.cat(parts, dim=-1)[..., : arch.vocab_size]
+    dist.barrier()
+    ps.destroy_model_parallel()
+    return out
+
+
+def _worker(rank: int, tmp: str) -> None:
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    mc.apply_cpu_patches()
+    attn_cls = _cpu_mla_patches()
+    # megatron_cpu.megatron_global has no MLA / shared-expert / expert_bias keys; the
+    # placement record (test_megatron_truth._shard_record) looks it up on megatron_cpu.
+    mc.megatron_global = _mla_global
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp}/init",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=120),
+    )
+    payload = torch.load(os.path.join(tmp, "payload.pt"), weights_only=False)
+    results = {}
+    for name, par in CASES.items():
+        try:
+            results[name] = _run_case(rank, par, payload, attn_cls)
+        except Exception as e:
+            raise RuntimeError(f"rank {rank}, config {name}:\n{traceback.format_exc()}") from e
+    torch.save(results, os.path.join(tmp, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------- parent
+@pytest.fixture(scope="module")
+def truth() -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    from hf_models import checkpoint_state_dict, hf_config_dict
+    from test_megatron_truth import _random_hf
+
+    for name, par in CASES.items():
+        assert par.world_size == WORLD, name
+    model = _random_hf("deepseek_v3", 0)
+    # Random e_score_correction_bias (a buffer, so _random_hf leaves it at zero): makes
+    # the bias change the expert choice, so a misplaced bias shows in the logits.
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.5 * torch.randn(buf.shape, generator=gen))
+    hf = hf_config_dict(model)
+    canonical = checkpoint_state_dict(model)
+    spec_names = [t.name for t in spec_from_hf_config(hf)]
+    assert sorted(canonical) == sorted(spec_names), "checkpoint names != ModelSpec names"
+    inputs = torch.randint(0, hf["vocab_size"], (WORLD, BATCH, SEQ), generator=gen)
+    with torch.no_grad():
+        ref = torch.stack([model(input_ids=ids).logits for ids in inputs])
+        # RoPE control: HF without the rope de-interleave (read at forward time).
+        model.config.rope_interleave = False
+        plain = torch.stack([model(input_ids=ids).logits for ids in inputs])
+    payload = dict(hf=hf, canonical=canonical, inputs=inputs, reference=ref, plain_rope=plain)
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.save(payload, os.path.join(tmp, "payload.pt"))
+        mp.start_processes(_worker, args=(tmp,), nprocs=WORLD, start_method="spawn")
+        results = {r: torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)}
+    return payload, results
+
+
+def _layouts(name: str, payload: dict[str, Any]) -> list:
+    spec = spec_from_hf_config(payload["hf"])
+    return [megatron_layout(spec, CASES[name], r, MegatronOptions()) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_names_shapes_and_position(truth, name: str) -> None:
+    payload, results = truth
+    for rank, layout in enumerate(_layouts(name, payload)):
+        got = results[rank][name]["names"]
+        want = {t.name: t.shape for t in layout.tensors}
+        where = f"{name} rank {rank}"
+        assert sorted(set(got) - set(want)) == [], f"{where}: Megatron-only tensors"
+        assert sorted(set(want) - set(got)) == [], f"{where}: provider-only tensors"
+        for n in want:
+            assert got[n] == want[n], f"{where} {n}: Megatron shape {got[n]} != {want[n]}"
+        assert results[rank][name]["position"] == layout.position, f"{where}: grid position"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sharded_state_dict_placement(truth, name: str) -> None:
+    payload, results = truth
+    layouts = _layouts(name, payload)
+    shard_sets = {}
+    for rank, layout in enumerate(layouts):
+        records = results[rank][name]["records"]
+        seen = set()
+        for rec in records:
+            where = f"{name} rank {rank} {rec['param']} (key {rec['key']})"
+            assert "problem" not in rec, f"{where}: {rec.get('problem')}"
+            assert rec["flat"] is None, where
+            assert rec["global_shape"] == rec["expected_shape"], f"{where}: global shape"
+            for g, f, n, o in zip(
+                rec["global_shape"], rec["frag"], rec["local_shape"], rec["offset"]
+            ):
+                assert g == f * n and o % n == 0, f"{where}: fragmentation {rec}"
+            if rec["implied"] is None:  # an all-padding vocabulary shard
+                rows = rec["local_shape"][0]
+                vocab_key = rec["key"].endswith("word_embeddings.weight") or "output" in rec["key"]
+                assert vocab_key, f"{where}: only padded vocabulary rows may hold no tag"
+                assert rec["offset"] == (layout.position["tp"] * rows, 0), where
+            else:
+                assert rec["implied"] == rec["offset"], (
+                    f"{where}: provider puts the local data at global offset {rec['implied']}, "
+                    f"Megatron's ShardedTensor says {rec['offset']}"
+                )
+            assert rec["match"], f"{where}: local block != global tensor at {rec['offset']}"
+            seen.add(rec["param"])
+        missing = sorted({t.name for t in layout.tensors} - seen)
+        assert missing == [], f"{name} rank {rank}: tensors without a ShardedTensor"
+        shard_sets[rank] = {(rec["key"], rec["offset"]) for rec in records}
+    for rank, layout in enumerate(layouts):
+        same = tuple(r for r in range(WORLD) if shard_sets[r] == shard_sets[rank])
+        assert layout.replicas == same, f"{name} rank {rank}: replicas {layout.replicas} != {same}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_match_hf(truth, name: str) -> None:
+    payload, results = truth
+    for rank in range(WORLD):
+        res = results[rank][name]
+        got, want = res["logits"], payload["reference"][res["position"]["dp"]]
+        torch.testing.assert_close(
+            got, want, atol=1e-4, rtol=1e-4, msg=lambda m, r=rank: f"{name} rank {r}: {m}"
+        )
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_negative_controls_differ(truth, name: str) -> None:
+    """A gate/up swap in the shared experts must break parity, and Megatron's MLA RoPE
+    must not also match HF with ``rope_interleave=False`` (so RoPE layout is tested)."""
+    payload, results = truth
+    for rank in range(WORLD):
+        res = results[rank][name]
+        dp = res["position"]["dp"]
+        diff = (res["negative"] - payload["reference"][dp]).abs().max().item()
+        assert diff > 1e-2, f"{name} rank {rank}: corrupted pieces {NEG} still match"
+        diff = (res["logits"] - payload["plain_rope"][dp]).abs().max().item()
+        assert diff > 1e-2, f"{name} rank {rank}: matches HF without rope_interleave too"
