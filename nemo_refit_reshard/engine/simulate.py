@@ -16,7 +16,7 @@ import torch
 from ..plan.baseline import BroadcastPlan
 from ..plan.plan import RefitPlan
 from .broadcast import BroadcastProgram
-from .program import RankProgram
+from .program import CopyPhase, RankProgram
 
 
 class _Hub:
@@ -58,7 +58,7 @@ class _HubTransport:
             self.hub.recvs[(peer, self.rank)] = buf
 
 
-def simulate_phases(phases_by_rank: Sequence[Sequence[object]]) -> None:
+def simulate_phases(phases_by_rank: Sequence[Sequence[CopyPhase]]) -> None:
     """Run every rank's phases in lock step; phase k of every rank forms one exchange."""
     hub = _Hub()
     steps = {len(p) for p in phases_by_rank}
@@ -68,11 +68,11 @@ def simulate_phases(phases_by_rank: Sequence[Sequence[object]]) -> None:
         for k in range(steps.pop()):
             for rank, phases in enumerate(phases_by_rank):
                 phase = phases[k]
-                phase.pack()  # type: ignore[attr-defined]
-                hub.transport_for(rank).exchange(phase.sends, phase.recvs)  # type: ignore[attr-defined]
+                phase.pack()
+                hub.transport_for(rank).exchange(phase.sends, phase.recvs)
             hub.deliver()
             for phases in phases_by_rank:
-                phases[k].unpack()  # type: ignore[attr-defined]
+                phases[k].unpack()
 
 
 def simulate_plan(

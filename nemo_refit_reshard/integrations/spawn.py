@@ -17,7 +17,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,6 @@ class RunConfig:
     transport: str = "gloo"  # or "cupy-nccl" (one GPU per rank, round robin over devices)
     kill_rank: int | None = None  # fault injection: this group rank dies ...
     kill_step: int = 0  # ... at the start of this step of the first backend
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def parallel(self) -> tuple[TrainParallel, InferParallel]:
         return TrainParallel.parse(self.train), InferParallel.parse(self.infer)
