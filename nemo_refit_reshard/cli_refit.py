@@ -315,7 +315,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     cfg = _config(args)
     cluster = Cluster.parse(args.cluster)
     spec, sources, destinations = build_layouts(cfg)
-    placement = Placement.packed(len(sources), len(destinations), cluster)
+    if args.placement == "separate":
+        placement = Placement.packed(len(sources), len(destinations), cluster)
+    else:
+        try:
+            nodes = tuple(int(x) for x in args.placement.split(","))
+        except ValueError:
+            raise ValueError(
+                f"--placement {args.placement!r}: use 'separate' or a comma list of node ids"
+            ) from None
+        placement = Placement.explicit(nodes, len(sources), len(destinations), cluster)
     # Replica choice balances predicted link time on this cluster, not bytes per sender.
     candidates = []
     for relay in ("none", "chain") if cfg.relay == "auto" else (cfg.relay,):
@@ -411,6 +420,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         default="gpus_per_node=8,nvlink_gbps=450,nic_gbps=50",
         help="gpus_per_node=,nvlink_gbps=,nic_gbps=,nvlink_latency_us=,nic_latency_us= "
         "(GB/s per GPU per direction: nic_gbps=50 is one 400 Gb/s NIC per GPU)",
+    )
+    simulate.add_argument(
+        "--placement",
+        default="separate",
+        help="separate (training and inference pools on their own nodes, packed in rank "
+        "order) or a comma list of node ids, one per refit rank (training ranks first)",
     )
     simulate.add_argument("--plot", help="write a PNG of per-GPU bytes and node traffic here")
     simulate.set_defaults(func=cmd_simulate)

@@ -384,3 +384,30 @@ def test_timeline_has_no_barrier_between_rounds() -> None:
     chained = _plan(1, 2, [[(0, 1, 100 * MB)], [(1, 2, 100 * MB)]])
     placement = Placement.packed(1, 2, c)
     assert predict_timeline(chained, c, placement) == approx(2 * (2e-3 + NIC_LAT))
+
+
+def test_cli_simulate_explicit_placement(llama_config, capsys) -> None:
+    """Colocating the training rank with the inference ranks moves traffic onto NVLink."""
+    base = [
+        "simulate",
+        "--model",
+        llama_config,
+        "--train",
+        "tp=1",
+        "--infer",
+        "tp=2",
+        "--cluster",
+        "gpus_per_node=4",
+        "--json",
+    ]
+    assert main(base) == 0
+    separate = json.loads(capsys.readouterr().out)
+    assert main([*base, "--placement", "0,0,0"]) == 0
+    together = json.loads(capsys.readouterr().out)
+    assert (separate["training_nodes"], separate["inference_nodes"]) == (1, 1)
+    # NVLink has 9x the bandwidth and half the latency of the NIC
+    assert together["predicted_s"] < separate["predicted_s"] / 2
+    assert main([*base, "--placement", "0,0"]) == 2
+    assert "placement names 2 node(s) but the refit group has" in capsys.readouterr().err
+    assert main([*base, "--placement", "a,b,c"]) == 2
+    assert "use 'separate' or a comma list of node ids" in capsys.readouterr().err
