@@ -40,10 +40,23 @@ def _canonical(spec, seed: int) -> dict[str, torch.Tensor]:
     return {t.name: torch.randn(t.shape, generator=g) for t in spec}
 
 
+class _Parity:
+    """A made-up two-node topology: ranks of equal parity share NVLink."""
+
+    def link(self, src: int, dst: int) -> tuple[str, float]:
+        return ("nvlink", 1 / 450e9) if src % 2 == dst % 2 else ("nic", 1 / 50e9)
+
+
 def _check(
-    spec, sources, destinations, bucket_mb: float, seed: int, relay: str = "none"
+    spec,
+    sources,
+    destinations,
+    bucket_mb: float,
+    seed: int,
+    relay: str = "none",
+    links=None,
 ) -> RefitPlan:
-    plan = plan_refit(spec, sources, destinations, bucket_mb=bucket_mb, relay=relay)
+    plan = plan_refit(spec, sources, destinations, bucket_mb=bucket_mb, relay=relay, links=links)
     verify_plan(plan, sources, destinations)
     canonical = _canonical(spec, seed)
     src = [materialize(lay, canonical) for lay in sources]
@@ -85,9 +98,10 @@ def _check(
     src_fp32=st.booleans(),
     seed=st.integers(0, 2**16),
     relay=st.sampled_from(["none", "chain"]),
+    topology=st.booleans(),
 )
 def test_megatron_to_vllm(
-    cfg, train, infer, expert_parallel, bucket_kb, src_fp32, seed, relay
+    cfg, train, infer, expert_parallel, bucket_kb, src_fp32, seed, relay, topology
 ) -> None:
     spec = spec_from_hf_config(dict(cfg, torch_dtype="float32"))
     try:
@@ -100,7 +114,8 @@ def test_megatron_to_vllm(
     except ValueError:
         assume(False)
         return
-    plan = _check(spec, sources, destinations, bucket_kb / 1024, seed, relay)
+    links = _Parity() if topology else None
+    plan = _check(spec, sources, destinations, bucket_kb / 1024, seed, relay, links)
     assert plan.stats.total_bytes == plan.stats.min_bytes
     if relay == "chain":  # no rank sends the same box twice
         sent = [

@@ -352,7 +352,7 @@ def test_cli_simulate_relay_auto_picks_the_faster_plan(llama_config, capsys) -> 
         "--infer",
         "tp=1,dp=4",
         "--cluster",
-        "gpus_per_node=8",
+        "gpus_per_node=8,nvlink_latency_us=1e-6,nic_latency_us=1e-6",  # bandwidth-bound
         "--json",
         "--bucket-mb",
         "0.01",

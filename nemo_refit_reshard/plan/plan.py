@@ -297,9 +297,9 @@ def plan_refit(
     transfers = coalesce(assign_senders(needs, dtype_of, links))
     if relay == "chain":
         direct, *forwarded = chain_replicas(transfers, links)
-        rounds = schedule(direct, bucket_bytes, forwarded)
+        rounds = schedule(direct, bucket_bytes, forwarded, links)
     else:
-        rounds = schedule(transfers, bucket_bytes)
+        rounds = schedule(transfers, bucket_bytes, links=links)
 
     sent = [0] * (s + len(destinations))
     received = [0] * (s + len(destinations))

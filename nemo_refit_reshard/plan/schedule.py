@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from itertools import groupby
 
 from ..layouts.base import Box
-from .balance import DTYPE_BYTES, Transfer, split_box
+from .balance import DTYPE_BYTES, LinkModel, Transfer, split_box
 
 
 def _lead_dim(box: Box) -> int | None:
@@ -134,15 +134,50 @@ def _fan_out_groups(transfers: list[Transfer], bucket_bytes: int) -> list[list[T
 
 
 def schedule(
-    transfers: list[Transfer], bucket_bytes: int, forwarded: list[list[Transfer]] | None = None
+    transfers: list[Transfer],
+    bucket_bytes: int,
+    forwarded: list[list[Transfer]] | None = None,
+    links: LinkModel | None = None,
 ) -> list[list[Message]]:
     """Rounds of messages; per round each rank stages at most ``bucket_bytes``.
 
     ``forwarded[k]`` are relay hops at level ``k + 1``: each is placed at least one
     round after the part that delivered its source box to its sender.
+
+    With ``links`` every round also gets a time budget ``tau`` — the time to move a
+    whole bucket over the fastest link — per (rank, link, direction), and parts are
+    cut to what the slowest link moves in ``tau``. A round then carries a bucket over
+    NVLink *and* a NIC's worth in the same time, instead of rounds that wait on one
+    large NIC message while NVLink idles.
     """
     if bucket_bytes <= 0:
         raise ValueError("bucket size must be positive")
+    tau, cut_bytes = 0.0, bucket_bytes
+    if links is not None:
+        speeds = {links.link(t.src, t.dst)[1] for t in transfers}
+        for level in forwarded or []:
+            speeds |= {links.link(t.src, t.dst)[1] for t in level}
+        if speeds:
+            tau = bucket_bytes * min(speeds)
+            cut_bytes = max(1, int(tau / max(speeds)))
+    timed: list[dict[tuple[int, str, str], float]] = []
+
+    def seconds(t: Transfer) -> tuple[str, float]:
+        assert links is not None
+        link, spb = links.link(t.src, t.dst)
+        return link, t.nbytes * spb
+
+    def fits_time(r: int, group: list[Transfer]) -> bool:
+        if links is None:
+            return True
+        load = timed[r]
+        out: dict[tuple[int, str, str], float] = defaultdict(float)
+        for t in group:
+            link, s = seconds(t)
+            out[(t.src, link, "out")] += s
+            out[(t.dst, link, "in")] += s
+        return all(load.get(k, 0.0) + s <= tau * (1 + 1e-9) for k, s in out.items())
+
     # Staging per round, per rank and direction: sends and receives have separate
     # budgets, so a relay rank can receive one chunk while it forwards the previous one.
     used: list[dict[tuple[int, str], int]] = []
@@ -152,7 +187,9 @@ def schedule(
         load = used[r]
         if load.get((group[0].src, "send"), 0) + sum(t.nbytes for t in group) > bucket_bytes:
             return False
-        return all(load.get((t.dst, "recv"), 0) + t.nbytes <= bucket_bytes for t in group)
+        if not all(load.get((t.dst, "recv"), 0) + t.nbytes <= bucket_bytes for t in group):
+            return False
+        return fits_time(r, group)
 
     # Relay hops wait for the part that brings their box to their sender; each is placed
     # as soon as that part is, so hops of one box follow each other round after round
@@ -160,7 +197,7 @@ def schedule(
     waiting: dict[tuple[int, str, Box], list[Transfer]] = defaultdict(list)
     for level in forwarded or []:
         for t in level:
-            for part in _cut(t, bucket_bytes):
+            for part in _cut(t, cut_bytes):
                 waiting[(part.src, part.src_tensor, part.src_box)].append(part)
 
     def place(piece: list[Transfer], earliest: int) -> None:
@@ -170,17 +207,25 @@ def schedule(
         while len(used) <= r:
             used.append({})
             placed.append([])
+            timed.append({})
         for t in piece:
             for key in ((t.src, "send"), (t.dst, "recv")):
                 used[r][key] = used[r].get(key, 0) + t.nbytes
             placed[r].append(t)
+            if links is not None:
+                link, s = seconds(t)
+                for key2 in ((t.src, link, "out"), (t.dst, link, "in")):
+                    timed[r][key2] = timed[r].get(key2, 0.0) + s
         for t in piece:
             for hop in waiting.pop((t.dst, t.dst_tensor, t.dst_box), []):
                 place([hop], r + 1)
 
-    for group in _fan_out_groups(transfers, bucket_bytes):
+    for group in _fan_out_groups(transfers, cut_bytes):
         # A group too big to go whole is placed part by part.
-        pieces = [[t] for t in group] if sum(t.nbytes for t in group) > bucket_bytes else [group]
+        whole = sum(t.nbytes for t in group) <= bucket_bytes and (
+            links is None or sum(seconds(t)[1] for t in group) <= tau
+        )
+        pieces = [group] if whole else [[t] for t in group]
         for piece in pieces:
             place(piece, 0)
     if waiting:
