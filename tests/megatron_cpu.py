@@ -281,3 +281,53 @@ def causal_mask(seq: int) -> Tensor:
     """Megatron's boolean mask, True = masked out. Passing None would make
     ``get_default_causal_mask`` allocate on ``device="cuda"``."""
     return torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)[None, None]
+
+
+# -- checks shared by the Megatron truth tests ----------------------------------------------
+def assert_names_shapes_position(name: str, layouts: list, results: dict) -> None:
+    """Megatron's state_dict names/shapes and grid position equal the provider's, per rank."""
+    for rank, layout in enumerate(layouts):
+        got = results[rank][name]["names"]
+        want = {t.name: t.shape for t in layout.tensors}
+        where = f"{name} rank {rank}"
+        assert sorted(set(got) - set(want)) == [], f"{where}: Megatron-only tensors"
+        assert sorted(set(want) - set(got)) == [], f"{where}: provider-only tensors"
+        for n in want:
+            assert got[n] == want[n], f"{where} {n}: Megatron shape {got[n]} != {want[n]}"
+        assert results[rank][name]["position"] == layout.position, f"{where}: grid position"
+
+
+def assert_placement(name: str, layouts: list, results: dict) -> None:
+    """Every ShardedTensor sits where the provider's pieces put the local data, holds the
+    independently built global tensor there, and replica sets match ``layout.replicas``."""
+    shard_sets = {}
+    for rank, layout in enumerate(layouts):
+        records = results[rank][name]["records"]
+        seen = set()
+        for rec in records:
+            where = f"{name} rank {rank} {rec['param']} (key {rec['key']})"
+            assert "problem" not in rec, f"{where}: {rec.get('problem')}"
+            assert rec["flat"] is None, where
+            assert rec["global_shape"] == rec["expected_shape"], f"{where}: global shape"
+            for g, f, n, o in zip(
+                rec["global_shape"], rec["frag"], rec["local_shape"], rec["offset"]
+            ):
+                assert g == f * n and o % n == 0, f"{where}: fragmentation {rec}"
+            if rec["implied"] is None:  # an all-padding vocabulary shard
+                rows = rec["local_shape"][0]
+                vocab_key = rec["key"].endswith("word_embeddings.weight") or "output" in rec["key"]
+                assert vocab_key, f"{where}: only padded vocabulary rows may hold no tag"
+                assert rec["offset"] == (layout.position["tp"] * rows, 0), where
+            else:
+                assert rec["implied"] == rec["offset"], (
+                    f"{where}: provider puts the local data at global offset {rec['implied']}, "
+                    f"Megatron's ShardedTensor says {rec['offset']}"
+                )
+            assert rec["match"], f"{where}: local block != global tensor at {rec['offset']}"
+            seen.add(rec["param"])
+        missing = sorted({t.name for t in layout.tensors} - seen)
+        assert missing == [], f"{name} rank {rank}: tensors without a ShardedTensor"
+        shard_sets[rank] = {(rec["key"], rec["offset"]) for rec in records}
+    for rank, layout in enumerate(layouts):
+        same = tuple(r for r in range(len(layouts)) if shard_sets[r] == shard_sets[rank])
+        assert layout.replicas == same, f"{name} rank {rank}: replicas {layout.replicas} != {same}"

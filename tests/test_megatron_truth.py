@@ -28,6 +28,7 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
+import megatron_cpu as mc
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -280,52 +281,13 @@ def _layouts(name: str, payloads: dict[str, Any]) -> list:
 @pytest.mark.parametrize("name", list(CASES))
 def test_names_shapes_and_position(truth, name: str) -> None:
     payloads, results = truth
-    for rank, layout in enumerate(_layouts(name, payloads)):
-        got = results[rank][name]["names"]
-        want = {t.name: t.shape for t in layout.tensors}
-        where = f"{name} rank {rank}"
-        assert sorted(set(got) - set(want)) == [], f"{where}: Megatron-only tensors"
-        assert sorted(set(want) - set(got)) == [], f"{where}: provider-only tensors"
-        for n in want:
-            assert got[n] == want[n], f"{where} {n}: Megatron shape {got[n]} != {want[n]}"
-        assert results[rank][name]["position"] == layout.position, f"{where}: grid position"
+    mc.assert_names_shapes_position(name, _layouts(name, payloads), results)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_sharded_state_dict_placement(truth, name: str) -> None:
     payloads, results = truth
-    layouts = _layouts(name, payloads)
-    shard_sets = {}
-    for rank, layout in enumerate(layouts):
-        records = results[rank][name]["records"]
-        seen = set()
-        for rec in records:
-            where = f"{name} rank {rank} {rec['param']} (key {rec['key']})"
-            assert "problem" not in rec, f"{where}: {rec.get('problem')}"
-            assert rec["flat"] is None, where
-            assert rec["global_shape"] == rec["expected_shape"], f"{where}: global shape"
-            for g, f, n, o in zip(
-                rec["global_shape"], rec["frag"], rec["local_shape"], rec["offset"]
-            ):
-                assert g == f * n and o % n == 0, f"{where}: fragmentation {rec}"
-            if rec["implied"] is None:  # an all-padding vocabulary shard
-                rows = rec["local_shape"][0]
-                vocab_key = rec["key"].endswith("word_embeddings.weight") or "output" in rec["key"]
-                assert vocab_key, f"{where}: only padded vocabulary rows may hold no tag"
-                assert rec["offset"] == (layout.position["tp"] * rows, 0), where
-            else:
-                assert rec["implied"] == rec["offset"], (
-                    f"{where}: provider puts the local data at global offset {rec['implied']}, "
-                    f"Megatron's ShardedTensor says {rec['offset']}"
-                )
-            assert rec["match"], f"{where}: local block != global tensor at {rec['offset']}"
-            seen.add(rec["param"])
-        missing = sorted({t.name for t in layout.tensors} - seen)
-        assert missing == [], f"{name} rank {rank}: tensors without a ShardedTensor"
-        shard_sets[rank] = {(rec["key"], rec["offset"]) for rec in records}
-    for rank, layout in enumerate(layouts):
-        same = tuple(r for r in range(WORLD) if shard_sets[r] == shard_sets[rank])
-        assert layout.replicas == same, f"{name} rank {rank}: replicas {layout.replicas} != {same}"
+    mc.assert_placement(name, _layouts(name, payloads), results)
 
 
 @pytest.mark.parametrize("name", FORWARD)
