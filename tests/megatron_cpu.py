@@ -331,3 +331,40 @@ def assert_placement(name: str, layouts: list, results: dict) -> None:
     for rank, layout in enumerate(layouts):
         same = tuple(r for r in range(len(layouts)) if shard_sets[r] == shard_sets[rank])
         assert layout.replicas == same, f"{name} rank {rank}: replicas {layout.replicas} != {same}"
+
+
+def grid_position() -> dict[str, int]:
+    """This process's coordinates in Megatron's parallel grid, named as the provider names them."""
+    from megatron.core import parallel_state as ps
+
+    return dict(
+        tp=ps.get_tensor_model_parallel_rank(),
+        cp=ps.get_context_parallel_rank(),
+        dp=ps.get_data_parallel_rank(),
+        pp=ps.get_pipeline_model_parallel_rank(),
+        etp=ps.get_expert_tensor_parallel_rank(),
+        ep=ps.get_expert_model_parallel_rank(),
+        edp=ps.get_expert_data_parallel_rank(),
+    )
+
+
+def sharded_tensors(chunks: list, vpp: int) -> list[tuple[str, Any]]:
+    """``(name, ShardedTensor)`` of every model chunk's ``sharded_state_dict()``, factories
+    (SwiGLU ``linear_fc1``) built, names prefixed ``model{c}.`` when ``vpp > 1``."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    meta = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    out = []
+    for c, model in enumerate(chunks):
+        prefix = f"model{c}." if vpp > 1 else ""
+        for name, obj in model.sharded_state_dict(metadata=meta).items():
+            if isinstance(obj, ShardedTensorFactory):
+                built = obj.build()
+                shards = built if isinstance(built, list) else [built]
+            elif isinstance(obj, ShardedTensor) and not name.endswith("_extra_state"):
+                shards = [obj]
+            else:
+                continue
+            out += [(prefix + name, st) for st in shards]
+    return out

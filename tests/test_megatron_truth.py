@@ -135,7 +135,6 @@ def _run_case(rank: int, case: dict[str, Any], payload: dict[str, Any]) -> dict[
     import megatron_cpu as mc
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     par, hf = case["par"], payload["hf"]
@@ -157,31 +156,14 @@ def _run_case(rank: int, case: dict[str, Any], payload: dict[str, Any]) -> dict[
     # Only tensors Megatron has with the same shape (mismatches are reported by test 1).
     mine = tuple(t for t in layout.tensors if t.name in params and params[t.name].shape == t.shape)
     out: dict[str, Any] = dict(names={n: tuple(p.shape) for n, p in params.items()})
-    out["position"] = dict(
-        tp=ps.get_tensor_model_parallel_rank(),
-        cp=ps.get_context_parallel_rank(),
-        dp=ps.get_data_parallel_rank(),
-        pp=ps.get_pipeline_model_parallel_rank(),
-        etp=ps.get_expert_tensor_parallel_rank(),
-        ep=ps.get_expert_model_parallel_rank(),
-        edp=ps.get_expert_data_parallel_rank(),
-    )
+    out["position"] = mc.grid_position()
 
     tags = mc.tag_tensors(spec)
     mc.fill(params, mine, tags)
-    records = []
-    meta = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
-    for c, model in enumerate(chunks):
-        prefix = f"model{c}." if par.vpp > 1 else ""
-        for name, obj in model.sharded_state_dict(metadata=meta).items():
-            if isinstance(obj, ShardedTensorFactory):
-                built = obj.build()
-                shards = built if isinstance(built, list) else [built]
-            elif isinstance(obj, ShardedTensor) and not name.endswith("_extra_state"):
-                shards = [obj]
-            else:
-                continue
-            records += [_shard_record(prefix + name, st, arch, tags, vocab) for st in shards]
+    records = [
+        _shard_record(name, st, arch, tags, vocab)
+        for name, st in mc.sharded_tensors(chunks, par.vpp)
+    ]
     out["records"] = records
 
     if case.get("forward"):

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from torch import Tensor
-from vllm_reference import Grid, VllmReference, canonical_state_dict, materialize
+from vllm_reference import Grid, VllmReference, canonical_state_dict, case_id, materialize
 
 from nemo_refit_reshard.layouts import LocalTensor, RankLayout, vllm_layout, vllm_pp_indices
 from nemo_refit_reshard.spec import InferParallel, ModelSpec, spec_from_hf_config
@@ -216,17 +216,7 @@ CASES: list[tuple[str, InferParallel]] = [
 ]
 
 
-def _case_id(case: tuple[str, InferParallel]) -> str:
-    name, par = case
-    keys = ",".join(
-        f"{f.name}{getattr(par, f.name)}"
-        for f in dataclasses.fields(par)
-        if getattr(par, f.name) != 1
-    )
-    return f"{name}-{keys or 'single'}"
-
-
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_vllm_shards_reproduce_hf_logits(case: tuple[str, InferParallel]) -> None:
     name, par = case
     for replica in range(par.dp):
@@ -236,7 +226,7 @@ def test_vllm_shards_reproduce_hf_logits(case: tuple[str, InferParallel]) -> Non
         torch.testing.assert_close(ref, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_replicas_are_exactly_the_ranks_with_identical_pieces(
     case: tuple[str, InferParallel],
 ) -> None:

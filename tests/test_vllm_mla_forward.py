@@ -33,7 +33,15 @@ import torch
 import torch.nn.functional as F
 from hf_models import checkpoint_state_dict, hf_config_dict, tiny_hf_model
 from torch import Tensor
-from vllm_reference import Grid, Shards, VllmReference, linear_expert_map, materialize, rms_norm
+from vllm_reference import (
+    Grid,
+    Shards,
+    VllmReference,
+    case_id,
+    linear_expert_map,
+    materialize,
+    rms_norm,
+)
 
 from nemo_refit_reshard.layouts import LocalTensor, RankLayout, vllm_layout
 from nemo_refit_reshard.spec import InferParallel, ModelSpec, spec_from_hf_config
@@ -259,17 +267,7 @@ CASES: list[tuple[str, InferParallel]] = [
 ]
 
 
-def _case_id(case: tuple[str, InferParallel]) -> str:
-    name, par = case
-    keys = ",".join(
-        f"{f.name}{getattr(par, f.name)}"
-        for f in dataclasses.fields(par)
-        if getattr(par, f.name) != 1
-    )
-    return f"{name}-{keys or 'single'}"
-
-
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_vllm_mla_shards_reproduce_hf_logits(case: tuple[str, InferParallel]) -> None:
     name, par = case
     ref, want = run(name, par)

@@ -17,6 +17,7 @@ from the HF config and the parallel sizes, as vLLM itself does:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -269,3 +270,14 @@ class VllmReference:
                 hidden = [h + y for h, y in zip(hidden, ys)]
         assert seen == list(range(self.cfg["num_hidden_layers"])), seen
         return torch.stack([self.lm_head(hidden[d], self.ranks(d, par.pp - 1)) for d in dps])
+
+
+def case_id(case: tuple[str, Any]) -> str:
+    """pytest id of a ``(model name, InferParallel)`` case: the non-default sizes."""
+    name, par = case
+    keys = ",".join(
+        f"{f.name}{getattr(par, f.name)}"
+        for f in dataclasses.fields(par)
+        if getattr(par, f.name) != 1
+    )
+    return f"{name}-{keys or 'single'}"
