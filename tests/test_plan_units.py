@@ -125,7 +125,7 @@ def test_plan_json_round_trip_and_tamper() -> None:
     with pytest.raises(PlanError, match="does not match its fingerprint"):
         RefitPlan.from_json(json.dumps(data))
     data["version"] = 99
-    with pytest.raises(PlanError, match="plan version 99 is not 1"):
+    with pytest.raises(PlanError, match="plan version 99 is not 2"):
         RefitPlan.from_json(json.dumps(data))
 
 

@@ -10,6 +10,8 @@ result is deterministic.
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol
@@ -87,61 +89,99 @@ class LinkModel(Protocol):
 
 
 def assign_senders(
-    needs: list[Need], dtype_of: dict[tuple[int, str], str], links: LinkModel | None = None
+    needs: list[Need],
+    dtype_of: dict[tuple[int, str], str],
+    links: LinkModel | None = None,
+    members: Mapping[int, tuple[int, ...]] | None = None,
 ) -> list[Transfer]:
     """Turn needs into transfers, each with one sender, balancing the senders.
 
     ``dtype_of[(dst, local tensor)]`` is the destination dtype (the wire dtype).
+    ``members[dst]`` lists the replicas ``dst`` stands for (itself first): the
+    sender sends them the same transfer, so it is charged once per member.
     Without ``links`` the balancer minimises the largest number of bytes one
     sender sends. With ``links`` it minimises the largest predicted busy time of
     a sender's link — bytes × seconds-per-byte, per (sender, link) — so holders
     on the receiver's node (NVLink) are preferred and NIC load is spread.
     """
+    members = members or {}
+
+    def copies(dst: int) -> int:
+        return len(members.get(dst, (dst,)))
+
     senders = {h.rank for need in needs for h in need.region.holders}
     total = sum(
-        need.numel * DTYPE_BYTES[dtype_of[(need.dst, need.dst_piece.local)]] for need in needs
+        need.numel * DTYPE_BYTES[dtype_of[(need.dst, need.dst_piece.local)]] * copies(need.dst)
+        for need in needs
     )
     share = max(1, total // max(1, len(senders)))
     items: list[tuple[int, int, Need, Box]] = []
     for index, need in enumerate(needs):
         nbytes = need.numel * DTYPE_BYTES[dtype_of[(need.dst, need.dst_piece.local)]]
+        wire = nbytes * copies(need.dst)
         parts = 1
-        if len(need.region.holders) > 1 and nbytes > share:
-            parts = min(len(need.region.holders), -(-nbytes // share))
+        if len(need.region.holders) > 1 and wire > share:
+            parts = min(len(need.region.holders), -(-wire // share))
+        if parts == 1:
+            items.append((nbytes, index, need, need.canonical_box))
+            continue
         for box in split_box(need.canonical_box, parts):
             items.append((box.numel * nbytes // max(1, need.numel), index, need, box))
     # Largest first; index keeps the order total for equal sizes.
     items.sort(key=lambda it: (-it[0], it[1], it[3].offsets))
-    busy: dict[tuple[int, str], float] = {}  # (sender, link) -> predicted busy seconds
+    busy: dict[tuple[int, str], float] = defaultdict(float)  # (sender, link) -> busy seconds
+    weights: dict[tuple[int, int], list[tuple[tuple[int, str], float]]] = {}
 
-    def cost(rank: int, dst: int, nbytes: int) -> tuple[tuple[int, str], float]:
-        if links is None:
-            return (rank, ""), float(nbytes)
-        link, seconds_per_byte = links.link(rank, dst)
-        return (rank, link), nbytes * seconds_per_byte
+    def weight(rank: int, dst: int) -> list[tuple[tuple[int, str], float]]:
+        """(sender link, cost per byte) of sending one byte to ``dst`` and its replicas."""
+        w = weights.get((rank, dst))
+        if w is None:
+            acc: dict[tuple[int, str], float] = defaultdict(float)
+            for d in members.get(dst, (dst,)):
+                if links is None:
+                    acc[(rank, "")] += 1.0
+                else:
+                    link, seconds_per_byte = links.link(rank, d)
+                    acc[(rank, link)] += seconds_per_byte
+            w = weights[(rank, dst)] = sorted(acc.items())
+        return w
 
     out: list[Transfer] = []
     for nbytes, _, need, box in items:
-        best = None
-        for h in need.region.holders:
-            key, seconds = cost(h.rank, need.dst, nbytes)
-            score = (busy.get(key, 0.0) + seconds, h.rank)
-            if best is None or score < best[0]:
-                best = (score, h, key, seconds)
-        assert best is not None
-        _, holder, key, seconds = best
-        busy[key] = busy.get(key, 0.0) + seconds
+        holders = need.region.holders
+        if len(holders) == 1:
+            holder = holders[0]
+        else:
+            best = None
+            for h in holders:
+                score = max(busy[k] + nbytes * c for k, c in weight(h.rank, need.dst))
+                if best is None or (score, h.rank) < best[0]:
+                    best = ((score, h.rank), h)
+            assert best is not None
+            holder = best[1]
+        for k, c in weight(holder.rank, need.dst):
+            busy[k] += nbytes * c
+        src_piece, dst_piece = holder.piece, need.dst_piece
+        whole = box is need.canonical_box
         out.append(
             Transfer(
                 src=holder.rank,
                 dst=need.dst,
-                src_tensor=holder.piece.local,
-                src_box=holder.piece.local_sub_box(box),
-                dst_tensor=need.dst_piece.local,
-                dst_box=need.dst_piece.local_sub_box(box),
-                canonical=need.dst_piece.canonical,
+                src_tensor=src_piece.local,
+                src_box=(
+                    src_piece.local_box
+                    if whole and src_piece.canonical_box == box
+                    else src_piece.local_sub_box(box)
+                ),
+                dst_tensor=dst_piece.local,
+                dst_box=(
+                    dst_piece.local_box
+                    if whole and dst_piece.canonical_box == box
+                    else dst_piece.local_sub_box(box)
+                ),
+                canonical=dst_piece.canonical,
                 canonical_box=box,
-                dtype=dtype_of[(need.dst, need.dst_piece.local)],
+                dtype=dtype_of[(need.dst, dst_piece.local)],
             )
         )
     return out

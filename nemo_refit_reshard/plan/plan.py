@@ -10,9 +10,11 @@ refit-group ranks.
 
 from __future__ import annotations
 
-import hashlib
+import gc
 import json
+from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from ..layouts.base import Box, RankLayout
@@ -21,8 +23,9 @@ from .balance import DTYPE_BYTES, LinkModel, Transfer, assign_senders
 from .overlap import Need, PlanError, destination_needs, source_regions
 from .relay import RELAY_MODES, chain_replicas
 from .schedule import Message, coalesce, schedule
+from .serialize import compact_json, fingerprint_of, message_from_json, message_json
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,15 @@ TensorTable = tuple[dict[str, tuple[tuple[int, ...], str]], ...]
 
 @dataclass(frozen=True)
 class RefitPlan:
-    """A deterministic transfer plan; ``fingerprint`` identifies its content."""
+    """A deterministic transfer plan; ``fingerprint`` identifies its content.
+
+    Inference replicas hold identical layouts, so they receive identical
+    messages from the same senders in the same rounds. The plan stores them
+    once: ``class_rounds`` names only the first rank of each replica group in
+    ``replica_groups`` (``(first, *others)``; destinations in no group stand
+    for themselves), and :attr:`rounds` / :meth:`messages_of` expand them.
+    A sender sends each such message once per member.
+    """
 
     model: str
     num_sources: int
@@ -62,13 +73,44 @@ class RefitPlan:
     bucket_bytes: int
     source_tensors: TensorTable  # per source rank: local name -> (shape, dtype) it sends from
     destination_tensors: TensorTable  # per destination rank: name -> (shape, dtype)
-    rounds: tuple[tuple[Message, ...], ...]
+    class_rounds: tuple[tuple[Message, ...], ...]
     stats: PlanStats
+    replica_groups: tuple[tuple[int, ...], ...] = ()  # refit-group ranks, first = stored one
     fingerprint: str = field(default="")
 
     @property
     def num_rounds(self) -> int:
-        return len(self.rounds)
+        return len(self.class_rounds)
+
+    @cached_property
+    def _members(self) -> dict[int, tuple[int, ...]]:
+        return {g[0]: g for g in self.replica_groups}
+
+    @cached_property
+    def _stored_as(self) -> dict[int, int]:
+        return {m: g[0] for g in self.replica_groups for m in g}
+
+    @cached_property
+    def rounds(self) -> tuple[tuple[Message, ...], ...]:
+        """Every message of every rank, replica groups expanded (meant for small plans)."""
+        members = self._members
+        return tuple(
+            tuple(
+                sorted(
+                    (m.to(d) for m in msgs for d in members.get(m.dst, (m.dst,))),
+                    key=lambda m: (m.src, m.dst),
+                )
+            )
+            for msgs in self.class_rounds
+        )
+
+    def traffic(self) -> list[list[tuple[int, int, int]]]:
+        """Per round, ``(src, dst, bytes)`` of every message, replica groups expanded."""
+        members = self._members
+        return [
+            [(m.src, d, m.nbytes) for m in msgs for d in members.get(m.dst, (m.dst,))]
+            for msgs in self.class_rounds
+        ]
 
     def expected_tensors(self, group_rank: int) -> dict[str, tuple[tuple[int, ...], str]]:
         """The live tensors (name -> shape, dtype) this refit-group rank must hold."""
@@ -76,9 +118,26 @@ class RefitPlan:
             return self.source_tensors[group_rank]
         return self.destination_tensors[group_rank - self.num_sources]
 
+    @cached_property
+    def _by_rank(self) -> dict[int, list[Message]]:
+        index: dict[int, list[Message]] = defaultdict(list)
+        for msgs in self.class_rounds:
+            for m in msgs:
+                index[m.src].append(m)
+                index[m.dst].append(m)
+        return index
+
     def messages_of(self, group_rank: int) -> list[Message]:
         """Every message this refit-group rank sends or receives, in round order."""
-        return [m for msgs in self.rounds for m in msgs if group_rank in (m.src, m.dst)]
+        stored = self._stored_as.get(group_rank, group_rank)
+        members = self._members
+        out: list[Message] = []
+        for m in self._by_rank.get(stored, ()):
+            if m.src == group_rank:
+                out += [m.to(d) for d in members.get(m.dst, (m.dst,))]
+            else:
+                out.append(m.to(group_rank))
+        return out
 
     # -- serialization (JSON, no pickle) ----------------------------------------------
     def _body(self) -> dict[str, Any]:
@@ -96,12 +155,14 @@ class RefitPlan:
             "bucket_bytes": self.bucket_bytes,
             "source_tensors": tensors(self.source_tensors),
             "destination_tensors": tensors(self.destination_tensors),
-            "rounds": [[_message_json(m) for m in msgs] for msgs in self.rounds],
+            "replica_groups": [list(g) for g in self.replica_groups],
+            "rounds": [[message_json(m) for m in msgs] for msgs in self.class_rounds],
             "stats": self.stats.to_json(),
         }
 
     def to_json(self) -> str:
-        return json.dumps({**self._body(), "fingerprint": self.fingerprint}, separators=(",", ":"))
+        body = compact_json(self._body())
+        return body[:-1] + f',"fingerprint":"{self.fingerprint}"}}'
 
     @classmethod
     def from_json(cls, text: str) -> RefitPlan:
@@ -119,7 +180,7 @@ class RefitPlan:
             )
 
         rounds = tuple(
-            tuple(_message_from_json(r, m) for m in msgs) for r, msgs in enumerate(data["rounds"])
+            tuple(message_from_json(r, m) for m in msgs) for r, msgs in enumerate(data["rounds"])
         )
         s = data["stats"]
         plan = cls(
@@ -129,7 +190,7 @@ class RefitPlan:
             bucket_bytes=data["bucket_bytes"],
             source_tensors=tensors(data["source_tensors"]),
             destination_tensors=tensors(data["destination_tensors"]),
-            rounds=rounds,
+            class_rounds=rounds,
             stats=PlanStats(
                 bytes_sent=tuple(s["bytes_sent"]),
                 bytes_received=tuple(s["bytes_received"]),
@@ -145,72 +206,32 @@ class RefitPlan:
                     )
                 },
             ),
+            replica_groups=tuple(tuple(g) for g in data["replica_groups"]),
             fingerprint=data["fingerprint"],
         )
-        if _fingerprint(plan._body()) != plan.fingerprint:
+        if fingerprint_of(compact_json(plan._body())) != plan.fingerprint:
             raise PlanError(
                 "plan file content does not match its fingerprint (corrupted or edited)"
             )
         return plan
 
 
-def _message_json(m: Message) -> dict[str, Any]:
-    return {
-        "src": m.src,
-        "dst": m.dst,
-        "t": [
-            [
-                t.src_tensor,
-                *t.src_box.to_json(),
-                t.dst_tensor,
-                *t.dst_box.to_json(),
-                t.canonical,
-                *t.canonical_box.to_json(),
-                t.dtype,
-            ]
-            for t in m.transfers
-        ],
-    }
+def replica_groups(destinations: list[RankLayout], offset: int) -> list[tuple[int, ...]]:
+    """Destinations (as refit-group ranks) grouped by identical layout, first = smallest.
 
-
-def _message_from_json(round_index: int, data: dict[str, Any]) -> Message:
-    src, dst = data["src"], data["dst"]
-    transfers = tuple(
-        Transfer(
-            src,
-            dst,
-            row[0],
-            Box(tuple(row[1]), tuple(row[2])),
-            row[3],
-            Box(tuple(row[4]), tuple(row[5])),
-            row[6],
-            Box(tuple(row[7]), tuple(row[8])),
-            row[9],
-        )
-        for row in data["t"]
-    )
-    return Message(round_index, src, dst, transfers)
-
-
-def _fingerprint(body: dict[str, Any]) -> str:
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _needs_all(destinations: list[RankLayout], regions: dict, offset: int) -> list[Need]:
-    """Needs of every destination (as refit-group ranks), computed once per replica class."""
-    needs: list[Need] = []
-    done: dict[int, list[Need]] = {}
+    A layout's ``replicas`` are the ranks its provider says hold identical pieces;
+    a rank joins its first replica's group only if its tensors really are equal
+    (cheap when the provider shares them, as replicas usually do).
+    """
+    groups: dict[int, list[int]] = {}
     for layout in destinations:
-        rep = min(layout.replicas)
-        group_rank = offset + layout.rank
-        if rep in done and rep != layout.rank:
-            needs += [Need(group_rank, n.dst_piece, n.canonical_box, n.region) for n in done[rep]]
-            continue
-        own = destination_needs(layout, regions, group_rank)
-        done[layout.rank] = own
-        needs += own
-    return needs
+        first = min(layout.replicas)
+        rep = destinations[first]
+        if first != layout.rank and (layout.tensors is rep.tensors or layout.tensors == rep.tensors):
+            groups[first].append(offset + layout.rank)
+        else:
+            groups[layout.rank] = [offset + layout.rank]
+    return [tuple(g) for g in groups.values()]
 
 
 def _baseline_bytes(
@@ -290,24 +311,59 @@ def plan_refit(
     if [lay.rank for lay in destinations] != list(range(len(destinations))):
         raise PlanError("destination layouts must be given for ranks 0..D-1 in order")
     bucket_bytes = int(bucket_mb * 2**20)
+    # Planning allocates millions of small acyclic objects; CPython's cyclic collector
+    # would rescan the growing heap again and again (measured: half the build time).
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _plan(spec, sources, destinations, bucket_bytes, relay, links)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _plan(
+    spec: ModelSpec,
+    sources: list[RankLayout],
+    destinations: list[RankLayout],
+    bucket_bytes: int,
+    relay: str,
+    links: LinkModel | None,
+) -> RefitPlan:
     regions = source_regions(spec, sources)
     s = len(sources)
     dtype_of = {(s + lay.rank, t.name): t.dtype for lay in destinations for t in lay.tensors}
-    needs = _needs_all(destinations, regions, s)
-    transfers = coalesce(assign_senders(needs, dtype_of, links))
+    # Relay chains forward between replicas, so they plan every destination on its own;
+    # a direct plan sends every replica the same messages and plans each group once.
+    if relay == "chain":
+        groups = [(s + lay.rank,) for lay in destinations]
+    else:
+        groups = replica_groups(destinations, s)
+    members = {g[0]: g for g in groups}
+    needs = [
+        need
+        for g in groups
+        for need in destination_needs(destinations[g[0] - s], regions, g[0])
+    ]
+    transfers = coalesce(assign_senders(needs, dtype_of, links, members))
     if relay == "chain":
         direct, *forwarded = chain_replicas(transfers, links)
         rounds = schedule(direct, bucket_bytes, forwarded, links)
     else:
-        rounds = schedule(transfers, bucket_bytes, links=links)
+        rounds = schedule(transfers, bucket_bytes, links=links, members=members)
 
     sent = [0] * (s + len(destinations))
     received = [0] * (s + len(destinations))
     used_src: list[set[str]] = [set() for _ in sources]
+    num_transfers = num_messages = 0
     for messages in rounds:
         for m in messages:
-            sent[m.src] += m.nbytes
-            received[m.dst] += m.nbytes
+            copies = members[m.dst] if m.dst in members else (m.dst,)
+            sent[m.src] += m.nbytes * len(copies)
+            for d in copies:
+                received[d] += m.nbytes
+            num_transfers += len(m.transfers) * len(copies)
+            num_messages += len(copies)
             if m.src < s:
                 used_src[m.src].update(t.src_tensor for t in m.transfers)
     min_bytes = sum(
@@ -322,8 +378,8 @@ def plan_refit(
         total_bytes=sum(sent),
         min_bytes=min_bytes,
         baseline_bytes=_baseline_bytes(spec, sources, destinations, dtype_of),
-        num_transfers=sum(len(m.transfers) for msgs in rounds for m in msgs),
-        num_messages=sum(len(msgs) for msgs in rounds),
+        num_transfers=num_transfers,
+        num_messages=num_messages,
         num_rounds=len(rounds),
     )
     plan = RefitPlan(
@@ -338,8 +394,9 @@ def plan_refit(
         destination_tensors=tuple(
             {t.name: (t.shape, t.dtype) for t in lay.tensors if t.pieces} for lay in destinations
         ),
-        rounds=tuple(tuple(msgs) for msgs in rounds),
+        class_rounds=tuple(tuple(msgs) for msgs in rounds),
         stats=stats,
+        replica_groups=tuple(g for g in groups if len(g) > 1),
     )
-    object.__setattr__(plan, "fingerprint", _fingerprint(plan._body()))
+    object.__setattr__(plan, "fingerprint", fingerprint_of(compact_json(plan._body())))
     return plan

@@ -106,15 +106,15 @@ def predict_refit(plan: RefitPlan, cluster: Cluster, placement: Placement) -> Pr
     times: list[float] = []
     slowest: tuple[float, int | None, int | None, str | None] = (-1.0, None, None, None)
     acc = [[0, 0, 0, 0] for _ in placement.nodes]
-    for r, msgs in enumerate(plan.rounds):
-        t, rank, link = round_time(((m.src, m.dst, m.nbytes) for m in msgs), cluster, placement)
+    for r, msgs in enumerate(plan.traffic()):
+        t, rank, link = round_time(msgs, cluster, placement)
         times.append(t)
         if t > slowest[0]:
             slowest = (t, r, rank, link)
-        for m in msgs:
-            inter = _link_of(placement, m.src, m.dst) == NIC
-            acc[m.src][int(inter)] += m.nbytes
-            acc[m.dst][2 + int(inter)] += m.nbytes
+        for src, dst, nbytes in msgs:
+            inter = _link_of(placement, src, dst) == NIC
+            acc[src][int(inter)] += nbytes
+            acc[dst][2 + int(inter)] += nbytes
     return Prediction(
         seconds=sum(times),
         round_seconds=tuple(times),
@@ -140,19 +140,19 @@ def predict_timeline(plan: RefitPlan, cluster: Cluster, placement: Placement) ->
     """
     _check_placement(placement, plan.num_sources, plan.num_destinations)
     done = [0.0] * (plan.num_sources + plan.num_destinations)
-    for msgs in plan.rounds:
+    for msgs in plan.traffic():
         peers: dict[int, set[int]] = defaultdict(set)
         loads: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0, 0, 0])
-        for m in msgs:
-            if m.src == m.dst:
+        for src, dst, nbytes in msgs:
+            if src == dst:
                 continue
-            peers[m.src].add(m.dst)
-            peers[m.dst].add(m.src)
-            link = _link_of(placement, m.src, m.dst)
-            out, inn = loads[(m.src, link)], loads[(m.dst, link)]
-            out[0] += m.nbytes
+            peers[src].add(dst)
+            peers[dst].add(src)
+            link = _link_of(placement, src, dst)
+            out, inn = loads[(src, link)], loads[(dst, link)]
+            out[0] += nbytes
             out[2] += 1
-            inn[1] += m.nbytes
+            inn[1] += nbytes
             inn[2] += 1
         own: dict[int, float] = defaultdict(float)
         for (rank, link), (out_b, in_b, count) in loads.items():
@@ -168,9 +168,9 @@ def predict_timeline(plan: RefitPlan, cluster: Cluster, placement: Placement) ->
 def traffic_matrix(plan: RefitPlan, placement: Placement) -> dict[tuple[int, int], int]:
     """Bytes per (source node, destination node), the diagonal being NVLink traffic."""
     out: dict[tuple[int, int], int] = defaultdict(int)
-    for msgs in plan.rounds:
-        for m in msgs:
-            out[(placement.node(m.src), placement.node(m.dst))] += m.nbytes
+    for msgs in plan.traffic():
+        for src, dst, nbytes in msgs:
+            out[(placement.node(src), placement.node(dst))] += nbytes
     return dict(out)
 
 

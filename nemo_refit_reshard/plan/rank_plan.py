@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .overlap import PlanError
-from .plan import PLAN_VERSION, RefitPlan, _message_from_json, _message_json
+from .plan import PLAN_VERSION, RefitPlan
+from .serialize import message_from_json, message_json
 from .schedule import Message
 
 
@@ -55,7 +56,7 @@ class RankPlan:
                 "num_destinations": self.num_destinations,
                 "num_rounds": self.num_rounds,
                 "tensors": {k: [list(s), d] for k, (s, d) in sorted(self.tensors.items())},
-                "messages": [[m.round, _message_json(m)] for m in self.messages],
+                "messages": [[m.round, message_json(m)] for m in self.messages],
             },
             separators=(",", ":"),
         )
@@ -72,7 +73,7 @@ class RankPlan:
             num_destinations=data["num_destinations"],
             num_rounds=data["num_rounds"],
             tensors={k: (tuple(s), d) for k, (s, d) in data["tensors"].items()},
-            messages=tuple(_message_from_json(r, m) for r, m in data["messages"]),
+            messages=tuple(message_from_json(r, m) for r, m in data["messages"]),
         )
 
 
@@ -83,7 +84,7 @@ def rank_plan(plan: RefitPlan, group_rank: int) -> RankPlan:
         group_rank=group_rank,
         num_sources=plan.num_sources,
         num_destinations=plan.num_destinations,
-        num_rounds=len(plan.rounds),
+        num_rounds=plan.num_rounds,
         tensors=dict(plan.expected_tensors(group_rank)),
         messages=tuple(plan.messages_of(group_rank)),
     )

@@ -15,7 +15,9 @@ schedule.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import groupby
 
 from ..layouts.base import Box
@@ -92,9 +94,33 @@ class Message:
     dst: int
     transfers: tuple[Transfer, ...]
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.transfers)
+
+    def to(self, dst: int) -> Message:
+        """This message as sent to ``dst``, a replica of its receiver (same local boxes)."""
+        if dst == self.dst:
+            return self
+        return Message(
+            self.round,
+            self.src,
+            dst,
+            tuple(
+                Transfer(
+                    t.src,
+                    dst,
+                    t.src_tensor,
+                    t.src_box,
+                    t.dst_tensor,
+                    t.dst_box,
+                    t.canonical,
+                    t.canonical_box,
+                    t.dtype,
+                )
+                for t in self.transfers
+            ),
+        )
 
 
 def _message_order(t: Transfer) -> tuple:
@@ -138,11 +164,14 @@ def schedule(
     bucket_bytes: int,
     forwarded: list[list[Transfer]] | None = None,
     links: LinkModel | None = None,
+    members: Mapping[int, tuple[int, ...]] | None = None,
 ) -> list[list[Message]]:
     """Rounds of messages; per round each rank stages at most ``bucket_bytes``.
 
     ``forwarded[k]`` are relay hops at level ``k + 1``: each is placed at least one
     round after the part that delivered its source box to its sender.
+    ``members[dst]`` lists the replicas a destination stands for: its sender sends
+    (and stages) every transfer to it once per member.
 
     With ``links`` every round also gets a time budget ``tau`` — the time to move a
     whole bucket over the fastest link — per (rank, link, direction), and parts are
@@ -152,30 +181,45 @@ def schedule(
     """
     if bucket_bytes <= 0:
         raise ValueError("bucket size must be positive")
+    members = members or {}
+    copies = {dst: len(g) for dst, g in members.items()}
+    # (src, dst) -> [(sender key, receiver key, seconds per byte)] over dst's replicas
+    link_keys: dict[tuple[int, int], list[tuple[tuple, tuple, float]]] = {}
+
+    def keys(src: int, dst: int) -> list[tuple[tuple, tuple, float]]:
+        k = link_keys.get((src, dst))
+        if k is None:
+            assert links is not None
+            k = []
+            for d in members.get(dst, (dst,)):
+                link, spb = links.link(src, d)
+                k.append(((src, link, "out"), (d, link, "in"), spb))
+            link_keys[(src, dst)] = k
+        return k
+
     tau, cut_bytes = 0.0, bucket_bytes
     if links is not None:
-        speeds = {links.link(t.src, t.dst)[1] for t in transfers}
+        pairs = {(t.src, t.dst) for t in transfers}
         for level in forwarded or []:
-            speeds |= {links.link(t.src, t.dst)[1] for t in level}
+            pairs |= {(t.src, t.dst) for t in level}
+        speeds = {spb for src, dst in pairs for _, _, spb in keys(src, dst)}
         if speeds:
             tau = bucket_bytes * min(speeds)
             cut_bytes = max(1, int(tau / max(speeds)))
-    timed: list[dict[tuple[int, str, str], float]] = []
+    timed: list[dict[tuple, float]] = []
 
-    def seconds(t: Transfer) -> tuple[str, float]:
-        assert links is not None
-        link, spb = links.link(t.src, t.dst)
-        return link, t.nbytes * spb
+    def seconds(t: Transfer) -> float:
+        return sum(t.nbytes * spb for _, _, spb in keys(t.src, t.dst))
 
     def fits_time(r: int, group: list[Transfer]) -> bool:
         if links is None:
             return True
         load = timed[r]
-        out: dict[tuple[int, str, str], float] = defaultdict(float)
+        out: dict[tuple, float] = defaultdict(float)
         for t in group:
-            link, s = seconds(t)
-            out[(t.src, link, "out")] += s
-            out[(t.dst, link, "in")] += s
+            for k_out, k_in, spb in keys(t.src, t.dst):
+                out[k_out] += t.nbytes * spb
+                out[k_in] += t.nbytes * spb
         return all(load.get(k, 0.0) + s <= tau * (1 + 1e-9) for k, s in out.items())
 
     # Staging per round, per rank and direction: sends and receives have separate
@@ -185,7 +229,8 @@ def schedule(
 
     def fits(r: int, group: list[Transfer]) -> bool:
         load = used[r]
-        if load.get((group[0].src, "send"), 0) + sum(t.nbytes for t in group) > bucket_bytes:
+        send = sum(t.nbytes * copies.get(t.dst, 1) for t in group)
+        if load.get((group[0].src, "send"), 0) + send > bucket_bytes:
             return False
         if not all(load.get((t.dst, "recv"), 0) + t.nbytes <= bucket_bytes for t in group):
             return False
@@ -208,22 +253,24 @@ def schedule(
             used.append({})
             placed.append([])
             timed.append({})
+        load, times = used[r], timed[r]
         for t in piece:
-            for key in ((t.src, "send"), (t.dst, "recv")):
-                used[r][key] = used[r].get(key, 0) + t.nbytes
+            send_key, recv_key = (t.src, "send"), (t.dst, "recv")
+            load[send_key] = load.get(send_key, 0) + t.nbytes * copies.get(t.dst, 1)
+            load[recv_key] = load.get(recv_key, 0) + t.nbytes
             placed[r].append(t)
             if links is not None:
-                link, s = seconds(t)
-                for key2 in ((t.src, link, "out"), (t.dst, link, "in")):
-                    timed[r][key2] = timed[r].get(key2, 0.0) + s
+                for k_out, k_in, spb in keys(t.src, t.dst):
+                    times[k_out] = times.get(k_out, 0.0) + t.nbytes * spb
+                    times[k_in] = times.get(k_in, 0.0) + t.nbytes * spb
         for t in piece:
             for hop in waiting.pop((t.dst, t.dst_tensor, t.dst_box), []):
                 place([hop], r + 1)
 
     for group in _fan_out_groups(transfers, cut_bytes):
         # A group too big to go whole is placed part by part.
-        whole = sum(t.nbytes for t in group) <= bucket_bytes and (
-            links is None or sum(seconds(t)[1] for t in group) <= tau
+        whole = sum(t.nbytes * copies.get(t.dst, 1) for t in group) <= bucket_bytes and (
+            links is None or sum(seconds(t) for t in group) <= tau
         )
         pieces = [group] if whole else [[t] for t in group]
         for piece in pieces:

@@ -1,0 +1,63 @@
+"""Plan serialisation helpers: messages as compact JSON rows, and the fingerprint.
+
+A transfer is one row ``[src tensor, src offsets, src sizes, dst tensor, dst
+offsets, dst sizes, canonical, canonical offsets, canonical sizes, dtype]``;
+the message carries ``src`` and ``dst`` once for all its rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from ..layouts.base import Box
+from .balance import Transfer
+from .schedule import Message
+
+
+def message_json(m: Message) -> dict[str, Any]:
+    return {
+        "src": m.src,
+        "dst": m.dst,
+        "t": [
+            [
+                t.src_tensor,
+                *t.src_box.to_json(),
+                t.dst_tensor,
+                *t.dst_box.to_json(),
+                t.canonical,
+                *t.canonical_box.to_json(),
+                t.dtype,
+            ]
+            for t in m.transfers
+        ],
+    }
+
+
+def message_from_json(round_index: int, data: dict[str, Any]) -> Message:
+    src, dst = data["src"], data["dst"]
+    transfers = tuple(
+        Transfer(
+            src,
+            dst,
+            row[0],
+            Box(tuple(row[1]), tuple(row[2])),
+            row[3],
+            Box(tuple(row[4]), tuple(row[5])),
+            row[6],
+            Box(tuple(row[7]), tuple(row[8])),
+            row[9],
+        )
+        for row in data["t"]
+    )
+    return Message(round_index, src, dst, transfers)
+
+
+def compact_json(body: dict[str, Any]) -> str:
+    return json.dumps(body, separators=(",", ":"))
+
+
+def fingerprint_of(text: str) -> str:
+    """First 16 hex digits of the SHA-256 of a plan body's compact JSON."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
