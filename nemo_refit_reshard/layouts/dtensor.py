@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from itertools import product
 
 from ..spec.model import CanonicalTensor, ModelSpec
-from .base import Box, LayoutBuilder, RankLayout
+from .base import Box, LayoutBuilder, RankLayout, paused_gc
 
 
 @dataclass(frozen=True)
@@ -155,6 +155,7 @@ def fsdp2_tp_placements(tp: int) -> PlacementFn:
     return placements
 
 
+@paused_gc
 def dtensor_layout(
     spec: ModelSpec,
     mesh_shape: Sequence[int],

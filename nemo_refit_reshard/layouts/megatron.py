@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from ..spec.model import ModelSpec
 from ..spec.parallel import TrainParallel
-from .base import Box, LayoutBuilder, RankLayout
+from .base import Box, LayoutBuilder, RankLayout, paused_gc
 from .megatron_grid import megatron_layer_chunks, megatron_position, megatron_replicas
 from .megatron_rules import MegatronOptions, check_megatron_parallel, megatron_padded_vocab
 
@@ -306,6 +306,7 @@ class _MegatronRank:
             )
 
 
+@paused_gc
 def megatron_layout(
     spec: ModelSpec, parallel: TrainParallel, rank: int, options: MegatronOptions | None = None
 ) -> RankLayout:

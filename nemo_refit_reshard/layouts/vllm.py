@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from ..spec.config import ArchConfig
 from ..spec.model import ModelSpec
 from ..spec.parallel import InferParallel
-from .base import Box, LayoutBuilder, RankLayout
+from .base import Box, LayoutBuilder, RankLayout, paused_gc
 
 VLLM_VERSION = "0.11.0"
 VOCAB_PADDING = 64  # DEFAULT_VOCAB_PADDING_SIZE
@@ -269,18 +269,14 @@ class _VllmRank:
         self.b.tensor(w13, (n_local, 2 * n, h), self.dtype)
         self.b.tensor(w2, (n_local, h, n), self.dtype)
         lo = shard_rank * n
+        # Every expert reads the same canonical boxes: build them once (DeepSeek-V3 at
+        # tp=32 has 1.5 million expert pieces per rank set).
+        gate_up, down = Box((lo, 0), (n, h)), Box((0, lo), (h, n))
         for j, e in enumerate(range(first, stop)):
             hf = f"{p}.experts.{e}"
             for half, proj in enumerate(("gate_proj", "up_proj")):
-                self.b.piece(
-                    f"{hf}.{proj}.weight",
-                    Box((lo, 0), (n, h)),
-                    w13,
-                    Box((j, half * n, 0), (1, n, h)),
-                )
-            self.b.piece(
-                f"{hf}.down_proj.weight", Box((0, lo), (h, n)), w2, Box((j, 0, 0), (1, h, n))
-            )
+                self.b.piece(f"{hf}.{proj}.weight", gate_up, w13, Box((j, half * n, 0), (1, n, h)))
+            self.b.piece(f"{hf}.down_proj.weight", down, w2, Box((j, 0, 0), (1, h, n)))
 
     def mlp(self, layer: int, p: str) -> None:
         a = self.a
@@ -341,6 +337,7 @@ def vllm_replicas(
     return tuple(out)
 
 
+@paused_gc
 def vllm_layout(
     spec: ModelSpec, parallel: InferParallel, rank: int, options: VllmOptions | None = None
 ) -> RankLayout:

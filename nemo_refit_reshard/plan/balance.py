@@ -12,20 +12,20 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
-from functools import cached_property
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from ..layouts.base import Box, map_sub_box
-from .overlap import Need
+from .overlap import Holder, Need
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1}
 
 
-@dataclass(frozen=True)
-class Transfer:
+class Transfer(NamedTuple):
     """Copy ``canonical[canonical_box]`` from ``src``'s ``src_tensor[src_box]`` to
-    ``dst``'s ``dst_tensor[dst_box]``, carried on the wire in the destination dtype."""
+    ``dst``'s ``dst_tensor[dst_box]``, carried on the wire in the destination dtype.
+
+    A named tuple, not a dataclass: plans hold millions of them, and tuple creation
+    and field access are several times cheaper."""
 
     src: int
     dst: int
@@ -41,7 +41,7 @@ class Transfer:
     def numel(self) -> int:
         return self.canonical_box.numel
 
-    @cached_property
+    @property
     def nbytes(self) -> int:
         return self.canonical_box.numel * DTYPE_BYTES[self.dtype]
 
@@ -109,26 +109,6 @@ def assign_senders(
     def copies(dst: int) -> int:
         return len(members.get(dst, (dst,)))
 
-    senders = {h.rank for need in needs for h in need.region.holders}
-    total = sum(
-        need.numel * DTYPE_BYTES[dtype_of[(need.dst, need.dst_piece.local)]] * copies(need.dst)
-        for need in needs
-    )
-    share = max(1, total // max(1, len(senders)))
-    items: list[tuple[int, int, Need, Box]] = []
-    for index, need in enumerate(needs):
-        nbytes = need.numel * DTYPE_BYTES[dtype_of[(need.dst, need.dst_piece.local)]]
-        wire = nbytes * copies(need.dst)
-        parts = 1
-        if len(need.region.holders) > 1 and wire > share:
-            parts = min(len(need.region.holders), -(-wire // share))
-        if parts == 1:
-            items.append((nbytes, index, need, need.canonical_box))
-            continue
-        for box in split_box(need.canonical_box, parts):
-            items.append((box.numel * nbytes // max(1, need.numel), index, need, box))
-    # Largest first; index keeps the order total for equal sizes.
-    items.sort(key=lambda it: (-it[0], it[1], it[3].offsets))
     busy: dict[tuple[int, str], float] = defaultdict(float)  # (sender, link) -> busy seconds
     weights: dict[tuple[int, int], list[tuple[tuple[int, str], float]]] = {}
 
@@ -147,43 +127,60 @@ def assign_senders(
         return w
 
     out: list[Transfer] = []
-    for nbytes, _, need, box in items:
-        holders = need.region.holders
-        if len(holders) == 1:
-            holder = holders[0]
-        else:
-            best = None
-            for h in holders:
-                score = max(busy[k] + nbytes * c for k, c in weight(h.rank, need.dst))
-                if best is None or (score, h.rank) < best[0]:
-                    best = ((score, h.rank), h)
-            assert best is not None
-            holder = best[1]
+
+    def emit(holder: Holder, need: Need, box: Box, nbytes: int) -> None:
         for k, c in weight(holder.rank, need.dst):
             busy[k] += nbytes * c
         src_piece, dst_piece = holder.piece, need.dst_piece
-        whole = box is need.canonical_box
         out.append(
             Transfer(
-                src=holder.rank,
-                dst=need.dst,
-                src_tensor=src_piece.local,
-                src_box=(
-                    src_piece.local_box
-                    if whole and src_piece.canonical_box == box
-                    else src_piece.local_sub_box(box)
-                ),
-                dst_tensor=dst_piece.local,
-                dst_box=(
-                    dst_piece.local_box
-                    if whole and dst_piece.canonical_box == box
-                    else dst_piece.local_sub_box(box)
-                ),
-                canonical=dst_piece.canonical,
-                canonical_box=box,
-                dtype=dtype_of[(need.dst, dst_piece.local)],
+                holder.rank,
+                need.dst,
+                src_piece.local,
+                src_piece.local_sub_box(box),
+                dst_piece.local,
+                dst_piece.local_sub_box(box),
+                dst_piece.canonical,
+                box,
+                dtype_of[(need.dst, dst_piece.local)],
             )
         )
+
+    # Needs with one holder leave no choice: charge them first, so the greedy choice
+    # for the others sees every fixed load (experts held by one EP rank are most of a
+    # DeepSeek-V3 plan).
+    senders = {h.rank for need in needs for h in need.region.holders}
+    total = 0
+    chosen: list[tuple[Need, int]] = []
+    for need in needs:
+        nbytes = need.numel * DTYPE_BYTES[dtype_of[(need.dst, need.dst_piece.local)]]
+        total += nbytes * copies(need.dst)
+        if len(need.region.holders) == 1:
+            emit(need.region.holders[0], need, need.canonical_box, nbytes)
+        else:
+            chosen.append((need, nbytes))
+    share = max(1, total // max(1, len(senders)))
+    items: list[tuple[int, int, Need, Box]] = []
+    for index, (need, nbytes) in enumerate(chosen):
+        wire = nbytes * copies(need.dst)
+        parts = 1
+        if wire > share:
+            parts = min(len(need.region.holders), -(-wire // share))
+        if parts == 1:
+            items.append((nbytes, index, need, need.canonical_box))
+            continue
+        for box in split_box(need.canonical_box, parts):
+            items.append((box.numel * nbytes // max(1, need.numel), index, need, box))
+    # Largest first; index keeps the order total for equal sizes.
+    items.sort(key=lambda it: (-it[0], it[1], it[3].offsets))
+    for nbytes, _, need, box in items:
+        best = None
+        for h in need.region.holders:
+            score = max(busy[k] + nbytes * c for k, c in weight(h.rank, need.dst))
+            if best is None or (score, h.rank) < best[0]:
+                best = ((score, h.rank), h)
+        assert best is not None
+        emit(best[1], need, box, nbytes)
     return out
 
 

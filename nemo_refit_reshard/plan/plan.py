@@ -10,17 +10,16 @@ refit-group ranks.
 
 from __future__ import annotations
 
-import gc
 import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from ..layouts.base import Box, RankLayout
+from ..layouts.base import RankLayout, paused_gc
 from ..spec.model import ModelSpec
-from .balance import DTYPE_BYTES, LinkModel, Transfer, assign_senders
-from .overlap import Need, PlanError, destination_needs, source_regions
+from .balance import DTYPE_BYTES, LinkModel, assign_senders
+from .overlap import PlanError, destination_needs, source_regions
 from .relay import RELAY_MODES, chain_replicas
 from .schedule import Message, coalesce, schedule
 from .serialize import compact_json, fingerprint_of, message_from_json, message_json
@@ -160,9 +159,12 @@ class RefitPlan:
             "stats": self.stats.to_json(),
         }
 
+    @cached_property
+    def _body_text(self) -> str:
+        return compact_json(self._body())
+
     def to_json(self) -> str:
-        body = compact_json(self._body())
-        return body[:-1] + f',"fingerprint":"{self.fingerprint}"}}'
+        return self._body_text[:-1] + f',"fingerprint":"{self.fingerprint}"}}'
 
     @classmethod
     def from_json(cls, text: str) -> RefitPlan:
@@ -209,7 +211,7 @@ class RefitPlan:
             replica_groups=tuple(tuple(g) for g in data["replica_groups"]),
             fingerprint=data["fingerprint"],
         )
-        if fingerprint_of(compact_json(plan._body())) != plan.fingerprint:
+        if fingerprint_of(plan._body_text) != plan.fingerprint:
             raise PlanError(
                 "plan file content does not match its fingerprint (corrupted or edited)"
             )
@@ -227,7 +229,8 @@ def replica_groups(destinations: list[RankLayout], offset: int) -> list[tuple[in
     for layout in destinations:
         first = min(layout.replicas)
         rep = destinations[first]
-        if first != layout.rank and (layout.tensors is rep.tensors or layout.tensors == rep.tensors):
+        same = layout.tensors is rep.tensors or layout.tensors == rep.tensors
+        if first != layout.rank and same:
             groups[first].append(offset + layout.rank)
         else:
             groups[layout.rank] = [offset + layout.rank]
@@ -238,6 +241,7 @@ def _baseline_bytes(
     spec: ModelSpec,
     sources: list[RankLayout],
     destinations: list[RankLayout],
+    groups: list[tuple[int, ...]],
     dtype_of: dict[tuple[int, str], str],
 ) -> int:
     """Bytes of the gather-broadcast baseline (``plan/baseline.py``): each needed tensor
@@ -248,18 +252,22 @@ def _baseline_bytes(
         for p in layout.pieces():
             per = held.setdefault(p.canonical, {})
             per[layout.rank] = per.get(layout.rank, 0) + p.canonical_box.numel
-    readers: dict[str, set[int]] = {}
+    readers: dict[str, int] = defaultdict(int)
     itemsize: dict[str, int] = {}
-    for layout in destinations:
-        for p in layout.pieces():
-            readers.setdefault(p.canonical, set()).add(layout.rank)
-            itemsize[p.canonical] = DTYPE_BYTES[dtype_of[(len(sources) + layout.rank, p.local)]]
+    s = len(sources)
+    for g in groups:
+        layout = destinations[g[0] - s]
+        for name in {p.canonical for p in layout.pieces()}:
+            readers[name] += len(g)
+        for t in layout.tensors:
+            for p in t.pieces:
+                itemsize[p.canonical] = DTYPE_BYTES[t.dtype]
     total = 0
-    for name, ranks in readers.items():
+    for name, count in readers.items():
         t = spec.tensor(name)
         root_share = max(held.get(name, {0: 0}).values())
         gather = (t.numel - root_share) * itemsize[name]
-        total += gather + t.numel * itemsize[name] * len(ranks)
+        total += gather + t.numel * itemsize[name] * count
     return total
 
 
@@ -311,17 +319,10 @@ def plan_refit(
     if [lay.rank for lay in destinations] != list(range(len(destinations))):
         raise PlanError("destination layouts must be given for ranks 0..D-1 in order")
     bucket_bytes = int(bucket_mb * 2**20)
-    # Planning allocates millions of small acyclic objects; CPython's cyclic collector
-    # would rescan the growing heap again and again (measured: half the build time).
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return _plan(spec, sources, destinations, bucket_bytes, relay, links)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    return _plan(spec, sources, destinations, bucket_bytes, relay, links)
 
 
+@paused_gc
 def _plan(
     spec: ModelSpec,
     sources: list[RankLayout],
@@ -341,9 +342,7 @@ def _plan(
         groups = replica_groups(destinations, s)
     members = {g[0]: g for g in groups}
     needs = [
-        need
-        for g in groups
-        for need in destination_needs(destinations[g[0] - s], regions, g[0])
+        need for g in groups for need in destination_needs(destinations[g[0] - s], regions, g[0])
     ]
     transfers = coalesce(assign_senders(needs, dtype_of, links, members))
     if relay == "chain":
@@ -367,9 +366,9 @@ def _plan(
             if m.src < s:
                 used_src[m.src].update(t.src_tensor for t in m.transfers)
     min_bytes = sum(
-        p.canonical_box.numel * DTYPE_BYTES[t.dtype]
-        for lay in destinations
-        for t in lay.tensors
+        len(g) * p.canonical_box.numel * DTYPE_BYTES[t.dtype]
+        for g in groups
+        for t in destinations[g[0] - s].tensors
         for p in t.pieces
     )
     stats = PlanStats(
@@ -377,7 +376,7 @@ def _plan(
         bytes_received=tuple(received),
         total_bytes=sum(sent),
         min_bytes=min_bytes,
-        baseline_bytes=_baseline_bytes(spec, sources, destinations, dtype_of),
+        baseline_bytes=_baseline_bytes(spec, sources, destinations, groups, dtype_of),
         num_transfers=num_transfers,
         num_messages=num_messages,
         num_rounds=len(rounds),
@@ -398,5 +397,5 @@ def _plan(
         stats=stats,
         replica_groups=tuple(g for g in groups if len(g) > 1),
     )
-    object.__setattr__(plan, "fingerprint", fingerprint_of(compact_json(plan._body())))
+    object.__setattr__(plan, "fingerprint", fingerprint_of(plan._body_text))
     return plan

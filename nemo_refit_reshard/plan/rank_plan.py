@@ -15,8 +15,8 @@ from typing import Any
 
 from .overlap import PlanError
 from .plan import PLAN_VERSION, RefitPlan
-from .serialize import message_from_json, message_json
 from .schedule import Message
+from .serialize import message_from_json, message_json
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,11 @@ def coalesce(transfers: list[Transfer]) -> list[Transfer]:
         groups[(t.src, t.dst, t.src_tensor, t.dst_tensor, t.canonical, t.dtype)].append(t)
     out: list[Transfer] = []
     for key in sorted(groups):
-        run = sorted(groups[key], key=lambda t: t.src_box.offsets)
+        run = groups[key]
+        if len(run) == 1:
+            out.append(run[0])
+            continue
+        run.sort(key=lambda t: t.src_box.offsets)
         current = run[0]
         for t in run[1:]:
             src_box = current.src_box.followed_by(t.src_box)
@@ -153,7 +157,10 @@ def _fan_out_groups(transfers: list[Transfer], bucket_bytes: int) -> list[list[T
         )
     )
     groups = [
-        list(g) for _, g in groupby(parts, key=lambda t: (t.src, t.src_tensor, t.src_box, t.dtype))
+        list(g)
+        for _, g in groupby(
+            parts, key=lambda t: (t.src, t.src_tensor, t.src_box.offsets, t.src_box.sizes, t.dtype)
+        )
     ]
     groups.sort(key=lambda g: (g[0].src, tuple(t.dst for t in g)))
     return groups
@@ -245,8 +252,47 @@ def schedule(
             for part in _cut(t, cut_bytes):
                 waiting[(part.src, part.src_tensor, part.src_box)].append(part)
 
+    # First-fit would test every round from 0 for every part: quadratic at DeepSeek-V3
+    # scale (1.4 million parts, 128 rounds). A round where a rank has at most ``slack``
+    # bytes of room left in one direction is *full* for it, and ``skip[key][r]`` jumps
+    # over full rounds (a "next free slot" forest with path compression), so the scan
+    # only tests rounds where every rank of the part still has room. Parts that fit in
+    # less than ``slack`` then go to later rounds, which costs at most 1/64 of a bucket.
+    slack = min(cut_bytes, bucket_bytes // 64)
+    skip: dict[tuple[int, str], dict[int, int]] = defaultdict(dict)
+
+    def next_open(key: tuple[int, str], r: int) -> int:
+        jumps = skip[key]
+        path = []
+        while r in jumps:
+            path.append(r)
+            r = jumps[r]
+        for p in path:
+            jumps[p] = r
+        return r
+
+    def mark_full(r: int, key: tuple[int, str]) -> None:
+        if used[r].get(key, 0) > bucket_bytes - slack:
+            skip[key][r] = r + 1
+
+    def candidates(piece: list[Transfer], earliest: int):
+        keys = [(piece[0].src, "send")] + [(t.dst, "recv") for t in piece]
+        r = earliest
+        while r < len(used):
+            moved = True
+            while moved:
+                moved = False
+                for key in keys:
+                    nr = next_open(key, r)
+                    if nr != r:
+                        r, moved = nr, True
+            if r >= len(used):
+                return
+            yield r
+            r += 1
+
     def place(piece: list[Transfer], earliest: int) -> None:
-        r = next((i for i in range(earliest, len(used)) if fits(i, piece)), None)
+        r = next((i for i in candidates(piece, earliest) if fits(i, piece)), None)
         if r is None:
             r = max(len(used), earliest)
         while len(used) <= r:
@@ -263,6 +309,8 @@ def schedule(
                 for k_out, k_in, spb in keys(t.src, t.dst):
                     times[k_out] = times.get(k_out, 0.0) + t.nbytes * spb
                     times[k_in] = times.get(k_in, 0.0) + t.nbytes * spb
+            mark_full(r, recv_key)
+        mark_full(r, (piece[0].src, "send"))
         for t in piece:
             for hop in waiting.pop((t.dst, t.dst_tensor, t.dst_box), []):
                 place([hop], r + 1)

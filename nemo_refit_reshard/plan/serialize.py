@@ -17,19 +17,23 @@ from .schedule import Message
 
 
 def message_json(m: Message) -> dict[str, Any]:
+    # Tuples, not lists: json encodes them as arrays without building a list per box.
     return {
         "src": m.src,
         "dst": m.dst,
         "t": [
-            [
+            (
                 t.src_tensor,
-                *t.src_box.to_json(),
+                t.src_box.offsets,
+                t.src_box.sizes,
                 t.dst_tensor,
-                *t.dst_box.to_json(),
+                t.dst_box.offsets,
+                t.dst_box.sizes,
                 t.canonical,
-                *t.canonical_box.to_json(),
+                t.canonical_box.offsets,
+                t.canonical_box.sizes,
                 t.dtype,
-            ]
+            )
             for t in m.transfers
         ],
     }
