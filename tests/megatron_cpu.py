@@ -2,7 +2,9 @@
 
 Used by ``test_megatron_truth.py`` inside spawned worker processes only:
 :func:`apply_cpu_patches` rewrites a few ``torch.cuda`` entry points globally, so it
-must never run in the pytest process itself.
+must never run in the pytest process itself. The patches and the model builder live in
+``nemo_refit_reshard.integrations.grpo.megatron_cpu`` (the GRPO trainer uses them);
+this module adapts them to HF config dicts and adds MoE.
 
 Also holds the test's *independent* statement of Megatron's global (sharded-key)
 tensors in terms of HF checkpoint tensors (:func:`megatron_global`), written from
@@ -16,60 +18,17 @@ import re
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from nemo_refit_reshard.integrations.grpo import megatron_cpu as prod
+from nemo_refit_reshard.integrations.grpo.megatron_cpu import (  # noqa: F401 (re-exported)
+    apply_cpu_patches,
+    causal_mask,
+)
 from nemo_refit_reshard.layouts.base import LocalTensor
 from nemo_refit_reshard.spec.config import ArchConfig
 from nemo_refit_reshard.spec.model import ModelSpec
 from nemo_refit_reshard.spec.parallel import TrainParallel
-
-_PATCHED = False
-
-
-def apply_cpu_patches() -> None:
-    """Monkeypatch torch/megatron so that build, ``sharded_state_dict`` and forward run on CPU.
-
-    Each patch was shown to be needed by switching it off (see /tmp/notes_megatron.md).
-    """
-    global _PATCHED
-    if _PATCHED:
-        return
-    from megatron.core.tensor_parallel import random as mrandom
-    from megatron.core.transformer.moe import moe_utils
-
-    # P1: ``model_parallel_cuda_manual_seed`` -> ``CudaRNGStatesTracker.add`` reads
-    # ``torch.cuda.get_rng_state()`` ("Torch not compiled with CUDA enabled"), and
-    # ``DotProductAttention.forward`` forks the tracker (even with dropout 0), which calls
-    # ``random._get/_set_cuda_rng_state``. Map them all onto the CPU default generator.
-    def get_state(*_a: Any, **_k: Any) -> Tensor:
-        return torch.get_rng_state()
-
-    def set_state(state: Tensor, *_a: Any, **_k: Any) -> None:
-        torch.set_rng_state(state)
-
-    mrandom._get_cuda_rng_state = get_state
-    mrandom._set_cuda_rng_state = set_state
-    torch.cuda.get_rng_state = get_state
-    torch.cuda.manual_seed = torch.manual_seed
-
-    # P2: ``device=torch.cuda.current_device()`` allocates rotary ``inv_freq``, the TP
-    # all-gather buffers (tensor_parallel/mappings.py) and the MoE router's casts; "cpu"
-    # turns them into CPU allocations (otherwise: AssertionError, no CUDA).
-    torch.cuda.current_device = lambda: "cpu"
-
-    # P3: ``LanguageModule.setup_embeddings_and_output_layer`` does
-    # ``weight.data = weight.data.cuda()`` before all-reducing the tied word embedding
-    # over the embedding group (pp > 1 with share_embeddings_and_output_weights).
-    torch.Tensor.cuda = lambda self, *_a, **_k: self
-
-    # P5: megatron-core 0.16.1 imports ``te_general_gemm`` only inside ``try: import
-    # transformer_engine`` but the router forward tests ``te_general_gemm is not None``
-    # unconditionally: NameError in every MoE forward without TE.
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-    # (P4, the alltoall dispatcher's CUDA streams, is not needed: we use "allgather".)
-    _PATCHED = True
 
 
 def rope_theta(hf: dict[str, Any]) -> float:
@@ -80,41 +39,7 @@ def rope_theta(hf: dict[str, Any]) -> float:
 
 def transformer_config(hf: dict[str, Any], arch: ArchConfig, par: TrainParallel, first: int | None):
     """The ``TransformerConfig`` of the HF model ``hf`` under ``par`` (float32, CPU-safe)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    kw: dict[str, Any] = dict(
-        num_layers=arch.num_layers,
-        hidden_size=arch.hidden_size,
-        num_attention_heads=arch.num_attention_heads,
-        num_query_groups=arch.num_key_value_heads,
-        kv_channels=arch.head_dim,  # explicit: Qwen3's head_dim != hidden / heads
-        ffn_hidden_size=arch.intermediate_size,
-        gated_linear_unit=True,  # SwiGLU: linear_fc1 = [gate; up]
-        activation_func=F.silu,
-        normalization="RMSNorm",
-        layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
-        add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_norm,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        tensor_model_parallel_size=par.tp,
-        pipeline_model_parallel_size=par.pp,
-        virtual_pipeline_model_parallel_size=par.vpp if par.vpp > 1 else None,
-        num_layers_in_first_pipeline_stage=first,
-        # Every rank builds the full master weight on the CPU and keeps its slice; without
-        # this, weights are allocated on current_device() and initialised by the CUDA RNG.
-        use_cpu_initialization=True,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-        # CUDA-only fused kernels (all default off in 0.16; pinned here on purpose).
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-    )
+    kw: dict[str, Any] = {}
     if arch.moe is not None:
         kw.update(
             num_moe_experts=arch.moe.num_experts,
@@ -132,7 +57,8 @@ def transformer_config(hf: dict[str, Any], arch: ArchConfig, par: TrainParallel,
             # pre-softmax (softmax, then top-k, no renormalisation) == not renormalised.
             moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
         )
-    return TransformerConfig(**kw)
+    eps = float(hf.get("rms_norm_eps", 1e-6))
+    return prod.transformer_config(arch, par, norm_eps=eps, first=first, **kw)
 
 
 def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
@@ -146,40 +72,9 @@ def build_gpt(
     hf: dict[str, Any], spec: ModelSpec, par: TrainParallel, padded_vocab: int, **kw: Any
 ) -> list[torch.nn.Module]:
     """This rank's ``GPTModel`` chunk(s) (one per virtual pipeline stage), in eval mode."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_decoder_block_spec,
-        get_gpt_layer_local_spec,
-    )
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
-    arch = spec.arch
-    cfg = transformer_config(hf, arch, par, kw.get("first"))
-    chunks = []
-    for vp in range(par.vpp) if par.vpp > 1 else [None]:
-        if arch.moe is not None:
-            # Per-layer specs (dense layers from moe_layer_freq), sliced for this stage.
-            layer_spec = get_gpt_decoder_block_spec(
-                cfg, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp
-            )
-        else:
-            layer_spec = get_gpt_layer_local_spec(
-                qk_layernorm=arch.qk_norm, normalization="RMSNorm"
-            )
-        model = GPTModel(
-            config=cfg,
-            transformer_layer_spec=layer_spec,
-            vocab_size=padded_vocab,  # megatron-core pads nothing itself
-            max_sequence_length=64,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-            position_embedding_type="rope",
-            rotary_base=rope_theta(hf),
-            share_embeddings_and_output_weights=arch.tie_word_embeddings,
-            vp_stage=vp,
-        )
-        chunks.append(model.eval())
-    return chunks
+    cfg = transformer_config(hf, spec.arch, par, kw.get("first"))
+    chunks = prod.build_gpt(cfg, spec.arch, par, padded_vocab, rope_theta=rope_theta(hf))
+    return [model.eval() for model in chunks]
 
 
 def local_tensors(chunks: list[torch.nn.Module], vpp: int) -> dict[str, Tensor]:
@@ -275,12 +170,6 @@ def megatron_global(key: str, arch: ArchConfig, c: dict[str, Tensor], vocab: int
     if m:
         return torch.stack([_layer_global(arch, c, i, m[1]) for i in range(arch.num_layers)])
     raise KeyError(f"no reference mapping for Megatron sharded key {key!r}")
-
-
-def causal_mask(seq: int) -> Tensor:
-    """Megatron's boolean mask, True = masked out. Passing None would make
-    ``get_default_causal_mask`` allocate on ``device="cuda"``."""
-    return torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)[None, None]
 
 
 # -- checks shared by the Megatron truth tests ----------------------------------------------
