@@ -18,7 +18,6 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import groupby
 
 from ..layouts.base import Box
 from .balance import DTYPE_BYTES, LinkModel, Transfer, split_box
@@ -67,8 +66,11 @@ def coalesce(transfers: list[Transfer]) -> list[Transfer]:
     return out
 
 
-def _cut(t: Transfer, max_bytes: int) -> list[Transfer]:
-    """Cut a transfer into parts of at most ``max_bytes`` along the lead canonical dim."""
+def _cut(t: Transfer, max_bytes: int, bucket_bytes: int) -> list[Transfer]:
+    """Cut a transfer into parts of at most ``max_bytes`` along the lead canonical dim.
+
+    ``max_bytes`` may be below the bucket (time-budgeted rounds); a single row larger
+    than it stays whole, but a row larger than the bucket is an error."""
     if t.nbytes <= max_bytes:
         return [t]
     parts = -(-t.nbytes // max_bytes)
@@ -77,10 +79,12 @@ def _cut(t: Transfer, max_bytes: int) -> list[Transfer]:
         return [t]
     rows = t.canonical_box.sizes[lead]
     if rows < parts:
-        raise ValueError(
-            f"bucket of {max_bytes} bytes cannot hold one row of {t.canonical} "
-            f"({t.nbytes // rows} bytes); raise bucket_mb"
-        )
+        if -(-t.nbytes // rows) > bucket_bytes:
+            raise ValueError(
+                f"bucket of {bucket_bytes} bytes cannot hold one row of {t.canonical} "
+                f"({t.nbytes // rows} bytes); raise bucket_mb"
+            )
+        parts = rows
     return [t.part(box) for box in split_box(t.canonical_box, parts)]
 
 
@@ -133,7 +137,9 @@ def _message_order(t: Transfer) -> tuple:
     return (-DTYPE_BYTES[t.dtype], t.dst_tensor, t.dst_box.offsets, t.src_tensor, t.src_box.offsets)
 
 
-def _fan_out_groups(transfers: list[Transfer], bucket_bytes: int) -> list[list[Transfer]]:
+def _fan_out_groups(
+    transfers: list[Transfer], cut_bytes: int, bucket_bytes: int
+) -> list[list[Transfer]]:
     """Bucket-sized parts, grouped by the source box they read.
 
     Parts reading the same source box (one slice for several inference replicas) form
@@ -143,25 +149,20 @@ def _fan_out_groups(transfers: list[Transfer], bucket_bytes: int) -> list[list[T
     Groups bound for the same receivers sit next to each other, so a round serves few
     receivers with large messages rather than every receiver with a small one.
     """
-    parts = [p for t in transfers for p in _cut(t, bucket_bytes)]
-    parts.sort(
-        key=lambda t: (
-            t.src,
-            t.src_tensor,
-            t.src_box.offsets,
-            t.src_box.sizes,
-            t.dtype,
-            t.dst,
-            t.dst_tensor,
-            t.dst_box.offsets,
-        )
-    )
-    groups = [
-        list(g)
-        for _, g in groupby(
-            parts, key=lambda t: (t.src, t.src_tensor, t.src_box.offsets, t.src_box.sizes, t.dtype)
-        )
-    ]
+    by_box: dict[tuple, list[Transfer]] = {}
+    for t in transfers:
+        for p in _cut(t, cut_bytes, bucket_bytes):
+            key = (p.src, p.src_tensor, p.src_box.offsets, p.src_box.sizes, p.dtype)
+            group = by_box.get(key)
+            if group is None:
+                by_box[key] = [p]
+            else:
+                group.append(p)
+    groups = list(by_box.values())
+    for g in groups:
+        if len(g) > 1:
+            g.sort(key=lambda t: (t.dst, t.dst_tensor, t.dst_box.offsets))
+    # Stable sort: groups with equal keys keep the (deterministic) order of ``transfers``.
     groups.sort(key=lambda g: (g[0].src, tuple(t.dst for t in g)))
     return groups
 
@@ -218,30 +219,10 @@ def schedule(
     def seconds(t: Transfer) -> float:
         return sum(t.nbytes * spb for _, _, spb in keys(t.src, t.dst))
 
-    def fits_time(r: int, group: list[Transfer]) -> bool:
-        if links is None:
-            return True
-        load = timed[r]
-        out: dict[tuple, float] = defaultdict(float)
-        for t in group:
-            for k_out, k_in, spb in keys(t.src, t.dst):
-                out[k_out] += t.nbytes * spb
-                out[k_in] += t.nbytes * spb
-        return all(load.get(k, 0.0) + s <= tau * (1 + 1e-9) for k, s in out.items())
-
     # Staging per round, per rank and direction: sends and receives have separate
     # budgets, so a relay rank can receive one chunk while it forwards the previous one.
     used: list[dict[tuple[int, str], int]] = []
     placed: list[list[Transfer]] = []
-
-    def fits(r: int, group: list[Transfer]) -> bool:
-        load = used[r]
-        send = sum(t.nbytes * copies.get(t.dst, 1) for t in group)
-        if load.get((group[0].src, "send"), 0) + send > bucket_bytes:
-            return False
-        if not all(load.get((t.dst, "recv"), 0) + t.nbytes <= bucket_bytes for t in group):
-            return False
-        return fits_time(r, group)
 
     # Relay hops wait for the part that brings their box to their sender; each is placed
     # as soon as that part is, so hops of one box follow each other round after round
@@ -249,7 +230,7 @@ def schedule(
     waiting: dict[tuple[int, str, Box], list[Transfer]] = defaultdict(list)
     for level in forwarded or []:
         for t in level:
-            for part in _cut(t, cut_bytes):
+            for part in _cut(t, cut_bytes, bucket_bytes):
                 waiting[(part.src, part.src_tensor, part.src_box)].append(part)
 
     # First-fit would test every round from 0 for every part: quadratic at DeepSeek-V3
@@ -259,10 +240,9 @@ def schedule(
     # only tests rounds where every rank of the part still has room. Parts that fit in
     # less than ``slack`` then go to later rounds, which costs at most 1/64 of a bucket.
     slack = min(cut_bytes, bucket_bytes // 64)
-    skip: dict[tuple[int, str], dict[int, int]] = defaultdict(dict)
+    skip: dict[tuple[int, str], dict[int, int]] = {}
 
-    def next_open(key: tuple[int, str], r: int) -> int:
-        jumps = skip[key]
+    def next_open(jumps: dict[int, int], r: int) -> int:
         path = []
         while r in jumps:
             path.append(r)
@@ -271,51 +251,58 @@ def schedule(
             jumps[p] = r
         return r
 
-    def mark_full(r: int, key: tuple[int, str]) -> None:
-        if used[r].get(key, 0) > bucket_bytes - slack:
-            skip[key][r] = r + 1
-
-    def candidates(piece: list[Transfer], earliest: int):
-        keys = [(piece[0].src, "send")] + [(t.dst, "recv") for t in piece]
-        r = earliest
-        while r < len(used):
-            moved = True
-            while moved:
-                moved = False
-                for key in keys:
-                    nr = next_open(key, r)
-                    if nr != r:
-                        r, moved = nr, True
-            if r >= len(used):
-                return
-            yield r
-            r += 1
-
     def place(piece: list[Transfer], earliest: int) -> None:
-        r = next((i for i in candidates(piece, earliest) if fits(i, piece)), None)
-        if r is None:
-            r = max(len(used), earliest)
+        demand: dict[tuple[int, str], int] = {}  # staging bytes per (rank, direction)
+        for t in piece:
+            k = (t.src, "send")
+            demand[k] = demand.get(k, 0) + t.nbytes * copies.get(t.dst, 1)
+            k = (t.dst, "recv")
+            demand[k] = demand.get(k, 0) + t.nbytes
+        wanted = list(demand.items())
+        timing: list[tuple[tuple, float]] = []
+        if links is not None:
+            busy: dict[tuple, float] = defaultdict(float)
+            for t in piece:
+                for k_out, k_in, spb in keys(t.src, t.dst):
+                    busy[k_out] += t.nbytes * spb
+                    busy[k_in] += t.nbytes * spb
+            timing = list(busy.items())
+        limit = tau * (1 + 1e-9)
+        r, n = earliest, len(used)
+        while r < n:
+            jumped = False
+            for k, _ in wanted:
+                jumps = skip.get(k)
+                if jumps is not None and r in jumps:
+                    r, jumped = next_open(jumps, r), True
+                    break
+            if jumped:
+                continue
+            load = used[r]
+            if all(load.get(k, 0) + b <= bucket_bytes for k, b in wanted):
+                times = timed[r]
+                if all(times.get(k, 0.0) + x <= limit for k, x in timing):
+                    break
+            r += 1
+        if r >= n:
+            r = max(n, earliest)
         while len(used) <= r:
             used.append({})
             placed.append([])
             timed.append({})
         load, times = used[r], timed[r]
-        for t in piece:
-            send_key, recv_key = (t.src, "send"), (t.dst, "recv")
-            load[send_key] = load.get(send_key, 0) + t.nbytes * copies.get(t.dst, 1)
-            load[recv_key] = load.get(recv_key, 0) + t.nbytes
-            placed[r].append(t)
-            if links is not None:
-                for k_out, k_in, spb in keys(t.src, t.dst):
-                    times[k_out] = times.get(k_out, 0.0) + t.nbytes * spb
-                    times[k_in] = times.get(k_in, 0.0) + t.nbytes * spb
-            mark_full(r, recv_key)
-        mark_full(r, (piece[0].src, "send"))
+        for k, b in wanted:
+            load[k] = total = load.get(k, 0) + b
+            if total > bucket_bytes - slack:
+                skip.setdefault(k, {})[r] = r + 1
+        for k, x in timing:
+            times[k] = times.get(k, 0.0) + x
+        placed[r].extend(piece)
         for t in piece:
             for hop in waiting.pop((t.dst, t.dst_tensor, t.dst_box), []):
                 place([hop], r + 1)
 
-    for group in _fan_out_groups(transfers, cut_bytes):
+    for group in _fan_out_groups(transfers, cut_bytes, bucket_bytes):
         # A group too big to go whole is placed part by part.
         whole = sum(t.nbytes * copies.get(t.dst, 1) for t in group) <= bucket_bytes and (
             links is None or sum(seconds(t) for t in group) <= tau
