@@ -22,7 +22,7 @@ from .balance import DTYPE_BYTES, LinkModel, assign_senders
 from .overlap import PlanError, destination_needs, source_regions
 from .relay import RELAY_MODES, chain_replicas
 from .schedule import Message, coalesce, schedule
-from .serialize import compact_json, fingerprint_of, message_from_json, message_json
+from .serialize import NameTable, compact_json, fingerprint_of, message_from_json, message_json
 
 PLAN_VERSION = 2
 
@@ -146,6 +146,8 @@ class RefitPlan:
                 for rank in table
             ]
 
+        names = NameTable()
+        rounds = [[message_json(m, names) for m in msgs] for msgs in self.class_rounds]
         return {
             "version": PLAN_VERSION,
             "model": self.model,
@@ -155,7 +157,8 @@ class RefitPlan:
             "source_tensors": tensors(self.source_tensors),
             "destination_tensors": tensors(self.destination_tensors),
             "replica_groups": [list(g) for g in self.replica_groups],
-            "rounds": [[message_json(m) for m in msgs] for msgs in self.class_rounds],
+            "names": names.names,
+            "rounds": rounds,
             "stats": self.stats.to_json(),
         }
 
@@ -182,7 +185,8 @@ class RefitPlan:
             )
 
         rounds = tuple(
-            tuple(message_from_json(r, m) for m in msgs) for r, msgs in enumerate(data["rounds"])
+            tuple(message_from_json(r, m, data["names"]) for m in msgs)
+            for r, msgs in enumerate(data["rounds"])
         )
         s = data["stats"]
         plan = cls(

@@ -16,7 +16,7 @@ from typing import Any
 from .overlap import PlanError
 from .plan import PLAN_VERSION, RefitPlan
 from .schedule import Message
-from .serialize import message_from_json, message_json
+from .serialize import NameTable, message_from_json, message_json
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,8 @@ class RankPlan:
             )
 
     def to_json(self) -> str:
+        names = NameTable()
+        messages = [[m.round, message_json(m, names)] for m in self.messages]
         return json.dumps(
             {
                 "version": PLAN_VERSION,
@@ -56,7 +58,8 @@ class RankPlan:
                 "num_destinations": self.num_destinations,
                 "num_rounds": self.num_rounds,
                 "tensors": {k: [list(s), d] for k, (s, d) in sorted(self.tensors.items())},
-                "messages": [[m.round, message_json(m)] for m in self.messages],
+                "names": names.names,
+                "messages": messages,
             },
             separators=(",", ":"),
         )
@@ -73,7 +76,7 @@ class RankPlan:
             num_destinations=data["num_destinations"],
             num_rounds=data["num_rounds"],
             tensors={k: (tuple(s), d) for k, (s, d) in data["tensors"].items()},
-            messages=tuple(message_from_json(r, m) for r, m in data["messages"]),
+            messages=tuple(message_from_json(r, m, data["names"]) for r, m in data["messages"]),
         )
 
 

@@ -251,6 +251,52 @@ def schedule(
             jumps[p] = r
         return r
 
+    def place_one(t: Transfer, earliest: int) -> int:
+        """Round for a lone transfer without a time budget (most parts): ``place``'s
+        search for two keys, spelled out because it runs a million times."""
+        send_key, recv_key = (t.src, "send"), (t.dst, "recv")
+        recv = t.nbytes
+        send = recv * copies.get(t.dst, 1)
+        send_skip, recv_skip = skip.get(send_key, {}), skip.get(recv_key, {})
+        r, n = earliest, len(used)
+        while r < n:
+            if r in send_skip:
+                r = next_open(send_skip, r)
+            elif r in recv_skip:
+                r = next_open(recv_skip, r)
+            else:
+                load = used[r]
+                if (
+                    load.get(send_key, 0) + send <= bucket_bytes
+                    and load.get(recv_key, 0) + recv <= bucket_bytes
+                ):
+                    return r
+                r += 1
+        return max(n, earliest)
+
+    def search(
+        wanted: list[tuple[tuple[int, str], int]], timing: list[tuple[tuple, float]], earliest: int
+    ) -> int:
+        """First round from ``earliest`` with room for every (key, bytes) and time budget."""
+        limit = tau * (1 + 1e-9)
+        r, n = earliest, len(used)
+        while r < n:
+            jumped = False
+            for k, _ in wanted:
+                jumps = skip.get(k)
+                if jumps is not None and r in jumps:
+                    r, jumped = next_open(jumps, r), True
+                    break
+            if jumped:
+                continue
+            load = used[r]
+            if all(load.get(k, 0) + b <= bucket_bytes for k, b in wanted):
+                times = timed[r]
+                if all(times.get(k, 0.0) + x <= limit for k, x in timing):
+                    return r
+            r += 1
+        return max(n, earliest)
+
     def place(piece: list[Transfer], earliest: int) -> None:
         demand: dict[tuple[int, str], int] = {}  # staging bytes per (rank, direction)
         for t in piece:
@@ -267,25 +313,10 @@ def schedule(
                     busy[k_out] += t.nbytes * spb
                     busy[k_in] += t.nbytes * spb
             timing = list(busy.items())
-        limit = tau * (1 + 1e-9)
-        r, n = earliest, len(used)
-        while r < n:
-            jumped = False
-            for k, _ in wanted:
-                jumps = skip.get(k)
-                if jumps is not None and r in jumps:
-                    r, jumped = next_open(jumps, r), True
-                    break
-            if jumped:
-                continue
-            load = used[r]
-            if all(load.get(k, 0) + b <= bucket_bytes for k, b in wanted):
-                times = timed[r]
-                if all(times.get(k, 0.0) + x <= limit for k, x in timing):
-                    break
-            r += 1
-        if r >= n:
-            r = max(n, earliest)
+        if len(piece) == 1 and not timing:
+            r = place_one(piece[0], earliest)
+        else:
+            r = search(wanted, timing, earliest)
         while len(used) <= r:
             used.append({})
             placed.append([])

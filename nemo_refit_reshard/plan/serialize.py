@@ -16,20 +16,36 @@ from .balance import Transfer
 from .schedule import Message
 
 
-def message_json(m: Message) -> dict[str, Any]:
+class NameTable:
+    """Tensor names stored once, rows refer to them by index: a DeepSeek-V3 plan names
+    each tensor thousands of times, and the names were most of its JSON."""
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+        self.names: list[str] = []
+
+    def __call__(self, name: str) -> int:
+        i = self.index.get(name)
+        if i is None:
+            i = self.index[name] = len(self.names)
+            self.names.append(name)
+        return i
+
+
+def message_json(m: Message, names: NameTable) -> dict[str, Any]:
     # Tuples, not lists: json encodes them as arrays without building a list per box.
     return {
         "src": m.src,
         "dst": m.dst,
         "t": [
             (
-                t.src_tensor,
+                names(t.src_tensor),
                 t.src_box.offsets,
                 t.src_box.sizes,
-                t.dst_tensor,
+                names(t.dst_tensor),
                 t.dst_box.offsets,
                 t.dst_box.sizes,
-                t.canonical,
+                names(t.canonical),
                 t.canonical_box.offsets,
                 t.canonical_box.sizes,
                 t.dtype,
@@ -39,17 +55,17 @@ def message_json(m: Message) -> dict[str, Any]:
     }
 
 
-def message_from_json(round_index: int, data: dict[str, Any]) -> Message:
+def message_from_json(round_index: int, data: dict[str, Any], names: list[str]) -> Message:
     src, dst = data["src"], data["dst"]
     transfers = tuple(
         Transfer(
             src,
             dst,
-            row[0],
+            names[row[0]],
             Box(tuple(row[1]), tuple(row[2])),
-            row[3],
+            names[row[3]],
             Box(tuple(row[4]), tuple(row[5])),
-            row[6],
+            names[row[6]],
             Box(tuple(row[7]), tuple(row[8])),
             row[9],
         )
