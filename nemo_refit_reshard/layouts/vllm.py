@@ -270,13 +270,15 @@ class _VllmRank:
         self.b.tensor(w2, (n_local, h, n), self.dtype)
         lo = shard_rank * n
         # Every expert reads the same canonical boxes: build them once (DeepSeek-V3 at
-        # tp=32 has 1.5 million expert pieces per rank set).
+        # tp=32 has 1.5 million expert pieces per rank set). Slot j < n_local and rows
+        # [half * n, half * n + n) lie inside (n_local, 2n, h) by construction.
         gate_up, down = Box((lo, 0), (n, h)), Box((0, lo), (h, n))
+        piece = self.b.piece
         for j, e in enumerate(range(first, stop)):
             hf = f"{p}.experts.{e}"
-            for half, proj in enumerate(("gate_proj", "up_proj")):
-                self.b.piece(f"{hf}.{proj}.weight", gate_up, w13, Box((j, half * n, 0), (1, n, h)))
-            self.b.piece(f"{hf}.down_proj.weight", down, w2, Box((j, 0, 0), (1, h, n)))
+            piece(f"{hf}.gate_proj.weight", gate_up, w13, Box((j, 0, 0), (1, n, h)), False)
+            piece(f"{hf}.up_proj.weight", gate_up, w13, Box((j, n, 0), (1, n, h)), False)
+            piece(f"{hf}.down_proj.weight", down, w2, Box((j, 0, 0), (1, h, n)), False)
 
     def mlp(self, layer: int, p: str) -> None:
         a = self.a

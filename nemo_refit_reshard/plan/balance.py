@@ -153,12 +153,31 @@ def assign_senders(
     total = 0
     chosen: list[tuple[Need, int]] = []
     for need in needs:
-        nbytes = need.numel * DTYPE_BYTES[dtype_of[(need.dst, need.dst_piece.local)]]
-        total += nbytes * copies(need.dst)
-        if len(need.region.holders) == 1:
-            emit(need.region.holders[0], need, need.canonical_box, nbytes)
-        else:
+        dst, dst_piece, box = need.dst, need.dst_piece, need.canonical_box
+        dtype = dtype_of[(dst, dst_piece.local)]
+        nbytes = box.numel * DTYPE_BYTES[dtype]
+        total += nbytes * copies(dst)
+        holders = need.region.holders
+        if len(holders) > 1:
             chosen.append((need, nbytes))
+            continue
+        # ``emit`` inlined: this loop runs over every expert slice of the model.
+        rank, src_piece = holders[0].rank, holders[0].piece
+        for k, c in weight(rank, dst):
+            busy[k] += nbytes * c
+        out.append(
+            Transfer(
+                rank,
+                dst,
+                src_piece.local,
+                map_sub_box(src_piece.canonical_box, src_piece.local_box, box),
+                dst_piece.local,
+                map_sub_box(dst_piece.canonical_box, dst_piece.local_box, box),
+                dst_piece.canonical,
+                box,
+                dtype,
+            )
+        )
     share = max(1, total // max(1, len(senders)))
     items: list[tuple[int, int, Need, Box]] = []
     for index, (need, nbytes) in enumerate(chosen):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -75,7 +75,6 @@ class RefitPlan:
     class_rounds: tuple[tuple[Message, ...], ...]
     stats: PlanStats
     replica_groups: tuple[tuple[int, ...], ...] = ()  # refit-group ranks, first = stored one
-    fingerprint: str = field(default="")
 
     @property
     def num_rounds(self) -> int:
@@ -166,6 +165,12 @@ class RefitPlan:
     def _body_text(self) -> str:
         return compact_json(self._body())
 
+    @cached_property
+    def fingerprint(self) -> str:
+        """16 hex digits of the SHA-256 of the plan's JSON body: computed on first use
+        (serialising a DeepSeek-V3 plan takes seconds; building it need not wait)."""
+        return fingerprint_of(self._body_text)
+
     def to_json(self) -> str:
         return self._body_text[:-1] + f',"fingerprint":"{self.fingerprint}"}}'
 
@@ -213,9 +218,8 @@ class RefitPlan:
                 },
             ),
             replica_groups=tuple(tuple(g) for g in data["replica_groups"]),
-            fingerprint=data["fingerprint"],
         )
-        if fingerprint_of(plan._body_text) != plan.fingerprint:
+        if plan.fingerprint != data["fingerprint"]:
             raise PlanError(
                 "plan file content does not match its fingerprint (corrupted or edited)"
             )
@@ -401,5 +405,4 @@ def _plan(
         stats=stats,
         replica_groups=tuple(g for g in groups if len(g) > 1),
     )
-    object.__setattr__(plan, "fingerprint", fingerprint_of(plan._body_text))
     return plan

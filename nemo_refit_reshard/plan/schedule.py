@@ -251,29 +251,6 @@ def schedule(
             jumps[p] = r
         return r
 
-    def place_one(t: Transfer, earliest: int) -> int:
-        """Round for a lone transfer without a time budget (most parts): ``place``'s
-        search for two keys, spelled out because it runs a million times."""
-        send_key, recv_key = (t.src, "send"), (t.dst, "recv")
-        recv = t.nbytes
-        send = recv * copies.get(t.dst, 1)
-        send_skip, recv_skip = skip.get(send_key, {}), skip.get(recv_key, {})
-        r, n = earliest, len(used)
-        while r < n:
-            if r in send_skip:
-                r = next_open(send_skip, r)
-            elif r in recv_skip:
-                r = next_open(recv_skip, r)
-            else:
-                load = used[r]
-                if (
-                    load.get(send_key, 0) + send <= bucket_bytes
-                    and load.get(recv_key, 0) + recv <= bucket_bytes
-                ):
-                    return r
-                r += 1
-        return max(n, earliest)
-
     def search(
         wanted: list[tuple[tuple[int, str], int]], timing: list[tuple[tuple, float]], earliest: int
     ) -> int:
@@ -297,7 +274,54 @@ def schedule(
             r += 1
         return max(n, earliest)
 
+    def open_round(r: int) -> None:
+        while len(used) <= r:
+            used.append({})
+            placed.append([])
+            timed.append({})
+
+    def place_one(t: Transfer, earliest: int) -> int:
+        """``place`` for a lone transfer without a time budget (most parts), spelled
+        out for its two keys because it runs a million times at DeepSeek-V3 scale."""
+        send_key, recv_key = (t.src, "send"), (t.dst, "recv")
+        recv = t.nbytes
+        send = recv * copies.get(t.dst, 1)
+        send_skip, recv_skip = skip.setdefault(send_key, {}), skip.setdefault(recv_key, {})
+        r, n = earliest, len(used)
+        while r < n:
+            if r in send_skip:
+                r = next_open(send_skip, r)
+            elif r in recv_skip:
+                r = next_open(recv_skip, r)
+            else:
+                load = used[r]
+                if (
+                    load.get(send_key, 0) + send <= bucket_bytes
+                    and load.get(recv_key, 0) + recv <= bucket_bytes
+                ):
+                    break
+                r += 1
+        else:
+            r = max(n, earliest)
+            open_round(r)
+        load = used[r]
+        load[send_key] = total = load.get(send_key, 0) + send
+        if total > bucket_bytes - slack:
+            send_skip[r] = r + 1
+        load[recv_key] = total = load.get(recv_key, 0) + recv
+        if total > bucket_bytes - slack:
+            recv_skip[r] = r + 1
+        placed[r].append(t)
+        return r
+
     def place(piece: list[Transfer], earliest: int) -> None:
+        if len(piece) == 1 and links is None:
+            r = place_one(piece[0], earliest)
+            t = piece[0]
+            if waiting:
+                for hop in waiting.pop((t.dst, t.dst_tensor, t.dst_box), []):
+                    place([hop], r + 1)
+            return
         demand: dict[tuple[int, str], int] = {}  # staging bytes per (rank, direction)
         for t in piece:
             k = (t.src, "send")
@@ -313,14 +337,8 @@ def schedule(
                     busy[k_out] += t.nbytes * spb
                     busy[k_in] += t.nbytes * spb
             timing = list(busy.items())
-        if len(piece) == 1 and not timing:
-            r = place_one(piece[0], earliest)
-        else:
-            r = search(wanted, timing, earliest)
-        while len(used) <= r:
-            used.append({})
-            placed.append([])
-            timed.append({})
+        r = search(wanted, timing, earliest)
+        open_round(r)
         load, times = used[r], timed[r]
         for k, b in wanted:
             load[k] = total = load.get(k, 0) + b
