@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..layouts import MegatronOptions, VllmOptions, megatron_layout, vllm_layout
+from ..layouts import MegatronOptions, VllmOptions, megatron_layout, vllm_layouts
 from ..plan import RefitPlan, plan_refit
 from ..plan.rank_plan import rank_plan
 from ..spec import InferParallel, TrainParallel, load_model_spec
@@ -61,7 +61,7 @@ def build_layouts(cfg: RunConfig):
     )
     vopts = VllmOptions(params_dtype=cfg.infer_dtype)
     sources = [megatron_layout(spec, tpar, r, mopts) for r in range(tpar.world_size)]
-    destinations = [vllm_layout(spec, ipar, r, vopts) for r in range(ipar.world_size)]
+    destinations = vllm_layouts(spec, ipar, vopts)
     return spec, sources, destinations
 
 

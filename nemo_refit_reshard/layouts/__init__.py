@@ -13,7 +13,14 @@ from .dtensor import (
 )
 from .megatron import MegatronOptions, megatron_layout, megatron_padded_vocab
 from .megatron_grid import megatron_layer_chunks, megatron_position
-from .vllm import VLLM_VERSION, VllmOptions, vllm_layout, vllm_padded_vocab, vllm_pp_indices
+from .vllm import (
+    VLLM_VERSION,
+    VllmOptions,
+    vllm_layout,
+    vllm_layouts,
+    vllm_padded_vocab,
+    vllm_pp_indices,
+)
 
 __all__ = [
     "VLLM_VERSION",
@@ -37,6 +44,7 @@ __all__ = [
     "megatron_padded_vocab",
     "megatron_position",
     "vllm_layout",
+    "vllm_layouts",
     "vllm_padded_vocab",
     "vllm_pp_indices",
 ]

@@ -356,3 +356,29 @@ def vllm_layout(
         replicas=vllm_replicas(spec, parallel, rank, opts),
         tensors=walker.b.build(),
     )
+
+
+def vllm_layouts(
+    spec: ModelSpec, parallel: InferParallel, options: VllmOptions | None = None
+) -> list[RankLayout]:
+    """Every inference rank's layout. Replicas (:func:`vllm_replicas`) share their
+    first member's tensors instead of rebuilding them: the planner then recognises
+    them at once, and 8 DeepSeek-V3 replicas cost one replica's memory."""
+    opts = options or VllmOptions()
+    out: list[RankLayout] = []
+    for rank in range(parallel.world_size):
+        replicas = vllm_replicas(spec, parallel, rank, opts)
+        if replicas[0] == rank:
+            out.append(vllm_layout(spec, parallel, rank, opts))
+            continue
+        out.append(
+            RankLayout(
+                framework="vllm",
+                rank=rank,
+                world_size=parallel.world_size,
+                position=vllm_position(parallel, rank).as_dict(),
+                replicas=replicas,
+                tensors=out[replicas[0]].tensors,
+            )
+        )
+    return out
