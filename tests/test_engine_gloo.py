@@ -200,3 +200,29 @@ def test_refit_group_spans_pools_that_have_their_own_worlds(tmp_path) -> None:
             str(p): [10 * p + i for i in range(8)] for p in range(3) if p != rank
         }
         assert report["pool_sum"] == (0 if rank == 0 else 3)
+
+
+def test_domain_relay_bit_exact_over_gloo(tmp_path) -> None:
+    """2 training ranks -> 4 replicas on 2-GPU "nodes": the training ranks send one copy
+    per node, the node's second replica gets it forwarded by the first, bit-exact."""
+    from nemo_refit_reshard.integrations.spawn import build_layouts
+    from nemo_refit_reshard.plan import plan_refit
+    from nemo_refit_reshard.plan.topology import Cluster, Placement, Topology
+
+    cfg = RunConfig(
+        model=_config_file(tmp_path, "qwen3"),
+        train="tp=2",
+        infer="tp=1,dp=4",
+        steps=2,
+        timeout_s=60,
+        backends=("reshard",),
+    )
+    spec, src, dst = build_layouts(cfg)
+    cluster = Cluster(gpus_per_node=2, nvlink_gbps=450, nic_gbps=50)
+    links = Topology(cluster, Placement.packed(2, 4, cluster))
+    plan = plan_refit(spec, src, dst, bucket_mb=0.05, relay="domain", links=links)
+    assert plan.relay_chains == ((2, 3), (4, 5)) and plan.num_rounds > 2
+    result = run_local(cfg, join_timeout_s=240, plan=plan)
+    _assert_bit_exact(result, backends=("reshard",))
+    forwarded = result.plan.stats.bytes_sent[2:]
+    assert forwarded[0] == forwarded[2] > 0 and forwarded[1] == forwarded[3] == 0

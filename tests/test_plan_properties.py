@@ -97,7 +97,7 @@ def _check(
     bucket_kb=st.sampled_from([1, 4, 512 * 1024]),
     src_fp32=st.booleans(),
     seed=st.integers(0, 2**16),
-    relay=st.sampled_from(["none", "chain"]),
+    relay=st.sampled_from(["none", "chain", "domain"]),
     topology=st.booleans(),
 )
 def test_megatron_to_vllm(
@@ -114,9 +114,13 @@ def test_megatron_to_vllm(
     except ValueError:
         assume(False)
         return
-    links = _Parity() if topology else None
+    links = _Parity() if topology or relay == "domain" else None
     plan = _check(spec, sources, destinations, bucket_kb / 1024, seed, relay, links)
     assert plan.stats.total_bytes == plan.stats.min_bytes
+    for rank in range(plan.num_sources + plan.num_destinations):  # slices = expanded plan
+        assert plan.messages_of(rank) == [
+            m for msgs in plan.rounds for m in msgs if rank in (m.src, m.dst)
+        ]
     if relay == "chain":  # no rank sends the same box twice
         sent = [
             (t.src, t.src_tensor, t.src_box)

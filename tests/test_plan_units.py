@@ -313,3 +313,62 @@ def test_broadcast_baseline_in_process_is_bit_exact() -> None:
     destinations = [empty_like_layout(lay) for lay in dst]
     simulate_broadcast(plan_broadcast(MOE, src, dst, bucket_mb=0.05), sources, destinations)
     assert [mismatches(lay, t, canonical) for lay, t in zip(dst, destinations)] == [[]] * 4
+
+
+def test_domain_relay_one_copy_per_nvlink_domain_then_chains() -> None:
+    """2 training ranks -> 4 replicas on 2-GPU nodes (training on node 0, destinations
+    2-3 on node 1, 4-5 on node 2). Each replica group's first member per node is an
+    entry; the others get the entry's messages one round later per hop."""
+    from nemo_refit_reshard.plan.topology import Cluster, Placement, Topology
+    from nemo_refit_reshard.plan.verify import verify_plan
+
+    src, dst = _layouts(LLAMA, "tp=2", "tp=1,dp=4")
+    cluster = Cluster(gpus_per_node=2, nvlink_gbps=450, nic_gbps=50)
+    links = Topology(cluster, Placement.packed(2, 4, cluster))
+    plan = plan_refit(LLAMA, src, dst, bucket_mb=0.01, relay="domain", links=links)
+    assert plan.replica_groups == ((2, 4),)
+    assert plan.relay_chains == ((2, 3), (4, 5))
+    verify_plan(plan, src, dst)  # exact once, and nothing forwarded before it arrived
+    per_replica = plan.stats.min_bytes // 4
+    # training ranks send two copies (one per node), not four
+    assert sum(plan.stats.bytes_sent[:2]) == 2 * per_replica
+    # entries forward everything they received; the chain tails forward nothing
+    assert plan.stats.bytes_sent[2:] == (per_replica, 0, per_replica, 0)
+    assert plan.stats.bytes_received[2:] == (per_replica,) * 4
+    assert plan.num_rounds == len(plan.class_rounds) + 1
+    # each hop runs one round after its entry received, and forwards all of it
+    for r, msgs in enumerate(plan.rounds):
+        for m in msgs:
+            if m.src in (2, 4):
+                fed = [t for x in plan.rounds[r - 1] if x.dst == m.src for t in x.transfers]
+                assert sorted((t.dst_tensor, t.dst_box) for t in m.transfers) == sorted(
+                    (t.dst_tensor, t.dst_box) for t in fed
+                )
+    # a worker's slice equals its share of the expanded plan
+    for rank in range(6):
+        assert plan.messages_of(rank) == [
+            m for msgs in plan.rounds for m in msgs if rank in (m.src, m.dst)
+        ]
+    again = RefitPlan.from_json(plan.to_json())
+    assert again.relay_chains == plan.relay_chains and again.rounds == plan.rounds
+
+
+def test_domain_relay_needs_a_topology() -> None:
+    src, dst = _layouts(LLAMA, "tp=2", "tp=1,dp=2")
+    with pytest.raises(PlanError, match='relay="domain" needs a topology'):
+        plan_refit(LLAMA, src, dst, relay="domain")
+
+
+def test_plan_stats_count_the_expanded_messages() -> None:
+    from nemo_refit_reshard.plan.topology import Cluster, Placement, Topology
+
+    src, dst = _layouts(LLAMA, "tp=2", "tp=1,dp=4")
+    cluster = Cluster(gpus_per_node=2, nvlink_gbps=450, nic_gbps=50)
+    links = Topology(cluster, Placement.packed(2, 4, cluster))
+    for relay in ("none", "chain", "domain"):
+        plan = plan_refit(LLAMA, src, dst, bucket_mb=0.01, relay=relay, links=links)
+        msgs = [m for r in plan.rounds for m in r]
+        assert plan.stats.num_messages == len(msgs), relay
+        assert plan.stats.num_transfers == sum(len(m.transfers) for m in msgs), relay
+        assert plan.stats.num_rounds == plan.num_rounds == len(plan.rounds), relay
+        assert len({(m.round, m.src, m.dst) for m in msgs}) == len(msgs)  # one per pair

@@ -20,8 +20,8 @@ from ..layouts.base import RankLayout, paused_gc
 from ..spec.model import ModelSpec
 from .balance import DTYPE_BYTES, LinkModel, assign_senders
 from .overlap import PlanError, destination_needs, source_regions
-from .relay import RELAY_MODES, chain_replicas
-from .schedule import Message, coalesce, schedule
+from .relay import RELAY_MODES, chain_replicas, domain_chains
+from .schedule import Message, coalesce, message_order, schedule
 from .serialize import NameTable, compact_json, fingerprint_of, message_from_json, message_json
 
 PLAN_VERSION = 2
@@ -75,10 +75,13 @@ class RefitPlan:
     class_rounds: tuple[tuple[Message, ...], ...]
     stats: PlanStats
     replica_groups: tuple[tuple[int, ...], ...] = ()  # refit-group ranks, first = stored one
+    relay_chains: tuple[tuple[int, ...], ...] = ()  # (entry, next, ...): forwarding order
 
     @property
     def num_rounds(self) -> int:
-        return len(self.class_rounds)
+        if not self.class_rounds:
+            return 0
+        return len(self.class_rounds) + max((len(c) for c in self.relay_chains), default=1) - 1
 
     @cached_property
     def _members(self) -> dict[int, tuple[int, ...]]:
@@ -89,26 +92,59 @@ class RefitPlan:
         return {m: g[0] for g in self.replica_groups for m in g}
 
     @cached_property
+    def _chain_of(self) -> dict[int, tuple[int, ...]]:
+        return {c[0]: c for c in self.relay_chains}
+
+    @cached_property
+    def _in_chain(self) -> dict[int, tuple[tuple[int, ...], int]]:
+        return {m: (c, k) for c in self.relay_chains for k, m in enumerate(c)}
+
+    @cached_property
+    def _into(self) -> dict[int, dict[int, list[Message]]]:
+        """Stored messages by receiver, then round."""
+        out: dict[int, dict[int, list[Message]]] = defaultdict(lambda: defaultdict(list))
+        for r, msgs in enumerate(self.class_rounds):
+            for m in msgs:
+                out[m.dst][r].append(m)
+        return out
+
+    def _hop(self, stored: int, r: int, src: int, dst: int, k: int) -> Message:
+        """What ``stored``'s group received in round ``r``, sent on from ``src`` to ``dst``
+        ``k`` rounds later: one message per pair and round, as the engine expects."""
+        msgs = self._into[stored][r]
+        if len(msgs) == 1:
+            return msgs[0].forwarded(src, dst, r + k)
+        merged = Message(r, msgs[0].src, stored, tuple(t for m in msgs for t in m.transfers))
+        hop = merged.forwarded(src, dst, r + k)
+        return Message(hop.round, src, dst, tuple(sorted(hop.transfers, key=message_order)))
+
+    def _walk(self, build: bool) -> list[list]:
+        out: list[list] = [[] for _ in range(self.num_rounds)]
+        for r, msgs in enumerate(self.class_rounds):
+            for m in msgs:
+                for entry in self._members.get(m.dst, (m.dst,)):
+                    out[r].append(m.to(entry) if build else (m.src, entry, m.nbytes))
+        for stored, by_round in self._into.items():
+            for entry in self._members.get(stored, (stored,)):
+                chain = self._chain_of.get(entry, ())
+                for r, msgs in by_round.items():
+                    nbytes = sum(m.nbytes for m in msgs)
+                    for k in range(1, len(chain)):
+                        src, dst = chain[k - 1], chain[k]
+                        out[r + k].append(
+                            self._hop(stored, r, src, dst, k) if build else (src, dst, nbytes)
+                        )
+        return out
+
+    @cached_property
     def rounds(self) -> tuple[tuple[Message, ...], ...]:
-        """Every message of every rank, replica groups expanded (meant for small plans)."""
-        members = self._members
-        return tuple(
-            tuple(
-                sorted(
-                    (m.to(d) for m in msgs for d in members.get(m.dst, (m.dst,))),
-                    key=lambda m: (m.src, m.dst),
-                )
-            )
-            for msgs in self.class_rounds
-        )
+        """Every message of every rank, replica groups and chains expanded (for small
+        plans; workers use :meth:`messages_of`)."""
+        return tuple(tuple(sorted(msgs, key=lambda m: (m.src, m.dst))) for msgs in self._walk(True))
 
     def traffic(self) -> list[list[tuple[int, int, int]]]:
-        """Per round, ``(src, dst, bytes)`` of every message, replica groups expanded."""
-        members = self._members
-        return [
-            [(m.src, d, m.nbytes) for m in msgs for d in members.get(m.dst, (m.dst,))]
-            for msgs in self.class_rounds
-        ]
+        """Per round, ``(src, dst, bytes)`` of every message, expanded like :attr:`rounds`."""
+        return self._walk(False)
 
     def expected_tensors(self, group_rank: int) -> dict[str, tuple[tuple[int, ...], str]]:
         """The live tensors (name -> shape, dtype) this refit-group rank must hold."""
@@ -127,14 +163,21 @@ class RefitPlan:
 
     def messages_of(self, group_rank: int) -> list[Message]:
         """Every message this refit-group rank sends or receives, in round order."""
-        stored = self._stored_as.get(group_rank, group_rank)
+        chain, k = self._in_chain.get(group_rank, ((group_rank,), 0))
+        stored = self._stored_as.get(chain[0], chain[0])
         members = self._members
         out: list[Message] = []
         for m in self._by_rank.get(stored, ()):
             if m.src == group_rank:
                 out += [m.to(d) for d in members.get(m.dst, (m.dst,))]
-            else:
+            elif k == 0:
                 out.append(m.to(group_rank))
+        for r in self._into.get(stored, {}) if len(chain) > 1 else ():
+            if k > 0:
+                out.append(self._hop(stored, r, chain[k - 1], group_rank, k))
+            if k + 1 < len(chain):
+                out.append(self._hop(stored, r, group_rank, chain[k + 1], k + 1))
+        out.sort(key=lambda m: (m.round, m.src, m.dst))  # the order of :attr:`rounds`
         return out
 
     # -- serialization (JSON, no pickle) ----------------------------------------------
@@ -156,6 +199,7 @@ class RefitPlan:
             "source_tensors": tensors(self.source_tensors),
             "destination_tensors": tensors(self.destination_tensors),
             "replica_groups": [list(g) for g in self.replica_groups],
+            "relay_chains": [list(c) for c in self.relay_chains],
             "names": names.names,
             "rounds": rounds,
             "stats": self.stats.to_json(),
@@ -218,6 +262,7 @@ class RefitPlan:
                 },
             ),
             replica_groups=tuple(tuple(g) for g in data["replica_groups"]),
+            relay_chains=tuple(tuple(c) for c in data["relay_chains"]),
         )
         if plan.fingerprint != data["fingerprint"]:
             raise PlanError(
@@ -344,11 +389,17 @@ def _plan(
     dtype_of = {(s + lay.rank, t.name): t.dtype for lay in destinations for t in lay.tensors}
     # Relay chains forward between replicas, so they plan every destination on its own;
     # a direct plan sends every replica the same messages and plans each group once.
+    # ``relay="domain"`` sends one copy into each NVLink domain a group spans (the
+    # group's *entries*), and each entry forwards along a chain inside its domain.
+    chains: list[tuple[int, ...]] = []
     if relay == "chain":
         groups = [(s + lay.rank,) for lay in destinations]
     else:
         groups = replica_groups(destinations, s)
-    members = {g[0]: g for g in groups}
+    entries = groups
+    if relay == "domain":
+        entries, chains = domain_chains(groups, links)
+    members = {g[0]: g for g in entries}
     needs = [
         need for g in groups for need in destination_needs(destinations[g[0] - s], regions, g[0])
     ]
@@ -363,7 +414,9 @@ def _plan(
     received = [0] * (s + len(destinations))
     used_src: list[set[str]] = [set() for _ in sources]
     num_transfers = num_messages = 0
-    for messages in rounds:
+    into_group: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])  # bytes, rounds, transfers
+    last_round: dict[int, int] = {}
+    for r, messages in enumerate(rounds):
         for m in messages:
             copies = members[m.dst] if m.dst in members else (m.dst,)
             sent[m.src] += m.nbytes * len(copies)
@@ -373,6 +426,19 @@ def _plan(
             num_messages += len(copies)
             if m.src < s:
                 used_src[m.src].update(t.src_tensor for t in m.transfers)
+            acc = into_group[m.dst]
+            acc[0] += m.nbytes
+            acc[1] += last_round.get(m.dst) != r  # one hop message per round
+            acc[2] += len(m.transfers)
+            last_round[m.dst] = r
+    stored_as = {e: g[0] for g in entries for e in g}
+    for chain in chains:  # every hop forwards all that its chain's entry received
+        nbytes, count, transfers_in = into_group[stored_as[chain[0]]]
+        for src, dst in zip(chain, chain[1:]):
+            sent[src] += nbytes
+            received[dst] += nbytes
+            num_messages += count
+            num_transfers += transfers_in
     min_bytes = sum(
         len(g) * p.canonical_box.numel * DTYPE_BYTES[t.dtype]
         for g in groups
@@ -387,7 +453,7 @@ def _plan(
         baseline_bytes=_baseline_bytes(spec, sources, destinations, groups, dtype_of),
         num_transfers=num_transfers,
         num_messages=num_messages,
-        num_rounds=len(rounds),
+        num_rounds=len(rounds) + max((len(c) for c in chains), default=1) - 1 if rounds else 0,
     )
     plan = RefitPlan(
         model=spec.name,
@@ -403,6 +469,7 @@ def _plan(
         ),
         class_rounds=tuple(tuple(msgs) for msgs in rounds),
         stats=stats,
-        replica_groups=tuple(g for g in groups if len(g) > 1),
+        replica_groups=tuple(g for g in entries if len(g) > 1),
+        relay_chains=tuple(chains),
     )
     return plan

@@ -16,8 +16,9 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .balance import LinkModel, Transfer, split_box
+from .overlap import PlanError
 
-RELAY_MODES = ("none", "chain")
+RELAY_MODES = ("none", "chain", "domain")
 
 
 def _node_groups(dsts: list[int], links: LinkModel | None) -> list[list[int]]:
@@ -82,3 +83,31 @@ def chain_replicas(
                     )
                 )
     return levels
+
+
+def domain_chains(
+    groups: list[tuple[int, ...]], links: LinkModel | None
+) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """Entries and forwarding chains of ``relay="domain"``.
+
+    Each replica group's members are split into runs that share an NVLink domain
+    (consecutive members on one node). The first member of each run is an *entry*:
+    training ranks send to it directly, once per domain instead of once per
+    replica. The others receive along a chain inside the domain, one hop per
+    round: the k-th member gets, k rounds later, exactly what the entry got. The
+    plan stores only the entries' messages; chains are expanded on demand, so
+    this scales like a direct plan (DeepSeek-V3 on 256 GPUs) while removing the
+    replica factor from the training NICs wherever replicas share a domain.
+    Returns (entry groups, first entry first; chains, entry first).
+    """
+    if links is None:
+        raise PlanError(
+            'relay="domain" needs a topology to know which ranks share an NVLink domain; '
+            "pass links=Topology(cluster, placement) (CLI: simulate --cluster ...)"
+        )
+    entries, chains = [], []
+    for g in groups:
+        runs = _node_groups(list(g), links)
+        entries.append(tuple(run[0] for run in runs))
+        chains += [tuple(run) for run in runs if len(run) > 1]
+    return entries, chains

@@ -106,6 +106,29 @@ class Message:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.transfers)
 
+    def forwarded(self, src: int, dst: int, round_index: int) -> Message:
+        """This message's content sent on by ``src``, which received it, to ``dst``, a
+        replica of ``src`` (same local boxes), in round ``round_index``."""
+        return Message(
+            round_index,
+            src,
+            dst,
+            tuple(
+                Transfer(
+                    src,
+                    dst,
+                    t.dst_tensor,
+                    t.dst_box,
+                    t.dst_tensor,
+                    t.dst_box,
+                    t.canonical,
+                    t.canonical_box,
+                    t.dtype,
+                )
+                for t in self.transfers
+            ),
+        )
+
     def to(self, dst: int) -> Message:
         """This message as sent to ``dst``, a replica of its receiver (same local boxes)."""
         if dst == self.dst:
@@ -131,7 +154,7 @@ class Message:
         )
 
 
-def _message_order(t: Transfer) -> tuple:
+def message_order(t: Transfer) -> tuple:
     # Largest dtype first (alignment), then destination order, so the receiver's adjacent
     # boxes (e.g. consecutive experts of w13_weight) sit next to each other and merge.
     return (-DTYPE_BYTES[t.dtype], t.dst_tensor, t.dst_box.offsets, t.src_tensor, t.src_box.offsets)
@@ -368,7 +391,7 @@ def schedule(
             pairs[(t.src, t.dst)].append(t)
         rounds.append(
             [
-                Message(r, src, dst, tuple(sorted(ts, key=_message_order)))
+                Message(r, src, dst, tuple(sorted(ts, key=message_order)))
                 for (src, dst), ts in sorted(pairs.items())
             ]
         )
