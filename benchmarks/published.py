@@ -3,7 +3,7 @@
     python benchmarks/published.py [--large]
 
 For every run in ``shared/reference/published_runs.json`` that names its
-parallelism: build our plan (direct and relay chain), predict its time on a
+parallelism: build our plans (direct, relay chain, relay domain), predict their time on a
 cluster model of the publisher's hardware, compute the bandwidth floor and
 the gather-broadcast baseline on the same model, and print a markdown row.
 Ours are predictions; the publishers' numbers are measurements.
@@ -38,7 +38,11 @@ CLUSTERS = {
     "GB200": Cluster(gpus_per_node=72, nvlink_gbps=900, nic_gbps=50),
 }
 # Megatron needs the first/last pipeline stage sizes when 61 layers do not split evenly.
-UNEVEN = {("deepseek-v3", 4): (16, 15), ("deepseek-v3", 16): (3, 2)}
+UNEVEN = {
+    ("deepseek-v3", 4): (16, 15),
+    ("deepseek-v3", 16): (3, 2),
+    ("qwen3-235b-a22b", 4): (23, 23),
+}
 LARGE = ("deepseek-v3", "qwen3-235b-a22b")
 
 
@@ -60,13 +64,14 @@ def row(run: dict) -> str:
     placement = Placement.packed(len(src), len(dst), cluster)
     links = Topology(cluster, placement)
     results = {}
-    # A relay plan lists every replica's transfers separately (8-16x a direct plan's);
-    # for the frontier-size runs only the direct plan is built.
-    for relay in ("none",) if model in LARGE else ("none", "chain"):
+    # A "chain" plan lists every replica's transfers separately (8-16x a direct plan's),
+    # so the frontier-size runs build only the direct and the "domain" plans.
+    for relay in ("none", "domain") if model in LARGE else ("none", "chain", "domain"):
         plan = plan_refit(spec, src, dst, relay=relay, links=links)
         results[relay] = predict_refit(plan, cluster, placement).seconds
         if relay == "none":
             floor = bandwidth_floor(plan, src, dst, cluster, placement)
+        del plan
     base = predict_broadcast(plan_broadcast(spec, src, dst), cluster, placement).seconds
     best = min(results.values())
     chain = f"{results['chain']:.3f} s" if "chain" in results else "not built"
@@ -74,7 +79,7 @@ def row(run: dict) -> str:
     published = "; ".join(f"{k} {v}" for k, v in theirs.items()) if theirs else "—"
     return (
         f"| {model} | {run['as_published']} | {name} | {results['none']:.3f} s "
-        f"| {chain} | {floor.seconds:.3f} s ({floor.binding.key}) "
+        f"| {chain} | {results['domain']:.3f} s | {floor.seconds:.3f} s ({floor.binding.key}) "
         f"| {best / floor.seconds:.2f}x | {base:.2f} s | {published} "
         f"| {time.perf_counter() - t0:.0f} s |"
     )
@@ -92,15 +97,16 @@ def main() -> int:
     args = parser.parse_args()
     runs = [r for r in json.load(open(RUNS))["runs"] if r["train"] and r["infer"]]
     print(
-        "| model | configuration (as published) | cluster | ours direct | ours relay "
-        "| floor (term) | best / floor | gather-broadcast | published (s) | planning |"
+        "| model | configuration (as published) | cluster | ours direct | ours relay chain "
+        "| ours relay domain | floor (term) | best / floor | gather-broadcast | published (s) "
+        "| planning |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for run in runs:
         if run["model"] in LARGE and not args.large:
             print(
                 f"| {run['model']} | {run['as_published']} | | not run (needs --large) "
-                "| | | | | | |"
+                "| | | | | | | |"
             )
             continue
         print(row(run))

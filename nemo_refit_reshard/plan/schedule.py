@@ -15,7 +15,7 @@ schedule.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -161,7 +161,7 @@ def message_order(t: Transfer) -> tuple:
 
 
 def _fan_out_groups(
-    transfers: list[Transfer], cut_bytes: int, bucket_bytes: int
+    transfers: list[Transfer], cut_bytes: Callable[[Transfer], int], bucket_bytes: int
 ) -> list[list[Transfer]]:
     """Bucket-sized parts, grouped by the source box they read.
 
@@ -174,7 +174,7 @@ def _fan_out_groups(
     """
     by_box: dict[tuple, list[Transfer]] = {}
     for t in transfers:
-        for p in _cut(t, cut_bytes, bucket_bytes):
+        for p in _cut(t, cut_bytes(t), bucket_bytes):
             key = (p.src, p.src_tensor, p.src_box.offsets, p.src_box.sizes, p.dtype)
             group = by_box.get(key)
             if group is None:
@@ -374,7 +374,19 @@ def schedule(
             for hop in waiting.pop((t.dst, t.dst_tensor, t.dst_box), []):
                 place([hop], r + 1)
 
-    for group in _fan_out_groups(transfers, cut_bytes, bucket_bytes):
+    def part_bytes(t: Transfer) -> int:
+        """Largest part of ``t`` that fits one round: its sender stages it once per
+        replica of the receiver, and with a topology its link time (summed over those
+        replicas) must fit ``tau``. Relay hops must be cut exactly like the parts that
+        feed them, so chains keep the one global size."""
+        if forwarded:
+            return cut_bytes
+        limit = bucket_bytes // copies.get(t.dst, 1)
+        if links is not None:
+            limit = min(limit, int(tau / sum(spb for _, _, spb in keys(t.src, t.dst))))
+        return max(1, limit)
+
+    for group in _fan_out_groups(transfers, part_bytes, bucket_bytes):
         # A group too big to go whole is placed part by part.
         whole = sum(t.nbytes * copies.get(t.dst, 1) for t in group) <= bucket_bytes and (
             links is None or sum(seconds(t) for t in group) <= tau
