@@ -21,10 +21,11 @@ def add_run_arguments(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--bucket-mb", type=float, default=512)
     p.add_argument(
         "--relay",
-        choices=("none", "chain", "auto"),
+        choices=("none", "chain", "domain", "auto"),
         default="none",
-        help="chain: forward slices between inference replicas; auto (simulate only): "
-        "whichever the cluster model predicts faster",
+        help="chain: forward slices between inference replicas; domain (simulate only): "
+        "one copy per NVLink domain, forwarded inside it; auto (simulate only): "
+        "whichever the cluster model predicts fastest",
     )
     p.add_argument("--train-dtype", default=None, help="training params dtype (e.g. float32)")
     p.add_argument(
@@ -60,8 +61,11 @@ def _config(args: argparse.Namespace) -> RunConfig:
             raise ValueError(f"unknown backend {b!r}; choose from reshard, broadcast")
     if args.steps < 1:
         raise ValueError("--steps must be >= 1")
-    if args.relay == "auto" and args.command != "simulate":
-        raise ValueError("--relay auto needs a cluster model to choose with: use it with simulate")
+    if args.relay in ("auto", "domain") and args.command != "simulate":
+        raise ValueError(
+            f"--relay {args.relay} needs a cluster model (which ranks share NVLink): "
+            "use it with simulate"
+        )
     return RunConfig(
         model=args.model,
         train=args.train,
@@ -327,7 +331,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         placement = Placement.explicit(nodes, len(sources), len(destinations), cluster)
     # Replica choice balances predicted link time on this cluster, not bytes per sender.
     candidates = []
-    for relay in ("none", "chain") if cfg.relay == "auto" else (cfg.relay,):
+    for relay in ("none", "chain", "domain") if cfg.relay == "auto" else (cfg.relay,):
         plan = plan_refit(
             spec,
             sources,

@@ -411,3 +411,20 @@ def test_cli_simulate_explicit_placement(llama_config, capsys) -> None:
     assert "placement names 2 node(s) but the refit group has" in capsys.readouterr().err
     assert main([*base, "--placement", "a,b,c"]) == 2
     assert "use 'separate' or a comma list of node ids" in capsys.readouterr().err
+
+
+def test_cli_simulate_domain_relay(llama_config, capsys) -> None:
+    args = ["simulate", "--model", llama_config, "--train", "tp=1", "--infer", "tp=2,dp=2"]
+    args += ["--cluster", "gpus_per_node=4,nic_gbps=25", "--relay", "domain", "--json"]
+    cluster = Cluster(gpus_per_node=4, nic_gbps=25)
+    pred, floor, _ = _expected(llama_config, cluster, "domain")
+    direct, _, _ = _expected(llama_config, cluster, "none")
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["predicted_s"] == pred.seconds and report["relay"] == "domain"
+    # both replicas of a TP shard sit on the inference node: one NIC copy instead of two,
+    # the second replica gets its copy over NVLink
+    assert pred.seconds < 0.6 * direct.seconds
+    bad = ["plan", "--model", llama_config, "--train", "tp=1", "--relay", "domain"]
+    assert main(bad) == 2
+    assert "--relay domain needs a cluster model" in capsys.readouterr().err
