@@ -7,7 +7,7 @@ framework would hold) and to check a destination against the canonical truth.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -88,3 +88,50 @@ class SyntheticWeights(Mapping[str, torch.Tensor]):
 
     def forget(self) -> None:
         self._cache.clear()
+
+
+def canonical_from_ranks(
+    canonical_shapes: Mapping[str, tuple[int, ...]],
+    layouts: Sequence[RankLayout],
+    tensors: Sequence[Mapping[str, torch.Tensor]],
+    who: str = "ranks",
+) -> dict[str, torch.Tensor]:
+    """Rebuild canonical tensors (float32 on the CPU) from every rank's local tensors.
+
+    The inverse of :func:`materialize` over a whole world: each piece of each rank is
+    copied to its canonical box. Elements several ranks hold (TP-replicated norms,
+    data-parallel and inference replicas, a tied embedding on two pipeline stages) must
+    agree bit for bit, and every element of every tensor in ``canonical_shapes`` must be
+    held by some rank; otherwise ``ValueError`` names the tensor (and the rank).
+    """
+    if len(layouts) != len(tensors):
+        raise ValueError(f"{len(layouts)} layouts but {len(tensors)} sets of local tensors")
+    out: dict[str, torch.Tensor] = {}
+    seen: dict[str, torch.Tensor] = {}
+    for layout, local in zip(layouts, tensors):
+        for t in layout.tensors:
+            for p in t.pieces:
+                if p.canonical not in out:
+                    shape = canonical_shapes[p.canonical]
+                    out[p.canonical] = torch.zeros(shape, dtype=torch.float32)
+                    seen[p.canonical] = torch.zeros(shape, dtype=torch.bool)
+                value = local[t.name][p.local_box.slices()].detach().cpu().float()
+                dst = out[p.canonical][p.canonical_box.slices()]
+                mask = seen[p.canonical][p.canonical_box.slices()]
+                value = value.reshape(dst.shape)
+                # bitwise comparison (NaN == NaN) of the elements already filled
+                before = dst[mask].view(torch.int32)
+                if not torch.equal(value[mask].view(torch.int32), before):
+                    raise ValueError(
+                        f"{who}: rank {layout.rank} holds {p.canonical} at offsets "
+                        f"{list(p.canonical_box.offsets)} (in {t.name}) with values that "
+                        "differ from another rank's copy"
+                    )
+                dst.copy_(value)
+                mask.fill_(True)
+    for name in canonical_shapes:
+        mask = seen.get(name)
+        if mask is None or not bool(mask.all()):
+            missing = mask.numel() - int(mask.sum()) if mask is not None else "all"
+            raise ValueError(f"{who}: {missing} elements of {name} are held by no rank")
+    return out

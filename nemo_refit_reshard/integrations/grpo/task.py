@@ -54,9 +54,25 @@ POLICY_CONFIG: dict[str, Any] = dict(
 )
 
 
-def policy_spec() -> ModelSpec:
-    """The canonical tensors of the tiny policy."""
-    return load_model_spec(dict(POLICY_CONFIG))
+# What may be resized (vocabulary, heads and head_dim stay): a larger policy makes the
+# refit move more bytes, e.g. to compare refit backends beyond per-message latency.
+POLICY_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers")
+
+
+def policy_config(**sizes: int) -> dict[str, Any]:
+    """``POLICY_CONFIG`` with some of ``POLICY_SIZES`` changed."""
+    unknown = sorted(set(sizes) - set(POLICY_SIZES))
+    if unknown:
+        raise ValueError(f"cannot resize {unknown} of the policy; resizable: {POLICY_SIZES}")
+    bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or v < 1}
+    if bad:
+        raise ValueError(f"policy sizes must be integers >= 1, got {bad}")
+    return {**POLICY_CONFIG, **sizes}
+
+
+def policy_spec(config: dict[str, Any] | None = None) -> ModelSpec:
+    """The canonical tensors of the tiny policy (or of ``config``, see :func:`policy_config`)."""
+    return load_model_spec(dict(POLICY_CONFIG if config is None else config))
 
 
 class CharTokenizer:

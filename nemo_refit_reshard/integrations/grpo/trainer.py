@@ -62,6 +62,11 @@ class GrpoConfig:
     rms_norm_eps: float = 1e-6  # must equal the HF config's
 
 
+# The layout options of the GPTModel this trainer builds (local spec, float32 parameters,
+# Megatron-LM's default vocabulary padding): a refit plan's sources must use exactly these.
+TRAINER_LAYOUT_OPTIONS = MegatronOptions(params_dtype="float32")
+
+
 def init_canonical_weights(spec: ModelSpec, seed: int, std: float) -> dict[str, Tensor]:
     """Seeded float32 canonical tensors (HF names), drawn in checkpoint order."""
     gen = torch.Generator().manual_seed(seed)
@@ -129,11 +134,11 @@ class MegatronPolicyTrainer:
         # The attention forward forks Megatron's "model-parallel-rng" state even with
         # dropout 0, so the tracker must exist (no dropout: its value never matters).
         model_parallel_cuda_manual_seed(seed)
-        self.layout = megatron_layout(
-            spec, train, self.rank, MegatronOptions(params_dtype="float32")
-        )
+        self.layout = megatron_layout(spec, train, self.rank, TRAINER_LAYOUT_OPTIONS)
         self.vocab = spec.arch.vocab_size
-        self.padded_vocab = megatron_padded_vocab(self.vocab, train.tp)
+        self.padded_vocab = megatron_padded_vocab(
+            self.vocab, train.tp, TRAINER_LAYOUT_OPTIONS.make_vocab_size_divisible_by
+        )
         canonical = init_canonical_weights(spec, seed, cfg.init_std)
         self.model = self._build(canonical)
         # Frozen initial policy for the KL term (a second model is simpler and safer than

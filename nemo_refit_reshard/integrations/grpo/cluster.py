@@ -1,0 +1,301 @@
+"""The driver's handle on the GRPO actors: start, call with deadlines, refit, stop.
+
+Every call the driver makes goes through :meth:`GrpoCluster.gather`, which waits with
+a deadline and turns failures into one :class:`GrpoActorError` naming the actors: a
+dead actor (Ray's ``RayActorError``) is named as dead as soon as Ray reports it, the
+others' errors (e.g. the refit transport's ``TransportError``) are listed with it. The
+driver then kills every actor, so a step that fails never hangs.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...engine.checksum import combine, compare
+from ...engine.materialize import canonical_from_ranks
+from ...layouts.base import RankLayout
+from ...plan.baseline import BroadcastPlan
+from ...plan.plan import RefitPlan
+from ...plan.rank_plan import rank_plan
+from ..worker import RefitEndpoint
+from .config import GrpoRunConfig
+from .plans import broadcast_plan_to_json, check_worker_tensors
+
+REFIT_MARGIN_S = 5.0  # a refit call may take refit.timeout_s plus this before we give up
+FAILURE_GRACE_S = 1.0  # after a first failure, how long to collect the others' errors
+
+
+class GrpoActorError(RuntimeError):
+    """An actor died, raised, or did not answer in time; ``dead`` names the dead ones."""
+
+    def __init__(self, message: str, dead: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.dead = list(dead)
+
+
+class RefitVerifyError(RuntimeError):
+    """Checksums of a destination tensor differ between its senders and its receiver."""
+
+
+@dataclass(frozen=True)
+class ActorInfo:
+    role: str  # "training" | "generation"
+    refit_rank: int
+    rank: int  # training rank or inference rank
+    replica: int = 0
+    tp_rank: int = 0
+    handle: Any = field(default=None, compare=False, hash=False, repr=False)
+
+    def __str__(self) -> str:
+        if self.role == "training":
+            return f"training actor rank {self.rank} (refit rank {self.refit_rank})"
+        return (
+            f"generation actor replica {self.replica} tp rank {self.tp_rank} "
+            f"(inference rank {self.rank}, refit rank {self.refit_rank})"
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+class GrpoCluster:
+    """Training and generation actors of one run, with their plans loaded."""
+
+    def __init__(
+        self,
+        cfg: GrpoRunConfig,
+        plan: RefitPlan,
+        broadcast: BroadcastPlan | None,
+        sources: list[RankLayout],
+        destinations: list[RankLayout],
+        canonical_shapes: dict[str, tuple[int, ...]],
+    ) -> None:
+        self.cfg, self.plan, self.broadcast = cfg, plan, broadcast
+        self.sources, self.destinations = sources, destinations
+        self.shapes = canonical_shapes
+        s = len(sources)
+        tp = cfg.infer.tp
+        self.trainers = [ActorInfo("training", r, r) for r in range(s)]
+        self.generators = [
+            ActorInfo("generation", s + d, d, replica=d // tp, tp_rank=d % tp)
+            for d in range(len(destinations))
+        ]
+
+    @property
+    def actors(self) -> list[ActorInfo]:
+        return self.trainers + self.generators
+
+    # -- calls ------------------------------------------------------------------------------
+    def gather(
+        self, calls: Sequence[tuple[ActorInfo, Any]], timeout_s: float, what: str
+    ) -> list[Any]:
+        """Results of ``(actor, ObjectRef)`` calls in order; :class:`GrpoActorError`
+        if any fails or the deadline passes."""
+        import ray
+        from ray.exceptions import RayActorError, RayError
+
+        deadline = time.monotonic() + timeout_s
+        pending = {ref: info for info, ref in calls}
+        results: dict[ActorInfo, Any] = {}
+        failures: list[tuple[ActorInfo, BaseException]] = []
+        stop_at = deadline
+        while pending and time.monotonic() < stop_at:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=stop_at - time.monotonic())
+            for ref in ready:
+                info = pending.pop(ref)
+                try:
+                    results[info] = ray.get(ref, timeout=10)  # ready: returns at once
+                except RayError as err:
+                    failures.append((info, err))
+                    # Peers of a dead actor block until their transport timeout; collect
+                    # what arrives in a short grace, then stop waiting for the rest.
+                    stop_at = min(stop_at, time.monotonic() + FAILURE_GRACE_S)
+        if not failures and not pending:
+            return [results[info] for info, _ in calls]
+        dead = [str(i) for i, e in failures if isinstance(e, RayActorError)]
+        parts = [f"{d} died" for d in dead]
+        for info, err in failures:
+            if not isinstance(err, RayActorError):
+                cause = getattr(err, "cause", None) or err
+                parts.append(f"{info} raised {type(cause).__name__}: {_first_line(cause)}")
+        if pending:
+            names = ", ".join(str(i) for i in pending.values())
+            if failures:
+                parts.append(f"still running, stopped: {names}")
+            else:
+                parts.append(f"no answer within {timeout_s:.0f}s from: {names}")
+        # The first part names the cause (a dead actor comes first), one line per other.
+        raise GrpoActorError(f"{what} failed: " + "\n  ".join(parts), dead)
+
+    def call_all(
+        self,
+        actors: Sequence[ActorInfo],
+        method: str,
+        args: Sequence[Any],
+        timeout_s: float,
+        what: str,
+    ) -> list[Any]:
+        """The same call on every actor of ``actors`` (concurrently: collectives)."""
+        calls = [(a, getattr(a.handle, method).remote(*args)) for a in actors]
+        return self.gather(calls, timeout_s, what)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Create the actors, build their worlds and models, check their tensors against
+        the plans, join the refit group and load the plans."""
+        import ray
+
+        from .actors import GenerationActor, TrainingActor
+
+        cfg = self.cfg
+        exit_rank, exit_step = cfg.test_only_exit or (-1, -1)
+        if cfg.test_only_exit is not None and exit_rank not in {
+            a.refit_rank for a in self.generators
+        }:
+            raise ValueError(
+                f"test_only_exit names refit rank {exit_rank}, which is no generation actor "
+                f"(those are refit ranks {self.generators[0].refit_rank}.."
+                f"{self.generators[-1].refit_rank})"
+            )
+        # Fractional CPUs so every actor fits the cluster at once (collectives need all
+        # ranks running); each actor runs one torch thread.
+        total = float(ray.cluster_resources().get("CPU", cfg.ray.num_cpus))
+        per_actor = min(1.0, int(total / len(self.actors) * 100) / 100)
+        if per_actor <= 0:
+            raise ValueError(f"{len(self.actors)} actors do not fit {total} Ray CPUs")
+        opts = dict(num_cpus=per_actor, max_restarts=0, max_task_retries=0)
+        train_cls = ray.remote(TrainingActor).options(**opts)
+        gen_cls = ray.remote(GenerationActor).options(**opts)
+        self.trainers = [_with(a, train_cls.remote()) for a in self.trainers]
+        self.generators = [_with(a, gen_cls.remote()) for a in self.generators]
+
+        timeout, setup_s = cfg.refit.timeout_s, cfg.ray.setup_timeout_s
+        train_port = free_port()
+        replica_ports = [free_port() for _ in range(cfg.num_replicas)]
+        calls = [
+            (
+                a,
+                a.handle.setup.remote(
+                    cfg.policy, a.rank, str(cfg.train), cfg.grpo, cfg.seed, train_port, timeout
+                ),
+            )
+            for a in self.trainers
+        ]
+        calls += [
+            (
+                a,
+                a.handle.setup.remote(
+                    cfg.policy,
+                    a.replica,
+                    a.tp_rank,
+                    str(cfg.infer),
+                    cfg.infer_dtype,
+                    replica_ports[a.replica],
+                    timeout,
+                    exit_step if a.refit_rank == exit_rank else None,
+                ),
+            )
+            for a in self.generators
+        ]
+        self.gather(calls, setup_s, "actor setup")
+
+        described = self.call_all(self.actors, "describe", (), setup_s, "describe_tensors")
+        for a, tensors in zip(self.actors, described):
+            check_worker_tensors(self.plan, self.broadcast, a.refit_rank, tensors, str(a))
+
+        world = len(self.actors)
+        port = free_port()
+        calls = [
+            (
+                a,
+                a.handle.join.remote(
+                    RefitEndpoint("127.0.0.1", port, world, a.refit_rank, "gloo", timeout).to_json()
+                ),
+            )
+            for a in self.actors
+        ]
+        self.gather(calls, timeout + REFIT_MARGIN_S, "joining the refit group")
+        bjson = broadcast_plan_to_json(self.broadcast) if self.broadcast is not None else None
+        backends = list(cfg.refit.backends)
+        calls = [
+            (
+                a,
+                a.handle.load_plans.remote(
+                    rank_plan(self.plan, a.refit_rank).to_json(), bjson, backends
+                ),
+            )
+            for a in self.actors
+        ]
+        self.gather(calls, timeout + REFIT_MARGIN_S, "loading the plans")
+
+    def shutdown(self) -> None:
+        """Kill every actor (a failed step leaves survivors blocked in collectives)."""
+        import ray
+
+        for a in self.actors:
+            if a.handle is not None:
+                ray.kill(a.handle, no_restart=True)
+
+    # -- refit ------------------------------------------------------------------------------
+    def refit(self, backend: str, step: int) -> float:
+        """One refit over every actor; the slowest rank's seconds. With ``refit.verify``,
+        compares the senders' and receivers' checksums per destination tensor."""
+        verify = self.cfg.refit.verify
+        what = f"step {step}, refit ({backend})"
+        out = self.call_all(
+            self.actors,
+            "refit",
+            (backend, step, verify),
+            self.cfg.refit.timeout_s + REFIT_MARGIN_S,
+            what,
+        )
+        if verify:
+            s = len(self.trainers)
+            bad = compare(
+                combine(o["checksums"] for o in out[:s]), combine(o["checksums"] for o in out[s:])
+            )
+            if bad:
+                rows = [
+                    f"{self.generators[d - s]}: {name} (received {got:#018x}, sent {sent:#018x})"
+                    for d, name, sent, got in bad[:8]
+                ]
+                more = f"\n  ... and {len(bad) - 8} more" if len(bad) > 8 else ""
+                raise RefitVerifyError(
+                    f"{what}: checksum mismatch in {len(bad)} destination tensor(s):\n  "
+                    + "\n  ".join(rows)
+                    + more
+                )
+        return max(o["seconds"] for o in out)
+
+    # -- canonical views (tests, debugging) ------------------------------------------------
+    def trainer_canonical(self) -> dict[str, torch.Tensor]:
+        """Canonical tensors reassembled from every training rank's live parameters."""
+        states = self.call_all(
+            self.trainers, "local_state", (), self.cfg.ray.call_timeout_s, "local_state"
+        )
+        return canonical_from_ranks(self.shapes, self.sources, states, "training actors")
+
+    def generator_canonical(self) -> dict[str, torch.Tensor]:
+        """Canonical tensors reassembled from every generation rank's live tensors."""
+        states = self.call_all(
+            self.generators, "local_state", (), self.cfg.ray.call_timeout_s, "local_state"
+        )
+        return canonical_from_ranks(self.shapes, self.destinations, states, "generation actors")
+
+
+def _with(info: ActorInfo, handle: Any) -> ActorInfo:
+    return ActorInfo(info.role, info.refit_rank, info.rank, info.replica, info.tp_rank, handle)

@@ -1,0 +1,182 @@
+"""The GRPO run's configuration: a typed, validated view of ``configs/grpo_cpu.yaml``.
+
+:meth:`GrpoRunConfig.from_dict` takes the YAML's nested dict (Hydra's config after
+``OmegaConf.to_container``), refuses unknown keys, and raises ``ValueError`` for values
+the run cannot honour, before Ray or any process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ...engine.refit import BACKENDS
+from ...spec.parallel import InferParallel, TrainParallel
+from .task import StringTask, policy_config
+from .trainer import GrpoConfig
+
+POLICIES = ("toy-qwen3",)  # the tiny Qwen3 of task.py: the only policy both sides run
+INFER_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class RefitSettings:
+    backend: str = "reshard"  # reshard | broadcast
+    bucket_mb: float = 512.0
+    timeout_s: float = 60.0  # a dead peer surfaces as an error within this
+    verify: bool = False  # checksum every destination tensor after every refit
+    compare_broadcast: bool = True  # also time the other backend each step
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"unknown refit.backend {self.backend!r}; choose one of: {', '.join(BACKENDS)}"
+            )
+        if not self.bucket_mb > 0 or not self.timeout_s > 0:
+            raise ValueError("refit.bucket_mb and refit.timeout_s must be > 0")
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """Backends run each step, in order: the comparison first, the real refit last
+        (so the generator always ends a step with the real backend's result)."""
+        if not self.compare_broadcast:
+            return (self.backend,)
+        other = "broadcast" if self.backend == "reshard" else "reshard"
+        return (other, self.backend)
+
+
+@dataclass(frozen=True)
+class RaySettings:
+    num_cpus: int = 2  # ray.init(num_cpus=...) when the run starts Ray itself
+    setup_timeout_s: float = 600.0  # actor start-up: imports, process groups, models
+    call_timeout_s: float = 300.0  # one generate or train call
+    log_to_driver: bool = False  # forward actor stdout/stderr (megatron is chatty)
+
+    def __post_init__(self) -> None:
+        if self.num_cpus < 1 or not self.setup_timeout_s > 0 or not self.call_timeout_s > 0:
+            raise ValueError("ray.num_cpus must be >= 1 and the ray timeouts > 0")
+
+
+@dataclass(frozen=True)
+class GrpoRunConfig:
+    train: TrainParallel = field(default_factory=lambda: TrainParallel(tp=2))
+    infer: InferParallel = field(default_factory=lambda: InferParallel(tp=2, dp=2))
+    infer_dtype: str = "float32"
+    policy: dict[str, Any] = field(default_factory=policy_config)  # HF config of the policy
+    task: StringTask = field(default_factory=StringTask)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    num_steps: int = 20
+    seed: int = 0
+    refit: RefitSettings = field(default_factory=RefitSettings)
+    ray: RaySettings = field(default_factory=RaySettings)
+    progress: bool = True  # tqdm bar and one printed line per step
+    # Test-only fault injection (never set by the YAML):
+    test_only_drop_tensor: str | None = None  # remove this canonical tensor from the plans
+    test_only_exit: tuple[int, int] | None = None  # (refit rank, step): it exits mid-refit
+
+    def __post_init__(self) -> None:
+        if self.infer.pp > 1 or self.infer.engine_dp > 1 or self.infer.ep > 1:
+            raise ValueError(
+                f"infer={self.infer}: the CPU generator runs tp and independent dp replicas "
+                "only; set infer.tp and infer.dp"
+            )
+        if self.train.vpp > 1 or self.train.cp > 1 or self.train.ep > 1:
+            raise ValueError(f"train={self.train}: the CPU trainer runs tp, pp and dp only")
+        if self.infer_dtype not in INFER_DTYPES:
+            raise ValueError(
+                f"infer.dtype {self.infer_dtype!r} is not supported; choose one of {INFER_DTYPES}"
+            )
+        g = self.grpo
+        if self.num_steps < 1 or g.group_size < 2 or g.prompts_per_step < 1:
+            raise ValueError("need grpo.num_steps >= 1, group_size >= 2, prompts_per_step >= 1")
+        if g.max_new_tokens != self.task.completion_len:
+            raise ValueError(
+                f"grpo.max_new_tokens={g.max_new_tokens} but the task scores exactly "
+                f"model.length={self.task.completion_len} tokens; make them equal"
+            )
+        for what, n in (
+            ("infer.dp (generation replicas)", self.infer.dp),
+            ("train.dp", self.train.dp),
+        ):
+            if g.prompts_per_step % n:
+                raise ValueError(
+                    f"grpo.prompts_per_step={g.prompts_per_step} must split evenly over {what}={n}"
+                )
+
+    @property
+    def num_replicas(self) -> int:
+        return self.infer.dp
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> GrpoRunConfig:
+        """Build from the YAML layout: ``model``, ``train``, ``infer``, ``grpo``, ``refit``,
+        ``ray`` and ``progress`` (a ``hydra`` key, if present, is ignored)."""
+        cfg = {k: v for k, v in cfg.items() if k != "hydra"}
+        _known(cfg, {"model", "train", "infer", "grpo", "refit", "ray", "progress"}, "")
+        model = dict(cfg.get("model") or {})
+        sizes = {"hidden_size", "intermediate_size", "num_layers"}
+        _known(model, {"policy", "task", "length", "alphabet", "init_std"} | sizes, "model.")
+        policy = model.get("policy", POLICIES[0])
+        if policy not in POLICIES:
+            raise ValueError(f"unknown model.policy {policy!r}; choose one of {POLICIES}")
+        hf = policy_config(
+            **{
+                ("num_hidden_layers" if k == "num_layers" else k): int(model[k])
+                for k in sizes & set(model)
+            }
+        )
+        task = StringTask(
+            length=int(model.get("length", 4)),
+            alphabet=str(model.get("alphabet", "abcd")),
+            mode=str(model.get("task", "copy")),
+        )
+        train = dict(cfg.get("train") or {})
+        _known(train, {"tp", "pp", "dp"}, "train.")
+        infer = dict(cfg.get("infer") or {})
+        _known(infer, {"tp", "dp", "dtype"}, "infer.")
+        dtype = str(infer.pop("dtype", "float32"))
+        grpo = dict(cfg.get("grpo") or {})
+        hyper = {"prompts_per_step", "group_size", "lr", "clip_eps", "kl_coef"}
+        hyper |= {"max_new_tokens", "temperature", "max_grad_norm"}
+        _known(grpo, hyper | {"num_steps", "seed"}, "grpo.")
+        num_steps, seed = int(grpo.pop("num_steps", 20)), int(grpo.pop("seed", 0))
+        trainer_cfg = GrpoConfig(
+            **grpo,
+            init_std=float(model.get("init_std", 0.02)),
+            rope_theta=float(hf["rope_theta"]),
+            rms_norm_eps=float(hf["rms_norm_eps"]),
+        )
+        refit = dict(cfg.get("refit") or {})
+        _known(refit, {f.name for f in fields(RefitSettings)}, "refit.")
+        ray = dict(cfg.get("ray") or {})
+        _known(ray, {f.name for f in fields(RaySettings)}, "ray.")
+        return cls(
+            train=TrainParallel.parse(_parallel_string(train)),
+            infer=InferParallel.parse(_parallel_string(infer)),
+            infer_dtype=dtype,
+            policy=hf,
+            task=task,
+            grpo=trainer_cfg,
+            num_steps=num_steps,
+            seed=seed,
+            refit=RefitSettings(**refit),
+            ray=RaySettings(**ray),
+            progress=bool(cfg.get("progress", True)),
+        )
+
+
+def _known(section: dict[str, Any], allowed: set[str], prefix: str) -> None:
+    unknown = sorted(set(section) - allowed)
+    if unknown:
+        raise ValueError(
+            f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; valid: "
+            f"{', '.join(prefix + k for k in sorted(allowed))}"
+        )
+
+
+def _parallel_string(section: dict[str, Any]) -> str:
+    # Through the parallelism grammar, so bad values get the repo's usual parse errors.
+    return ",".join(f"{k}={v}" for k, v in section.items())
+
+
+__all__ = ["GrpoRunConfig", "RaySettings", "RefitSettings"]
