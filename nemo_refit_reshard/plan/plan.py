@@ -19,9 +19,10 @@ from typing import Any
 from ..layouts.base import RankLayout, paused_gc
 from ..spec.model import ModelSpec
 from .balance import DTYPE_BYTES, LinkModel, assign_senders
+from .expand import Expansion
 from .overlap import PlanError, destination_needs, source_regions
-from .relay import RELAY_MODES, chain_replicas, domain_chains
-from .schedule import Message, coalesce, message_order, schedule
+from .relay import RELAY_MODES, chain_replicas, domain_chains, spread_entries
+from .schedule import Message, coalesce, schedule
 from .serialize import NameTable, compact_json, fingerprint_of, message_from_json, message_json
 
 PLAN_VERSION = 2
@@ -79,72 +80,21 @@ class RefitPlan:
 
     @property
     def num_rounds(self) -> int:
-        if not self.class_rounds:
-            return 0
-        return len(self.class_rounds) + max((len(c) for c in self.relay_chains), default=1) - 1
+        return self._expansion.num_rounds
 
     @cached_property
-    def _members(self) -> dict[int, tuple[int, ...]]:
-        return {g[0]: g for g in self.replica_groups}
-
-    @cached_property
-    def _stored_as(self) -> dict[int, int]:
-        return {m: g[0] for g in self.replica_groups for m in g}
-
-    @cached_property
-    def _chain_of(self) -> dict[int, tuple[int, ...]]:
-        return {c[0]: c for c in self.relay_chains}
-
-    @cached_property
-    def _in_chain(self) -> dict[int, tuple[tuple[int, ...], int]]:
-        return {m: (c, k) for c in self.relay_chains for k, m in enumerate(c)}
-
-    @cached_property
-    def _into(self) -> dict[int, dict[int, list[Message]]]:
-        """Stored messages by receiver, then round."""
-        out: dict[int, dict[int, list[Message]]] = defaultdict(lambda: defaultdict(list))
-        for r, msgs in enumerate(self.class_rounds):
-            for m in msgs:
-                out[m.dst][r].append(m)
-        return out
-
-    def _hop(self, stored: int, r: int, src: int, dst: int, k: int) -> Message:
-        """What ``stored``'s group received in round ``r``, sent on from ``src`` to ``dst``
-        ``k`` rounds later: one message per pair and round, as the engine expects."""
-        msgs = self._into[stored][r]
-        if len(msgs) == 1:
-            return msgs[0].forwarded(src, dst, r + k)
-        merged = Message(r, msgs[0].src, stored, tuple(t for m in msgs for t in m.transfers))
-        hop = merged.forwarded(src, dst, r + k)
-        return Message(hop.round, src, dst, tuple(sorted(hop.transfers, key=message_order)))
-
-    def _walk(self, build: bool) -> list[list]:
-        out: list[list] = [[] for _ in range(self.num_rounds)]
-        for r, msgs in enumerate(self.class_rounds):
-            for m in msgs:
-                for entry in self._members.get(m.dst, (m.dst,)):
-                    out[r].append(m.to(entry) if build else (m.src, entry, m.nbytes))
-        for stored, by_round in self._into.items():
-            for entry in self._members.get(stored, (stored,)):
-                chain = self._chain_of.get(entry, ())
-                for r, msgs in by_round.items():
-                    nbytes = sum(m.nbytes for m in msgs)
-                    for k in range(1, len(chain)):
-                        src, dst = chain[k - 1], chain[k]
-                        out[r + k].append(
-                            self._hop(stored, r, src, dst, k) if build else (src, dst, nbytes)
-                        )
-        return out
+    def _expansion(self) -> Expansion:
+        return Expansion(self.class_rounds, self.replica_groups, self.relay_chains)
 
     @cached_property
     def rounds(self) -> tuple[tuple[Message, ...], ...]:
-        """Every message of every rank, replica groups and chains expanded (for small
-        plans; workers use :meth:`messages_of`)."""
-        return tuple(tuple(sorted(msgs, key=lambda m: (m.src, m.dst))) for msgs in self._walk(True))
+        """Every message of every rank, replica groups and relay runs expanded (for
+        small plans; workers use :meth:`messages_of`)."""
+        return tuple(tuple(msgs) for msgs in self._expansion.all_messages())
 
     def traffic(self) -> list[list[tuple[int, int, int]]]:
         """Per round, ``(src, dst, bytes)`` of every message, expanded like :attr:`rounds`."""
-        return self._walk(False)
+        return self._expansion.traffic()
 
     def expected_tensors(self, group_rank: int) -> dict[str, tuple[tuple[int, ...], str]]:
         """The live tensors (name -> shape, dtype) this refit-group rank must hold."""
@@ -152,33 +102,9 @@ class RefitPlan:
             return self.source_tensors[group_rank]
         return self.destination_tensors[group_rank - self.num_sources]
 
-    @cached_property
-    def _by_rank(self) -> dict[int, list[Message]]:
-        index: dict[int, list[Message]] = defaultdict(list)
-        for msgs in self.class_rounds:
-            for m in msgs:
-                index[m.src].append(m)
-                index[m.dst].append(m)
-        return index
-
     def messages_of(self, group_rank: int) -> list[Message]:
         """Every message this refit-group rank sends or receives, in round order."""
-        chain, k = self._in_chain.get(group_rank, ((group_rank,), 0))
-        stored = self._stored_as.get(chain[0], chain[0])
-        members = self._members
-        out: list[Message] = []
-        for m in self._by_rank.get(stored, ()):
-            if m.src == group_rank:
-                out += [m.to(d) for d in members.get(m.dst, (m.dst,))]
-            elif k == 0:
-                out.append(m.to(group_rank))
-        for r in self._into.get(stored, {}) if len(chain) > 1 else ():
-            if k > 0:
-                out.append(self._hop(stored, r, chain[k - 1], group_rank, k))
-            if k + 1 < len(chain):
-                out.append(self._hop(stored, r, group_rank, chain[k + 1], k + 1))
-        out.sort(key=lambda m: (m.round, m.src, m.dst))  # the order of :attr:`rounds`
-        return out
+        return self._expansion.messages_of(group_rank)
 
     # -- serialization (JSON, no pickle) ----------------------------------------------
     def _body(self) -> dict[str, Any]:
@@ -410,35 +336,24 @@ def _plan(
     else:
         rounds = schedule(transfers, bucket_bytes, links=links, members=members)
 
+    if relay == "domain":
+        runs = {c[0]: len(c) for c in chains}
+        rounds = spread_entries(rounds, {g[0]: max(runs.get(h, 1) for h in g) for g in entries})
+    expansion = Expansion(rounds, [g for g in entries if len(g) > 1], chains)
     sent = [0] * (s + len(destinations))
     received = [0] * (s + len(destinations))
     used_src: list[set[str]] = [set() for _ in sources]
-    num_transfers = num_messages = 0
-    into_group: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])  # bytes, rounds, transfers
-    last_round: dict[int, int] = {}
-    for r, messages in enumerate(rounds):
+    pairs: set[tuple[int, int, int]] = set()  # one message per (round, sender, receiver)
+    num_transfers = 0
+    for messages in rounds:
         for m in messages:
-            copies = members[m.dst] if m.dst in members else (m.dst,)
-            sent[m.src] += m.nbytes * len(copies)
-            for d in copies:
-                received[d] += m.nbytes
-            num_transfers += len(m.transfers) * len(copies)
-            num_messages += len(copies)
             if m.src < s:
                 used_src[m.src].update(t.src_tensor for t in m.transfers)
-            acc = into_group[m.dst]
-            acc[0] += m.nbytes
-            acc[1] += last_round.get(m.dst) != r  # one hop message per round
-            acc[2] += len(m.transfers)
-            last_round[m.dst] = r
-    stored_as = {e: g[0] for g in entries for e in g}
-    for chain in chains:  # every hop forwards all that its chain's entry received
-        nbytes, count, transfers_in = into_group[stored_as[chain[0]]]
-        for src, dst in zip(chain, chain[1:]):
-            sent[src] += nbytes
-            received[dst] += nbytes
-            num_messages += count
-            num_transfers += transfers_in
+            for key in expansion.deliveries(m):
+                sent[key[1]] += m.nbytes
+                received[key[2]] += m.nbytes
+                num_transfers += len(m.transfers)
+                pairs.add(key[:3])
     min_bytes = sum(
         len(g) * p.canonical_box.numel * DTYPE_BYTES[t.dtype]
         for g in groups
@@ -452,8 +367,8 @@ def _plan(
         min_bytes=min_bytes,
         baseline_bytes=_baseline_bytes(spec, sources, destinations, groups, dtype_of),
         num_transfers=num_transfers,
-        num_messages=num_messages,
-        num_rounds=len(rounds) + max((len(c) for c in chains), default=1) - 1 if rounds else 0,
+        num_messages=len(pairs),
+        num_rounds=expansion.num_rounds,
     )
     plan = RefitPlan(
         model=spec.name,

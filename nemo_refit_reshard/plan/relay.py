@@ -14,9 +14,11 @@ overlap, which pipelines the chain.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 from .balance import LinkModel, Transfer, split_box
 from .overlap import PlanError
+from .schedule import Message
 
 RELAY_MODES = ("none", "chain", "domain")
 
@@ -111,3 +113,25 @@ def domain_chains(
         entries.append(tuple(run[0] for run in runs))
         chains += [tuple(run) for run in runs if len(run) > 1]
     return entries, chains
+
+
+def spread_entries(rounds: list[list[Message]], width_of: dict[int, int]) -> list[list[Message]]:
+    """Entry positions for ``relay="domain"``: per round and receiver group, messages
+    go largest first to the least-loaded of its ``width`` positions, so each member
+    of a run brings in about ``1/width`` of what enters the run through its own NIC
+    (``plan/expand.py`` forwards the rest around the run)."""
+    out = []
+    for msgs in rounds:
+        load: dict[int, list[int]] = {}
+        entry: dict[int, int] = {}
+        for i in sorted(range(len(msgs)), key=lambda i: (-msgs[i].nbytes, msgs[i].src)):
+            m = msgs[i]
+            width = width_of.get(m.dst, 1)
+            if width == 1:
+                continue
+            used = load.setdefault(m.dst, [0] * width)
+            j = min(range(width), key=lambda x: (used[x], x))
+            used[j] += m.nbytes
+            entry[i] = j
+        out.append([replace(m, entry=entry[i]) if i in entry else m for i, m in enumerate(msgs)])
+    return out

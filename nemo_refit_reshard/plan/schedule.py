@@ -101,6 +101,7 @@ class Message:
     src: int
     dst: int
     transfers: tuple[Transfer, ...]
+    entry: int = 0  # relay="domain": where the message enters each run (plan/expand.py)
 
     @cached_property
     def nbytes(self) -> int:
