@@ -7,11 +7,12 @@ that carries its content:
 
 * each member of the receiver's replica group gets ``m`` in round ``r``;
 * with ``relay="domain"`` the group's members come in *runs* (members sharing
-  an NVLink domain, ``relay_chains``). ``m`` enters each run at position
-  ``j = m.entry mod w`` (``w`` the run's width) and is forwarded around the run,
-  one hop per round: in round ``r + k`` member ``j+k-1`` sends it to member
-  ``j+k`` (positions mod ``w``), ``k = 1 .. w-1``. Stored messages of one round
-  are spread over entry positions, so every member's NIC brings in a share.
+  an NVLink domain, ``relay_chains``), and the stored receiver and its
+  counterparts sit at some position ``p`` of their runs (``plan/relay.py``
+  spreads positions so each member's NIC brings in a share). The message is
+  then forwarded around each run, one hop per round: in round ``r + k`` the
+  member at ``p+k-1`` sends it to the member at ``p+k`` (mod the run's width
+  ``w``), ``k = 1 .. w-1``.
 
 Several stored messages can expand onto one (round, sender, receiver) pair
 (hops carry what several training ranks delivered); they merge into one
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
+from functools import cached_property
 
 from .schedule import Message, message_order
 
@@ -37,32 +39,36 @@ class Expansion:
     ) -> None:
         self.class_rounds = class_rounds
         self.members = {g[0]: g for g in replica_groups}
-        self.stored_as = {m: g[0] for g in replica_groups for m in g}
-        self.run_of = {c[0]: c for c in relay_chains}
         self.position = {m: (c, i) for c in relay_chains for i, m in enumerate(c)}
         self.lag = max((len(c) for c in relay_chains), default=1) - 1
         self.by_src: dict[int, list[Message]] = defaultdict(list)
-        self.into: dict[int, list[Message]] = defaultdict(list)
         for msgs in class_rounds:
             for m in msgs:
                 self.by_src[m.src].append(m)
-                self.into[m.dst].append(m)
 
     @property
     def num_rounds(self) -> int:
         return len(self.class_rounds) + self.lag if self.class_rounds else 0
 
-    def runs(self, stored: int) -> list[tuple[int, ...]]:
-        return [self.run_of.get(h, (h,)) for h in self.members.get(stored, (stored,))]
-
     def deliveries(self, m: Message) -> Iterator[tuple[int, int, int, bool]]:
         """``(round, src, dst, forwarded)`` of every message carrying ``m``'s content."""
-        for run in self.runs(m.dst):
+        for x in self.members.get(m.dst, (m.dst,)):
+            yield m.round, m.src, x, False
+            run, p = self.position.get(x, ((x,), 0))
             w = len(run)
-            j = m.entry % w
-            yield m.round, m.src, run[j], False
             for k in range(1, w):
-                yield m.round + k, run[(j + k - 1) % w], run[(j + k) % w], True
+                yield m.round + k, run[(p + k - 1) % w], run[(p + k) % w], True
+
+    @cached_property
+    def into_run(self) -> dict[int, list[tuple[Message, int]]]:
+        """Per run (keyed by its first member): stored messages entering it, and where."""
+        out: dict[int, list[tuple[Message, int]]] = defaultdict(list)
+        for msgs in self.class_rounds:
+            for m in msgs:
+                for x in self.members.get(m.dst, (m.dst,)):
+                    run, p = self.position.get(x, ((x,), 0))
+                    out[run[0]].append((m, p))
+        return out
 
     def all_messages(self) -> list[list[Message]]:
         """Every rank's messages per round, sorted by (sender, receiver)."""
@@ -96,17 +102,15 @@ class Expansion:
                 if src == rank:
                     parts[(r, src, dst)].append((m, fwd))
         run, i = self.position.get(rank, ((rank,), 0))
-        stored = self.stored_as.get(run[0], run[0])
         w = len(run)
-        for m in self.into.get(stored, ()):
-            j = m.entry % w
-            if i == j:
+        for m, p in self.into_run.get(run[0], ()):
+            if i == p:
                 parts[(m.round, m.src, rank)].append((m, False))
-            k = (i - j) % w
+            k = (i - p) % w
             if k:
                 parts[(m.round + k, run[i - 1], rank)].append((m, True))
-            k = (i + 1 - j) % w
-            if k and w > 1:
+            k = (i + 1 - p) % w
+            if k:
                 parts[(m.round + k, rank, run[(i + 1) % w])].append((m, True))
         return [_merge(*key, parts[key]) for key in sorted(parts)]
 

@@ -21,7 +21,7 @@ from ..spec.model import ModelSpec
 from .balance import DTYPE_BYTES, LinkModel, assign_senders
 from .expand import Expansion
 from .overlap import PlanError, destination_needs, source_regions
-from .relay import RELAY_MODES, chain_replicas, domain_chains, spread_entries
+from .relay import RELAY_MODES, chain_replicas, domain_entries, domain_runs
 from .schedule import Message, coalesce, schedule
 from .serialize import NameTable, compact_json, fingerprint_of, message_from_json, message_json
 
@@ -322,10 +322,11 @@ def _plan(
         groups = [(s + lay.rank,) for lay in destinations]
     else:
         groups = replica_groups(destinations, s)
-    entries = groups
+    members = {g[0]: g for g in groups}
     if relay == "domain":
-        entries, chains = domain_chains(groups, links)
-    members = {g[0]: g for g in entries}
+        runs_of = domain_runs(groups, links)
+        chains = [run for runs in runs_of.values() for run in runs if len(run) > 1]
+        members = {rep: tuple(run[0] for run in runs) for rep, runs in runs_of.items()}
     needs = [
         need for g in groups for need in destination_needs(destinations[g[0] - s], regions, g[0])
     ]
@@ -334,12 +335,23 @@ def _plan(
         direct, *forwarded = chain_replicas(transfers, links)
         rounds = schedule(direct, bucket_bytes, forwarded, links)
     else:
-        rounds = schedule(transfers, bucket_bytes, links=links, members=members)
+        share, hops = None, []
+        if relay == "domain":
+            hops = [(a, b) for run in chains for a, b in zip(run, run[1:])]
+            transfers, members = domain_entries(transfers, runs_of)
+            width = {m: len(run) for runs in runs_of.values() for run in runs for m in run}
+            share = {e: max(width[x] for x in targets) for e, targets in members.items()}
+        rounds = schedule(
+            transfers,
+            bucket_bytes,
+            links=links,
+            members=members,
+            ingress_share=share,
+            hop_pairs=hops,
+        )
 
-    if relay == "domain":
-        runs = {c[0]: len(c) for c in chains}
-        rounds = spread_entries(rounds, {g[0]: max(runs.get(h, 1) for h in g) for g in entries})
-    expansion = Expansion(rounds, [g for g in entries if len(g) > 1], chains)
+    receivers = [g for g in members.values() if len(g) > 1]
+    expansion = Expansion(rounds, receivers, chains)
     sent = [0] * (s + len(destinations))
     received = [0] * (s + len(destinations))
     used_src: list[set[str]] = [set() for _ in sources]
@@ -384,7 +396,7 @@ def _plan(
         ),
         class_rounds=tuple(tuple(msgs) for msgs in rounds),
         stats=stats,
-        replica_groups=tuple(g for g in entries if len(g) > 1),
+        replica_groups=tuple(sorted(receivers)),
         relay_chains=tuple(chains),
     )
     return plan

@@ -14,11 +14,9 @@ overlap, which pipelines the chain.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import replace
 
 from .balance import LinkModel, Transfer, split_box
 from .overlap import PlanError
-from .schedule import Message
 
 RELAY_MODES = ("none", "chain", "domain")
 
@@ -87,51 +85,54 @@ def chain_replicas(
     return levels
 
 
-def domain_chains(
+def domain_runs(
     groups: list[tuple[int, ...]], links: LinkModel | None
-) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-    """Entries and forwarding chains of ``relay="domain"``.
-
-    Each replica group's members are split into runs that share an NVLink domain
-    (consecutive members on one node). The first member of each run is an *entry*:
-    training ranks send to it directly, once per domain instead of once per
-    replica. The others receive along a chain inside the domain, one hop per
-    round: the k-th member gets, k rounds later, exactly what the entry got. The
-    plan stores only the entries' messages; chains are expanded on demand, so
-    this scales like a direct plan (DeepSeek-V3 on 256 GPUs) while removing the
-    replica factor from the training NICs wherever replicas share a domain.
-    Returns (entry groups, first entry first; chains, entry first).
-    """
+) -> dict[int, list[tuple[int, ...]]]:
+    """Runs of ``relay="domain"``: each replica group's members split into runs that
+    share an NVLink domain (consecutive members on one node), keyed by the group's
+    first member. Training ranks send one copy per run; the run's members forward
+    it among themselves (:func:`domain_entries`, ``plan/expand.py``)."""
     if links is None:
         raise PlanError(
             'relay="domain" needs a topology to know which ranks share an NVLink domain; '
             "pass links=Topology(cluster, placement) (CLI: simulate --cluster ...)"
         )
-    entries, chains = [], []
-    for g in groups:
-        runs = _node_groups(list(g), links)
-        entries.append(tuple(run[0] for run in runs))
-        chains += [tuple(run) for run in runs if len(run) > 1]
-    return entries, chains
+    return {g[0]: [tuple(run) for run in _node_groups(list(g), links)] for g in groups}
 
 
-def spread_entries(rounds: list[list[Message]], width_of: dict[int, int]) -> list[list[Message]]:
-    """Entry positions for ``relay="domain"``: per round and receiver group, messages
-    go largest first to the least-loaded of its ``width`` positions, so each member
-    of a run brings in about ``1/width`` of what enters the run through its own NIC
-    (``plan/expand.py`` forwards the rest around the run)."""
-    out = []
-    for msgs in rounds:
-        load: dict[int, list[int]] = {}
-        entry: dict[int, int] = {}
-        for i in sorted(range(len(msgs)), key=lambda i: (-msgs[i].nbytes, msgs[i].src)):
-            m = msgs[i]
-            width = width_of.get(m.dst, 1)
-            if width == 1:
-                continue
-            used = load.setdefault(m.dst, [0] * width)
-            j = min(range(width), key=lambda x: (used[x], x))
-            used[j] += m.nbytes
-            entry[i] = j
-        out.append([replace(m, entry=entry[i]) if i in entry else m for i, m in enumerate(msgs)])
-    return out
+def domain_entries(
+    transfers: list[Transfer], runs_of: dict[int, list[tuple[int, ...]]]
+) -> tuple[list[Transfer], dict[int, tuple[int, ...]]]:
+    """Where each transfer enters its destination's domains, for ``relay="domain"``.
+
+    ``runs_of[rep]`` are the runs (members sharing an NVLink domain, first run
+    holding ``rep``) of a replica group. Transfers to ``rep``, largest first, go to
+    the least-loaded position ``j`` of its first run, and are re-addressed to that
+    member; in every other run they enter at position ``j mod width``. So each
+    member of a run brings in about ``1/width`` of its data through its own NIC,
+    and forwards the rest around the run (``plan/expand.py``). Returns the
+    re-addressed transfers and, per entry member, every run's entry for it
+    (the receivers a sender serves with one stored transfer).
+    """
+    load: dict[int, list[int]] = {}
+    order = sorted(
+        range(len(transfers)),
+        key=lambda i: (-transfers[i].nbytes, transfers[i].dst, transfers[i].src, i),
+    )
+    out = list(transfers)
+    for i in order:
+        t = transfers[i]
+        runs = runs_of.get(t.dst)
+        if runs is None:
+            continue
+        used = load.setdefault(t.dst, [0] * len(runs[0]))
+        j = min(range(len(used)), key=lambda x: (used[x], x))
+        used[j] += t.nbytes
+        out[i] = t._replace(dst=runs[0][j])
+    targets = {
+        run0[j]: tuple(run[j % len(run)] for run in runs)
+        for runs in runs_of.values()
+        for run0 in runs[:1]
+        for j in range(len(run0))
+    }
+    return out, targets

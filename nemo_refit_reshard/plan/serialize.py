@@ -34,11 +34,9 @@ class NameTable:
 
 def message_json(m: Message, names: NameTable) -> dict[str, Any]:
     # Tuples, not lists: json encodes them as arrays without building a list per box.
-    head: dict[str, Any] = {"src": m.src, "dst": m.dst}
-    if m.entry:
-        head["e"] = m.entry
     return {
-        **head,
+        "src": m.src,
+        "dst": m.dst,
         "t": [
             (
                 names(t.src_tensor),
@@ -73,7 +71,7 @@ def message_from_json(round_index: int, data: dict[str, Any], names: list[str]) 
         )
         for row in data["t"]
     )
-    return Message(round_index, src, dst, transfers, data.get("e", 0))
+    return Message(round_index, src, dst, transfers)
 
 
 def compact_json(body: dict[str, Any]) -> str:
