@@ -7,11 +7,13 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 from .integrations.spawn import RunConfig, RunResult, build_layouts, run_local
 from .plan import RefitPlan, plan_refit
 from .plan.baseline import plan_broadcast
+from .spec import load_model_spec
 
 
 def add_run_arguments(p: argparse.ArgumentParser, steps: int) -> None:
@@ -301,6 +303,31 @@ def _plot_simulation(plan: RefitPlan, prediction: Any, placement: Any, path: str
     plt.close(fig)
 
 
+def _uneven_stages(cfg: RunConfig) -> tuple[RunConfig, str | None]:
+    """For ``simulate`` (a what-if tool): when the layers do not split evenly over the
+    pipeline stages and no first/last stage sizes are given, Megatron would refuse;
+    choose them (middle stages ``ceil(L/pp)`` layers, the rest split over the first
+    and last) and say so, instead of failing a prediction over a detail."""
+    spec = load_model_spec(cfg.model)
+    tpar, _ = cfg.parallel()
+    layers, pp = spec.arch.num_layers, tpar.pp
+    given = cfg.first_stage_layers is not None or cfg.last_stage_layers is not None
+    if pp < 3 or layers % pp == 0 or given or tpar.vpp > 1:
+        return cfg, None
+    middle = -(-layers // pp)
+    rest = layers - (pp - 2) * middle
+    if rest < 2:
+        return cfg, None  # Megatron's own error explains it
+    first, last = -(-rest // 2), rest // 2
+    note = (
+        f"{layers} layers do not split over pp={pp}: simulating Megatron's "
+        f"num_layers_in_first_pipeline_stage={first}, "
+        f"num_layers_in_last_pipeline_stage={last} "
+        "(choose with --first-stage-layers / --last-stage-layers)"
+    )
+    return replace(cfg, first_stage_layers=first, last_stage_layers=last), note
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Predict the refit's time on a cluster model: no processes, no GPUs."""
     from .plan.predict import (
@@ -318,6 +345,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
     cfg = _config(args)
     cluster = Cluster.parse(args.cluster)
+    cfg, stages_note = _uneven_stages(cfg)
     spec, sources, destinations = build_layouts(cfg)
     if args.placement == "separate":
         placement = Placement.packed(len(sources), len(destinations), cluster)
@@ -351,6 +379,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         "train": cfg.train,
         "infer": cfg.infer,
         "relay": chosen if cfg.relay != "auto" else f"auto: {chosen}",
+        "pipeline_stages_note": stages_note,
         "cluster": str(cluster),
         "training_nodes": len(placement.training_nodes),
         "inference_nodes": len(placement.inference_nodes),
@@ -380,6 +409,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return "-" if x is None else f"{x:.2f}x"
 
     b = floor.binding
+    if stages_note:
+        print(f"note: {stages_note}")
     print(
         f"simulate {spec.name}: training {cfg.train} ({plan.num_sources} GPUs on "
         f"{report['training_nodes']} nodes) -> inference {cfg.infer} ({plan.num_destinations} "

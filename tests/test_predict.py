@@ -430,3 +430,19 @@ def test_cli_simulate_domain_relay(llama_config, capsys) -> None:
     bad = ["plan", "--model", llama_config, "--train", "tp=1", "--relay", "domain"]
     assert main(bad) == 2
     assert "--relay domain needs a cluster model" in capsys.readouterr().err
+
+
+def test_cli_simulate_chooses_uneven_pipeline_stages_and_says_so(tmp_path, capsys) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(TINY_CONFIGS["llama"], num_hidden_layers=4)))
+    args = ["simulate", "--model", str(path), "--train", "pp=3", "--infer", "tp=1"]
+    assert main(args) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == (
+        "note: 4 layers do not split over pp=3: simulating Megatron's "
+        "num_layers_in_first_pipeline_stage=1, num_layers_in_last_pipeline_stage=1 "
+        "(choose with --first-stage-layers / --last-stage-layers)"
+    )
+    # plan and demo keep Megatron's rule: an explicit error, not a guess
+    assert main(["plan", "--model", str(path), "--train", "pp=3", "--infer", "tp=1"]) == 2
+    assert "not divisible by pp=3" in capsys.readouterr().err
