@@ -134,7 +134,12 @@ class Box:
         return None
 
     def slices(self) -> tuple[slice, ...]:
-        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
+        # Cached: compiled programs index with the same (shared) boxes many times.
+        cached = self.__dict__.get("_slices")
+        if cached is None:
+            cached = tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
+            object.__setattr__(self, "_slices", cached)
+        return cached
 
     def to_json(self) -> list[list[int]]:
         return [list(self.offsets), list(self.sizes)]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from ..layouts.base import RankLayout, paused_gc
+from ..layouts.base import Box, RankLayout, paused_gc
 from ..spec.model import ModelSpec
 from .balance import DTYPE_BYTES, LinkModel, assign_senders
 from .expand import Expansion
@@ -159,8 +159,9 @@ class RefitPlan:
                 for rank in rows
             )
 
+        boxes: dict[tuple, Box] = {}
         rounds = tuple(
-            tuple(message_from_json(r, m, data["names"]) for m in msgs)
+            tuple(message_from_json(r, m, data["names"], boxes) for m in msgs)
             for r, msgs in enumerate(data["rounds"])
         )
         s = data["stats"]

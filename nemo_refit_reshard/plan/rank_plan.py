@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ..layouts.base import Box
 from .overlap import PlanError
 from .plan import PLAN_VERSION, RefitPlan
 from .schedule import Message
@@ -67,6 +68,7 @@ class RankPlan:
     @classmethod
     def from_json(cls, text: str) -> RankPlan:
         data: dict[str, Any] = json.loads(text)
+        boxes: dict[tuple, Box] = {}
         if data.get("version") != PLAN_VERSION or "slice_of" not in data:
             raise PlanError("not a plan slice of this version; rebuild it with this version")
         return cls(
@@ -76,7 +78,9 @@ class RankPlan:
             num_destinations=data["num_destinations"],
             num_rounds=data["num_rounds"],
             tensors={k: (tuple(s), d) for k, (s, d) in data["tensors"].items()},
-            messages=tuple(message_from_json(r, m, data["names"]) for r, m in data["messages"]),
+            messages=tuple(
+                message_from_json(r, m, data["names"], boxes) for r, m in data["messages"]
+            ),
         )
 
 
