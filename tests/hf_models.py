@@ -120,3 +120,20 @@ def hf_config_dict(model: torch.nn.Module) -> dict[str, Any]:
     cfg = model.config.to_dict()
     cfg["architectures"] = [type(model).__name__]
     return cfg
+
+
+def unit_scale_weights(model: torch.nn.Module) -> None:
+    """Non-trivial norms and biases (HF initialises them to 1 and 0) and unit-scale
+    signals, in place, from the current torch RNG: forward-pass truth tests then
+    see every weight matter."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn_like(param)
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("bias"):
+                param.copy_(0.2 * noise)
+            elif "embed_tokens" in name:
+                param.copy_(0.5 * noise)
+            else:
+                param.copy_(noise * param.shape[-1] ** -0.5)

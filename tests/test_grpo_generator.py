@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from hf_models import unit_scale_weights
 from torch import Tensor
 from vllm_reference import canonical_state_dict, materialize
 
@@ -82,18 +83,7 @@ def model(name: str) -> Model:
     hf_config = getattr(transformers, cls)(**dict(COMMON, **extra))
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
-    # Non-trivial norms and biases (HF initialises them to 1 and 0), unit-scale signals.
-    with torch.no_grad():
-        for pname, param in hf.named_parameters():
-            noise = torch.randn_like(param)
-            if pname.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * noise)
-            elif pname.endswith("bias"):
-                param.copy_(0.2 * noise)
-            elif "embed_tokens" in pname:
-                param.copy_(0.5 * noise)
-            else:
-                param.copy_(noise * param.shape[-1] ** -0.5)
+    unit_scale_weights(hf)
     cfg = hf_config.to_dict()
     tied = bool(cfg.get("tie_word_embeddings"))
     return Model(

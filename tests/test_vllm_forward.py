@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from hf_models import unit_scale_weights
 from safetensors import safe_open
 from torch import Tensor
 from vllm_reference import Grid, VllmReference, canonical_state_dict, case_id, materialize
@@ -104,18 +105,7 @@ def model(name: str) -> Model:
     config = _configs()[name]
     torch.manual_seed(1234)
     hf = transformers.AutoModelForCausalLM.from_config(config).eval()
-    # Non-trivial norms and biases (HF initialises them to 1 and 0), unit-scale signals.
-    with torch.no_grad():
-        for pname, param in hf.named_parameters():
-            noise = torch.randn_like(param)
-            if pname.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * noise)
-            elif pname.endswith("bias"):
-                param.copy_(0.2 * noise)
-            elif "embed_tokens" in pname:
-                param.copy_(0.5 * noise)
-            else:
-                param.copy_(noise * param.shape[-1] ** -0.5)
+    unit_scale_weights(hf)
     cfg = config.to_dict()
     spec = spec_from_hf_config(cfg, name=name)
     return Model(hf, cfg, spec, canonical_state_dict(hf, bool(cfg.get("tie_word_embeddings"))))
