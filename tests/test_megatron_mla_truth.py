@@ -42,6 +42,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from nemo_refit_reshard.integrations.grpo.megatron_cpu import CPU_CONFIG
 from nemo_refit_reshard.layouts.megatron import MegatronOptions, megatron_layout
 from nemo_refit_reshard.spec.model import spec_from_hf_config
 from nemo_refit_reshard.spec.parallel import TrainParallel
@@ -118,15 +119,7 @@ def _mla_config(hf: dict[str, Any], par: P) -> Any:
         tensor_model_parallel_size=par.tp,
         expert_model_parallel_size=par.ep,
         expert_tensor_parallel_size=par.expert_tp,
-        use_cpu_initialization=True,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        **CPU_CONFIG,
         num_moe_experts=moe.num_experts,
         moe_ffn_hidden_size=moe.expert_intermediate_size,
         moe_shared_expert_intermediate_size=moe.shared_intermediate_size,

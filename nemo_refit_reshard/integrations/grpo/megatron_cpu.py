@@ -93,6 +93,26 @@ class _CpuZerosTorch(types.ModuleType):
         return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kw)
 
 
+# TransformerConfig settings every CPU model needs (shared with the MLA truth tests).
+CPU_CONFIG: dict[str, Any] = dict(
+    # Every rank builds the full master weight on the CPU and keeps its slice; without
+    # this, weights are allocated on current_device() and initialised by the CUDA RNG.
+    use_cpu_initialization=True,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
+    # CUDA-only fused kernels (all default off in 0.16; pinned here on purpose).
+    masked_softmax_fusion=False,
+    apply_rope_fusion=False,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    gradient_accumulation_fusion=False,
+    persist_layer_norm=False,
+    # batch_isend_irecv is followed by torch.cuda.synchronize() (an old NCCL
+    # workaround) unless this is off; gloo needs no such sync.
+    batch_p2p_sync=False,
+)
+
+
 def transformer_config(
     arch: ArchConfig,
     par: TrainParallel,
@@ -130,21 +150,7 @@ def transformer_config(
         virtual_pipeline_model_parallel_size=par.vpp if par.vpp > 1 else None,
         num_layers_in_first_pipeline_stage=first,
         num_layers_in_last_pipeline_stage=last,
-        # Every rank builds the full master weight on the CPU and keeps its slice; without
-        # this, weights are allocated on current_device() and initialised by the CUDA RNG.
-        use_cpu_initialization=True,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-        # CUDA-only fused kernels (all default off in 0.16; pinned here on purpose).
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        # batch_isend_irecv is followed by torch.cuda.synchronize() (an old NCCL
-        # workaround) unless this is off; gloo needs no such sync.
-        batch_p2p_sync=False,
+        **CPU_CONFIG,
     )
     kw.update(overrides)
     return TransformerConfig(**kw)
