@@ -46,6 +46,9 @@ class _Parity:
     def link(self, src: int, dst: int) -> tuple[str, float]:
         return ("nvlink", 1 / 450e9) if src % 2 == dst % 2 else ("nic", 1 / 50e9)
 
+    def latency(self, link: str) -> float:
+        return 5e-6 if link == "nvlink" else 10e-6
+
 
 def _check(
     spec,

@@ -261,6 +261,9 @@ class _TwoNodes:
     def link(self, src: int, dst: int) -> tuple[str, float]:
         return ("nvlink", 1 / 450e9) if src == 0 else ("nic", 1 / 50e9)
 
+    def latency(self, link: str) -> float:
+        return 5e-6 if link == "nvlink" else 10e-6
+
 
 def test_topology_aware_replica_choice_prefers_the_fast_link() -> None:
     src, dst = _layouts(LLAMA, "dp=2", "tp=1")

@@ -87,6 +87,10 @@ class LinkModel(Protocol):
         (e.g. its NVLink port when ``dst`` is on the same node, else its NIC)."""
         ...
 
+    def latency(self, link: str) -> float:
+        """Seconds one message costs on a link of this id, whatever its size."""
+        ...
+
 
 def assign_senders(
     needs: list[Need],

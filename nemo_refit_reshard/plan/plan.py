@@ -24,6 +24,7 @@ from .overlap import PlanError, destination_needs, source_regions
 from .relay import RELAY_MODES, chain_replicas, domain_entries, domain_runs
 from .schedule import Message, coalesce, schedule
 from .serialize import NameTable, compact_json, fingerprint_of, message_from_json, message_json
+from .timed import timed_schedule
 
 PLAN_VERSION = 2
 
@@ -336,20 +337,12 @@ def _plan(
         direct, *forwarded = chain_replicas(transfers, links)
         rounds = schedule(direct, bucket_bytes, forwarded, links)
     else:
-        share, hops = None, []
         if relay == "domain":
-            hops = [(a, b) for run in chains for a, b in zip(run, run[1:])]
             transfers, members = domain_entries(transfers, runs_of)
-            width = {m: len(run) for runs in runs_of.values() for run in runs for m in run}
-            share = {e: max(width[x] for x in targets) for e, targets in members.items()}
-        rounds = schedule(
-            transfers,
-            bucket_bytes,
-            links=links,
-            members=members,
-            ingress_share=share,
-            hop_pairs=hops,
-        )
+        if links is not None:
+            rounds = timed_schedule(transfers, bucket_bytes, links, members, chains)
+        else:
+            rounds = schedule(transfers, bucket_bytes, members=members)
 
     receivers = [g for g in members.values() if len(g) > 1]
     expansion = Expansion(rounds, receivers, chains)

@@ -15,7 +15,7 @@ schedule.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -219,20 +219,14 @@ def schedule(
     forwarded: list[list[Transfer]] | None = None,
     links: LinkModel | None = None,
     members: Mapping[int, tuple[int, ...]] | None = None,
-    ingress_share: Mapping[int, int] | None = None,
-    hop_pairs: Sequence[tuple[int, int]] = (),
 ) -> list[list[Message]]:
     """Rounds of messages; per round each rank stages at most ``bucket_bytes``.
 
     ``forwarded[k]`` are relay hops at level ``k + 1``: each is placed at least one
     round after the part that delivered its source box to its sender.
     ``members[dst]`` lists the replicas a destination stands for: its sender sends
-    (and stages) every transfer to it once per member. ``ingress_share[dst] = w``
-    (``relay="domain"``): ``dst`` forwards what it receives around a run of ``w``
-    members and receives their shares too, so its direct receives are charged ``w``
-    times: per round a run takes in one bucket, and each member stages about one.
-    ``hop_pairs`` are the (sender, receiver) pairs those runs forward over; their
-    links count among the speeds that set ``tau``.
+    (and stages) every transfer to it once per member. (Direct and ``relay="domain"``
+    plans with a topology are scheduled by ``plan/timed.py``.)
 
     With ``links`` every round also gets a time budget ``tau`` — the time to move a
     whole bucket over the fastest link — per (rank, link, direction), and parts are
@@ -244,7 +238,6 @@ def schedule(
         raise ValueError("bucket size must be positive")
     members = members or {}
     copies = {dst: len(g) for dst, g in members.items()}
-    share = dict(ingress_share or {})
     # (src, dst) -> [(sender key, receiver key, seconds per byte)] over dst's replicas
     link_keys: dict[tuple[int, int], list[tuple[tuple, tuple, float]]] = {}
 
@@ -261,7 +254,7 @@ def schedule(
 
     tau, cut_bytes = 0.0, bucket_bytes
     if links is not None:
-        pairs = {(t.src, t.dst) for t in transfers} | set(hop_pairs)
+        pairs = {(t.src, t.dst) for t in transfers}
         for level in forwarded or []:
             pairs |= {(t.src, t.dst) for t in level}
         speeds = {spb for src, dst in pairs for _, _, spb in keys(src, dst)}
@@ -339,7 +332,7 @@ def schedule(
         out for its two keys because it runs a million times at DeepSeek-V3 scale."""
         send_key, recv_key = (t.src, "send"), (t.dst, "recv")
         send = t.nbytes * copies.get(t.dst, 1)
-        recv = t.nbytes * share.get(t.dst, 1)
+        recv = t.nbytes
         send_skip, recv_skip = skip.setdefault(send_key, {}), skip.setdefault(recv_key, {})
         r, n = earliest, len(used)
         while r < n:
@@ -381,7 +374,7 @@ def schedule(
             k = (t.src, "send")
             demand[k] = demand.get(k, 0) + t.nbytes * copies.get(t.dst, 1)
             k = (t.dst, "recv")
-            demand[k] = demand.get(k, 0) + t.nbytes * share.get(t.dst, 1)
+            demand[k] = demand.get(k, 0) + t.nbytes
         wanted = list(demand.items())
         timing: list[tuple[tuple, float]] = []
         if links is not None:
@@ -412,7 +405,7 @@ def schedule(
         feed them, so chains keep the one global size."""
         if forwarded:
             return cut_bytes
-        limit = bucket_bytes // max(copies.get(t.dst, 1), share.get(t.dst, 1))
+        limit = bucket_bytes // copies.get(t.dst, 1)
         if links is not None:
             limit = min(limit, int(tau / sum(spb for _, _, spb in keys(t.src, t.dst))))
         return max(1, limit)

@@ -163,3 +163,11 @@ class Topology:
         if self.placement.node(src) == self.placement.node(dst):
             return "nvlink", 1 / self.cluster.nvlink_bytes_per_s
         return "nic", 1 / self.cluster.nic_bytes_per_s
+
+    def latency(self, link: str) -> float:
+        """Seconds per message on ``"nvlink"`` or ``"nic"``."""
+        if link == "nvlink":
+            return self.cluster.nvlink_latency_s
+        if link == "nic":
+            return self.cluster.nic_latency_s
+        raise ValueError(f"unknown link {link!r}; expected 'nvlink' or 'nic'")
