@@ -19,9 +19,10 @@ from typing import Any
 from ..layouts.base import Box, RankLayout, paused_gc
 from ..spec.model import ModelSpec
 from .balance import DTYPE_BYTES, LinkModel, assign_senders
+from .domain import domain_entries, domain_runs, relieve_egress
 from .expand import Expansion
 from .overlap import PlanError, destination_needs, source_regions
-from .relay import RELAY_MODES, chain_replicas, domain_entries, domain_runs
+from .relay import RELAY_MODES, chain_replicas
 from .schedule import Message, coalesce, schedule
 from .serialize import NameTable, compact_json, fingerprint_of, message_from_json, message_json
 from .timed import timed_schedule
@@ -325,13 +326,15 @@ def _plan(
     else:
         groups = replica_groups(destinations, s)
     members = {g[0]: g for g in groups}
-    if relay == "domain":
-        runs_of = domain_runs(groups, links)
-        chains = [run for runs in runs_of.values() for run in runs if len(run) > 1]
-        members = {rep: tuple(run[0] for run in runs) for rep, runs in runs_of.items()}
     needs = [
         need for g in groups for need in destination_needs(destinations[g[0] - s], regions, g[0])
     ]
+    if relay == "domain":
+        runs_of = domain_runs(groups, links)
+        assert links is not None  # domain_runs checked it
+        runs_of = relieve_egress(runs_of, needs, dtype_of, links)
+        chains = [run for runs in runs_of.values() for run in runs if len(run) > 1]
+        members = {rep: tuple(run[0] for run in runs) for rep, runs in runs_of.items()}
     transfers = coalesce(assign_senders(needs, dtype_of, links, members))
     if relay == "chain":
         direct, *forwarded = chain_replicas(transfers, links)

@@ -37,8 +37,8 @@ from ..layouts.base import Box
 from .balance import LinkModel, Transfer
 from .schedule import Message, message_order
 
-# A round where a key has less than this fraction of its budget left counts as full for
-# it: pairs skip it without pricing it.
+# A round where a key has less than this fraction of its budget left (or less than a
+# worthwhile chunk's time) counts as full for it: pairs skip it without pricing it.
 FULL = 1 / 64
 # A pair does not open a message for fewer bytes than take this many latencies to move
 # (unless that is all it has left): a sliver of a round costs more than it carries.
@@ -62,6 +62,14 @@ class _Pair:
         "send_cost",
         "recv_cost",
         "horizon",
+        "t0",
+        "s0",
+        "m0",
+        "th",
+        "sh",
+        "mh",
+        "gate",
+        "sgate",
     )
 
     def __init__(self, src: int, dst: int, transfers: list[Transfer]) -> None:
@@ -80,6 +88,32 @@ class _Pair:
         self.send_cost = 0.0  # sender link seconds per byte
         self.recv_cost = 0.0  # a member's link seconds per byte (the largest)
         self.horizon = 0  # largest round offset of an effect (relay hops)
+        # The effects compiled for pricing (``compile``): offset 0 and relay hops apart.
+        self.t0: list[tuple[int, int, float, int]] = []  # (2k+d, k, coef, own new messages)
+        self.s0: list[tuple[int, int]] = []  # (2*rank+d, coef)
+        self.m0: list[tuple[int, int, int, int]] = []  # (src, dst, src key, dst key)
+        self.th: list[tuple[int, int, int, float]] = []  # (offset, 2k+d, k, coef)
+        self.sh: list[tuple[int, int, int]] = []  # (offset, 2*rank+d, coef)
+        self.mh: list[tuple[int, int, int, int, int]] = []  # (offset, src, dst, keys)
+        self.gate: list[int] = []  # receivers' time keys: full ones block the pair
+        self.sgate: list[int] = []  # receivers' staging keys
+
+    def compile(self) -> None:
+        """Split the effects into the forms ``_Rounds`` prices fastest. A pair is placed
+        at most once per round, so its own offset-0 messages are always new there."""
+        own: dict[int, int] = defaultdict(int)
+        for o, _, _, ks, kd in self.messages:
+            if o == 0:
+                own[ks] += 1
+                own[kd] += 1
+        self.t0 = [(2 * k + d, k, c, own[k]) for o, k, d, c in self.times if o == 0]
+        self.s0 = [(2 * r + d, c) for o, r, d, c in self.stages if o == 0]
+        self.m0 = [(a, b, ka, kb) for o, a, b, ka, kb in self.messages if o == 0]
+        self.th = [(o, 2 * k + d, k, c) for o, k, d, c in self.times if o > 0]
+        self.sh = [(o, 2 * r + d, c) for o, r, d, c in self.stages if o > 0]
+        self.mh = [m for m in self.messages if m[0] > 0]
+        self.gate = [2 * k + 1 for o, k, d, _ in self.times if o == 0 and d == 1]
+        self.sgate = [2 * r + 1 for o, r, d, _ in self.stages if o == 0 and d == 1]
 
 
 class _Rounds:
@@ -106,40 +140,66 @@ class _Rounds:
             self.full_stage.append(set())
 
     def blocked(self, p: _Pair, r: int) -> bool:
-        """Whether some key ``p`` loads has no room left in round ``r`` (cheap test)."""
-        self.open(r + p.horizon)
-        for o, k, d, _ in p.times:
-            if 2 * k + d in self.full_time[r + o]:
+        """Whether a receiving key of ``p`` has no room left in round ``r`` (a cheap
+        test before :meth:`room`; ``_fill`` tests the sender's own keys itself)."""
+        full = self.full_time[r]
+        for idx in p.gate:
+            if idx in full:
                 return True
-        for o, rank, d, _ in p.stages:
-            if 2 * rank + d in self.full_stage[r + o]:
+        full = self.full_stage[r]
+        for idx in p.sgate:
+            if idx in full:
+                return True
+        for o, idx, _, _ in p.th:
+            if idx in self.full_time[r + o]:
+                return True
+        for o, idx, _ in p.sh:
+            if idx in self.full_stage[r + o]:
                 return True
         return False
 
     def room(self, p: _Pair, r: int) -> float:
-        """Bytes of ``p`` that round ``r`` can still take."""
-        self.open(r + p.horizon)
-        new: dict[tuple[int, int], int] = {}
-        for o, s, d, ks, kd in p.messages:
-            if (r + o, s, d) not in self.sent:
-                new[(o, ks)] = new.get((o, ks), 0) + 1
-                new[(o, kd)] = new.get((o, kd), 0) + 1
+        """Bytes of ``p`` that round ``r`` can still take (rounds up to ``r + horizon``
+        must be open)."""
+        tau, lat = self.tau, self.latency
+        busy, count = self.busy[r], self.count[r]
         x = math.inf
-        for o, k, d, c in p.times:
-            rr = r + o
-            left = (
-                self.tau
-                - self.busy[rr][2 * k + d]
-                - self.latency[k] * (self.count[rr][k] + new.get((o, k), 0))
-            )
+        for idx, k, c, n in p.t0:
+            left = tau - busy[idx] - lat[k] * (count[k] + n)
             if left <= 0:
                 return 0.0
-            x = min(x, left / c)
-        for o, rank, d, c in p.stages:
-            left = self.bucket - self.staged[r + o][2 * rank + d]
+            v = left / c
+            if v < x:
+                x = v
+        staged, bucket = self.staged[r], self.bucket
+        for idx, c in p.s0:
+            left = bucket - staged[idx]
             if left <= 0:
                 return 0.0
-            x = min(x, left / c)
+            v = left / c
+            if v < x:
+                x = v
+        if p.th:
+            new: dict[tuple[int, int], int] = defaultdict(int)
+            for o, a, b, ka, kb in p.mh:
+                if (r + o, a, b) not in self.sent:
+                    new[(o, ka)] += 1
+                    new[(o, kb)] += 1
+            for o, idx, k, c in p.th:
+                rr = r + o
+                left = tau - self.busy[rr][idx] - lat[k] * (self.count[rr][k] + new[(o, k)])
+                if left <= 0:
+                    return 0.0
+                v = left / c
+                if v < x:
+                    x = v
+            for o, idx, c in p.sh:
+                left = bucket - self.staged[r + o][idx]
+                if left <= 0:
+                    return 0.0
+                v = left / c
+                if v < x:
+                    x = v
         return x
 
     def capacity(self, p: _Pair) -> float:
@@ -156,23 +216,41 @@ class _Rounds:
         return x
 
     def add(self, p: _Pair, r: int, nbytes: float) -> None:
-        for o, s, d, ks, kd in p.messages:
-            key = (r + o, s, d)
-            if key not in self.sent:
-                self.sent.add(key)
-                self.count[r + o][ks] += 1
-                self.count[r + o][kd] += 1
-        for o, k, d, c in p.times:
-            row = self.busy[r + o]
-            row[2 * k + d] += nbytes * c
-            left = self.tau - row[2 * k + d] - self.latency[k] * self.count[r + o][k]
-            if left < FULL * self.tau:
-                self.full_time[r + o].add(2 * k + d)
-        for o, rank, d, c in p.stages:
+        tau, lat, bucket = self.tau, self.latency, self.bucket
+        count = self.count[r]
+        sent = self.sent
+        for a, b, ka, kb in p.m0:
+            sent.add((r, a, b))
+            count[ka] += 1
+            count[kb] += 1
+        for o, a, b, ka, kb in p.mh:
+            key = (r + o, a, b)
+            if key not in sent:
+                sent.add(key)
+                self.count[r + o][ka] += 1
+                self.count[r + o][kb] += 1
+        busy, full = self.busy[r], self.full_time[r]
+        for idx, k, c, _ in p.t0:
+            busy[idx] += nbytes * c
+            if tau - busy[idx] - lat[k] * count[k] < max(FULL * tau, MIN_CHUNK_LATENCIES * lat[k]):
+                full.add(idx)
+        staged, sfull = self.staged[r], self.full_stage[r]
+        for idx, c in p.s0:
+            staged[idx] += math.ceil(nbytes * c)
+            if bucket - staged[idx] < FULL * bucket:
+                sfull.add(idx)
+        for o, idx, k, c in p.th:
+            rr = r + o
+            row = self.busy[rr]
+            row[idx] += nbytes * c
+            left = tau - row[idx] - lat[k] * self.count[rr][k]
+            if left < max(FULL * tau, MIN_CHUNK_LATENCIES * lat[k]):
+                self.full_time[rr].add(idx)
+        for o, idx, c in p.sh:
             row = self.staged[r + o]
-            row[2 * rank + d] += math.ceil(nbytes * c)
-            if self.bucket - row[2 * rank + d] < FULL * self.bucket:
-                self.full_stage[r + o].add(2 * rank + d)
+            row[idx] += math.ceil(nbytes * c)
+            if bucket - row[idx] < FULL * bucket:
+                self.full_stage[r + o].add(idx)
 
     def seconds(self) -> float:
         """Sum over rounds of the slowest key's time (``predict.round_time``)."""
@@ -267,13 +345,14 @@ def _fill(pairs: list[_Pair], rounds: _Rounds, placed: list[list[Transfer]] | No
     for src, ps in by_src.items():
         keys = sorted({2 * k for p in ps for o, k, d, _ in p.times if o == 0 and d == 0})
         own[src] = (keys, 2 * src)
+    horizon = max(p.horizon for p in pairs)
     active: dict[int, list[_Pair]] = defaultdict(list)
     r = 0
     while by_src:
         if placed is not None:
             while len(placed) <= r:
                 placed.append([])
-        rounds.open(r)
+        rounds.open(r + horizon)
         full_time, full_stage = rounds.full_time[r], rounds.full_stage[r]
         for s in sorted(by_src, key=lambda x: (-send_left[x], x)):
             keys, stage = own[s]
@@ -303,6 +382,8 @@ def _fill(pairs: list[_Pair], rounds: _Rounds, placed: list[list[Transfer]] | No
                     send_left[s] -= got * p.send_cost
                     recv_left[p.dst] -= got * p.recv_cost
                     served.append(p)
+                    if stage in full_stage or all(k in full_time for k in keys):
+                        break
             active[s] = served
             if served and any(p.left <= 0 for p in served):
                 by_src[s] = [p for p in by_src[s] if p.left > 0]
@@ -368,26 +449,18 @@ def timed_schedule(
     # up to a worthwhile chunk): small plans are latency-bound whatever the budget.
     floor = max(_least_budget(p, latency) for p in pairs)
 
-    # Price several round counts; for each, also the budget that would hold what the
-    # first try spilled past ``R`` rounds (latency and packing losses) within ``R``.
+    # Price a few round counts from the staging bound up: more rounds cost more messages,
+    # fewer leave less room to balance. Keep the cheapest.
     best: tuple[float, float] | None = None
-
-    def price(tau: float) -> float | None:
-        nonlocal best
-        rounds = _Rounds(max(tau, floor), bucket_bytes, latency, ranks)
+    for num_rounds in sorted({least, -(-5 * least // 4), -(-3 * least // 2), 2 * least}):
+        rounds = _Rounds(max(longest / num_rounds, floor), bucket_bytes, latency, ranks)
         try:
             _fill(pairs, rounds, None)
         except _TooSmall:
-            return None
+            continue
         seconds = rounds.seconds()
         if best is None or seconds < best[0]:
             best = (seconds, rounds.tau)
-        return seconds
-
-    for num_rounds in sorted({least, -(-5 * least // 4), -(-3 * least // 2), 2 * least}):
-        seconds = price(longest / num_rounds)
-        if seconds is not None and seconds > longest * (1 + 1e-9):
-            price(seconds / num_rounds)
     if best is None:
         raise ValueError(
             "no round count gives a round budget above the message latency; raise bucket_mb"
@@ -468,4 +541,5 @@ def _pair(
     p.horizon = max(o for o, _, _, _ in p.times)
     p.messages = sorted(messages)
     p.chunk = chunk
+    p.compile()
     return p
