@@ -18,10 +18,12 @@ messages. Here:
 2. **Budget.** With ``R`` rounds every (GPU, link) may be busy ``tau = B / R`` seconds
    per round, ``B`` the busiest link's total time, and every (rank, direction) may stage
    ``bucket`` bytes. ``R`` starts at the staging bound ``max_k staged_k / bucket``.
-3. **Fill.** Pairs are poured in turn (senders interleaved, each starting at a different
-   receiver) into the earliest rounds with room: a round takes the bytes that fit every
-   effect, after one message latency on each key where the pair is new in that round.
-   A pair spans few rounds, so it costs few messages.
+3. **Fill.** Round after round, senders with the most work left first, each sender fills
+   its links: first with the pairs it served in the previous round, then with those
+   whose receivers have the most work left. A pair takes the bytes that fit every effect
+   after one message latency on each key where it is new in the round. Longest
+   remaining first keeps the busiest links busy to the end; continuing pairs keep the
+   number of peers, and so of message latencies, low.
 4. **Choice.** Several ``R`` are filled with pairs as divisible amounts and priced by
    the formula above (relay hops and message counts included); the cheapest is filled
    again with the real transfers, cut at row boundaries where a round's room ends.
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ..layouts.base import Box
 from .balance import LinkModel, Transfer
@@ -46,7 +48,12 @@ MIN_CHUNK_LATENCIES = 4
 
 
 class _Pair:
-    """One (sender, stored receiver) pair: its transfers and what a byte of it costs."""
+    """One (sender, stored receiver) pair: its transfers and what a byte of it costs.
+
+    Effects on keys: time keys are ``2 * key + direction`` indices into a round's busy
+    seconds (``key`` a (rank, link), direction 0 out / 1 in), staging keys
+    ``2 * rank + direction`` indices into its staged bytes (0 send / 1 receive).
+    """
 
     __slots__ = (
         "src",
@@ -55,21 +62,16 @@ class _Pair:
         "nbytes",
         "left",
         "queue",
-        "times",
-        "stages",
-        "messages",
+        "t0",
+        "s0",
+        "m0",
+        "hops",
+        "gate",
+        "sgate",
         "chunk",
         "send_cost",
         "recv_cost",
         "horizon",
-        "t0",
-        "s0",
-        "m0",
-        "th",
-        "sh",
-        "mh",
-        "gate",
-        "sgate",
     )
 
     def __init__(self, src: int, dst: int, transfers: list[Transfer]) -> None:
@@ -78,58 +80,40 @@ class _Pair:
         self.nbytes = sum(t.nbytes for t in transfers)
         self.left = float(self.nbytes)  # bytes not yet placed
         self.queue: list[Transfer] = []  # transfers not yet placed, last one next
-        # (round offset, time key, direction 0=out/1=in, seconds per byte)
-        self.times: list[tuple[int, int, int, float]] = []
-        # (round offset, rank, direction 0=send/1=recv, staged bytes per byte)
-        self.stages: list[tuple[int, int, int, int]] = []
-        # (round offset, src, dst, src's time key, dst's time key)
-        self.messages: list[tuple[int, int, int, int, int]] = []
+        # In the round the pair is placed in: (time index, key, seconds per byte, this
+        # pair's messages on the key), (staging index, bytes per byte), and its
+        # messages (code of (src, dst), src key, dst key). A pair is placed at most once
+        # per round, so these messages are always new there.
+        self.t0: list[tuple[int, int, float, int]] = []
+        self.s0: list[tuple[int, int]] = []
+        self.m0: list[tuple[int, int, int]] = []
+        # Relay hops, ``offset`` rounds later: (offset, sender time index, sender key,
+        # receiver time index, receiver key, sender staging index, receiver staging
+        # index, code of (sender, receiver), seconds per byte).
+        self.hops: list[tuple[int, int, int, int, int, int, int, int, float]] = []
+        self.gate: list[int] = []  # receivers' time indices: a full one blocks the pair
+        self.sgate: list[int] = []  # receivers' staging indices
         self.chunk = 0.0  # smallest worthwhile message, bytes
         self.send_cost = 0.0  # sender link seconds per byte
         self.recv_cost = 0.0  # a member's link seconds per byte (the largest)
-        self.horizon = 0  # largest round offset of an effect (relay hops)
-        # The effects compiled for pricing (``compile``): offset 0 and relay hops apart.
-        self.t0: list[tuple[int, int, float, int]] = []  # (2k+d, k, coef, own new messages)
-        self.s0: list[tuple[int, int]] = []  # (2*rank+d, coef)
-        self.m0: list[tuple[int, int, int, int]] = []  # (src, dst, src key, dst key)
-        self.th: list[tuple[int, int, int, float]] = []  # (offset, 2k+d, k, coef)
-        self.sh: list[tuple[int, int, int]] = []  # (offset, 2*rank+d, coef)
-        self.mh: list[tuple[int, int, int, int, int]] = []  # (offset, src, dst, keys)
-        self.gate: list[int] = []  # receivers' time keys: full ones block the pair
-        self.sgate: list[int] = []  # receivers' staging keys
-
-    def compile(self) -> None:
-        """Split the effects into the forms ``_Rounds`` prices fastest. A pair is placed
-        at most once per round, so its own offset-0 messages are always new there."""
-        own: dict[int, int] = defaultdict(int)
-        for o, _, _, ks, kd in self.messages:
-            if o == 0:
-                own[ks] += 1
-                own[kd] += 1
-        self.t0 = [(2 * k + d, k, c, own[k]) for o, k, d, c in self.times if o == 0]
-        self.s0 = [(2 * r + d, c) for o, r, d, c in self.stages if o == 0]
-        self.m0 = [(a, b, ka, kb) for o, a, b, ka, kb in self.messages if o == 0]
-        self.th = [(o, 2 * k + d, k, c) for o, k, d, c in self.times if o > 0]
-        self.sh = [(o, 2 * r + d, c) for o, r, d, c in self.stages if o > 0]
-        self.mh = [m for m in self.messages if m[0] > 0]
-        self.gate = [2 * k + 1 for o, k, d, _ in self.times if o == 0 and d == 1]
-        self.sgate = [2 * r + 1 for o, r, d, _ in self.stages if o == 0 and d == 1]
+        self.horizon = 0  # largest round offset of a hop
 
 
 class _Rounds:
-    """Per-round load of every key, and the pricing and filling of pairs into rounds."""
+    """Per-round load of every key, and the pricing and adding of pairs in rounds."""
 
     def __init__(self, tau: float, bucket: int, latency: list[float], num_ranks: int) -> None:
         self.tau, self.bucket = tau, bucket
         self.latency = latency  # per time key
         self.num_keys = len(latency)
         self.num_ranks = num_ranks
+        self.codes = num_ranks * num_ranks  # message code = round * codes + src * ranks + dst
         self.busy: list[list[float]] = []  # [round][2 * key + direction] seconds
         self.count: list[list[int]] = []  # [round][key] messages sent + received
         self.staged: list[list[int]] = []  # [round][2 * rank + direction] bytes
-        self.full_time: list[set[int]] = []  # [round] {2 * key + direction} with no room
-        self.full_stage: list[set[int]] = []  # [round] {2 * rank + direction} with no room
-        self.sent: set[tuple[int, int, int]] = set()  # (round, src, dst) with a message
+        self.full_time: list[set[int]] = []  # [round] time indices with no room left
+        self.full_stage: list[set[int]] = []  # [round] staging indices with no room left
+        self.sent: set[int] = set()  # codes of (round, src, dst) with a message
 
     def open(self, r: int) -> None:
         while len(self.busy) <= r:
@@ -150,86 +134,72 @@ class _Rounds:
         for idx in p.sgate:
             if idx in full:
                 return True
-        for o, idx, _, _ in p.th:
-            if idx in self.full_time[r + o]:
-                return True
-        for o, idx, _ in p.sh:
-            if idx in self.full_stage[r + o]:
+        ft, fs = self.full_time, self.full_stage
+        for o, ia, _, ib, _, sa, sb, _, _ in p.hops:
+            if ia in ft[r + o] or ib in ft[r + o] or sa in fs[r + o] or sb in fs[r + o]:
                 return True
         return False
 
     def room(self, p: _Pair, r: int) -> float:
         """Bytes of ``p`` that round ``r`` can still take (rounds up to ``r + horizon``
         must be open)."""
-        tau, lat = self.tau, self.latency
+        tau, lat, bucket = self.tau, self.latency, self.bucket
         busy, count = self.busy[r], self.count[r]
         x = math.inf
         for idx, k, c, n in p.t0:
             left = tau - busy[idx] - lat[k] * (count[k] + n)
             if left <= 0:
                 return 0.0
-            v = left / c
-            if v < x:
-                x = v
-        staged, bucket = self.staged[r], self.bucket
+            if left < x * c:
+                x = left / c
+        staged = self.staged[r]
         for idx, c in p.s0:
             left = bucket - staged[idx]
             if left <= 0:
                 return 0.0
-            v = left / c
-            if v < x:
-                x = v
-        if p.th:
-            new: dict[tuple[int, int], int] = defaultdict(int)
-            for o, a, b, ka, kb in p.mh:
-                if (r + o, a, b) not in self.sent:
-                    new[(o, ka)] += 1
-                    new[(o, kb)] += 1
-            for o, idx, k, c in p.th:
+            if left < x * c:
+                x = left / c
+        if p.hops:
+            sent, codes = self.sent, self.codes
+            for o, ia, ka, ib, kb, sa, sb, code, c in p.hops:
                 rr = r + o
-                left = tau - self.busy[rr][idx] - lat[k] * (self.count[rr][k] + new[(o, k)])
+                busy, count, staged = self.busy[rr], self.count[rr], self.staged[rr]
+                n = 0 if rr * codes + code in sent else 1
+                left = min(
+                    tau - busy[ia] - lat[ka] * (count[ka] + n),
+                    tau - busy[ib] - lat[kb] * (count[kb] + n),
+                )
                 if left <= 0:
                     return 0.0
-                v = left / c
-                if v < x:
-                    x = v
-            for o, idx, c in p.sh:
-                left = bucket - self.staged[r + o][idx]
+                if left < x * c:
+                    x = left / c
+                left = bucket - max(staged[sa], staged[sb])
                 if left <= 0:
                     return 0.0
-                v = left / c
-                if v < x:
-                    x = v
+                if left < x:
+                    x = left
         return x
 
     def capacity(self, p: _Pair) -> float:
         """Bytes of ``p`` a round with nothing else in it takes."""
         x = math.inf
-        counts: dict[tuple[int, int], int] = defaultdict(int)
-        for o, _, _, ks, kd in p.messages:
-            counts[(o, ks)] += 1
-            counts[(o, kd)] += 1
-        for o, k, _, c in p.times:
-            x = min(x, (self.tau - self.latency[k] * counts[(o, k)]) / c)
-        for _, _, _, c in p.stages:
+        for _, k, c, n in p.t0:
+            x = min(x, (self.tau - self.latency[k] * n) / c)
+        for _, c in p.s0:
             x = min(x, self.bucket / c)
+        for _, _, ka, _, kb, _, _, _, c in p.hops:
+            x = min(x, (self.tau - max(self.latency[ka], self.latency[kb])) / c, self.bucket)
         return x
 
     def add(self, p: _Pair, r: int, nbytes: float) -> None:
         tau, lat, bucket = self.tau, self.latency, self.bucket
-        count = self.count[r]
-        sent = self.sent
-        for a, b, ka, kb in p.m0:
-            sent.add((r, a, b))
+        sent, codes = self.sent, self.codes
+        count, busy, full = self.count[r], self.busy[r], self.full_time[r]
+        base = r * codes
+        for code, ka, kb in p.m0:
+            sent.add(base + code)
             count[ka] += 1
             count[kb] += 1
-        for o, a, b, ka, kb in p.mh:
-            key = (r + o, a, b)
-            if key not in sent:
-                sent.add(key)
-                self.count[r + o][ka] += 1
-                self.count[r + o][kb] += 1
-        busy, full = self.busy[r], self.full_time[r]
         for idx, k, c, _ in p.t0:
             busy[idx] += nbytes * c
             if tau - busy[idx] - lat[k] * count[k] < max(FULL * tau, MIN_CHUNK_LATENCIES * lat[k]):
@@ -239,18 +209,26 @@ class _Rounds:
             staged[idx] += math.ceil(nbytes * c)
             if bucket - staged[idx] < FULL * bucket:
                 sfull.add(idx)
-        for o, idx, k, c in p.th:
+        whole = math.ceil(nbytes)
+        for o, ia, ka, ib, kb, sa, sb, code, c in p.hops:
             rr = r + o
-            row = self.busy[rr]
-            row[idx] += nbytes * c
-            left = tau - row[idx] - lat[k] * self.count[rr][k]
-            if left < max(FULL * tau, MIN_CHUNK_LATENCIES * lat[k]):
-                self.full_time[rr].add(idx)
-        for o, idx, c in p.sh:
-            row = self.staged[r + o]
-            row[idx] += math.ceil(nbytes * c)
-            if bucket - row[idx] < FULL * bucket:
-                self.full_stage[r + o].add(idx)
+            count, busy, staged = self.count[rr], self.busy[rr], self.staged[rr]
+            key = rr * codes + code
+            if key not in sent:
+                sent.add(key)
+                count[ka] += 1
+                count[kb] += 1
+            full, sfull = self.full_time[rr], self.full_stage[rr]
+            for idx, k in ((ia, ka), (ib, kb)):
+                busy[idx] += nbytes * c
+                if tau - busy[idx] - lat[k] * count[k] < max(
+                    FULL * tau, MIN_CHUNK_LATENCIES * lat[k]
+                ):
+                    full.add(idx)
+            for idx in (sa, sb):
+                staged[idx] += whole
+                if bucket - staged[idx] < FULL * bucket:
+                    sfull.add(idx)
 
     def seconds(self) -> float:
         """Sum over rounds of the slowest key's time (``predict.round_time``)."""
@@ -343,7 +321,7 @@ def _fill(pairs: list[_Pair], rounds: _Rounds, placed: list[list[Transfer]] | No
     # A sender whose own links (or send staging) are full this round is skipped whole.
     own: dict[int, tuple[list[int], int]] = {}
     for src, ps in by_src.items():
-        keys = sorted({2 * k for p in ps for o, k, d, _ in p.times if o == 0 and d == 0})
+        keys = sorted({idx for p in ps for idx, _, _, _ in p.t0 if idx % 2 == 0})
         own[src] = (keys, 2 * src)
     horizon = max(p.horizon for p in pairs)
     active: dict[int, list[_Pair]] = defaultdict(list)
@@ -427,22 +405,32 @@ def timed_schedule(
     by_pair: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
     for t in transfers:
         by_pair[(t.src, t.dst)].append(t)
+    ranks = 1 + max(
+        [t.src for t in transfers]
+        + [m for g in members.values() for m in g]
+        + [t.dst for t in transfers]
+        + [m for run in runs for m in run]
+    )
     pairs = [
-        _pair(src, dst, ts, links, members, position, key)
+        _pair(src, dst, ts, links, members, position, key, ranks)
         for (src, dst), ts in sorted(by_pair.items())
     ]
-    ranks = 1 + max(r for p in pairs for _, r, _, _ in p.stages)
     for p in pairs:  # a chunk never needs more than a round's staging
-        p.chunk = min(p.chunk, bucket_bytes / max(c for _, _, _, c in p.stages))
+        p.chunk = min(p.chunk, bucket_bytes / max(c for _, c in p.s0))
 
     # The busiest link's seconds, and the staging bound on the round count.
-    busy: dict[tuple[int, int], float] = defaultdict(float)
-    staged: dict[tuple[int, int], float] = defaultdict(float)
+    busy: dict[int, float] = defaultdict(float)
+    staged: dict[int, float] = defaultdict(float)
     for p in pairs:
-        for _, k, d, c in p.times:
-            busy[(k, d)] += p.nbytes * c
-        for _, rank, d, c in p.stages:
-            staged[(rank, d)] += p.nbytes * c
+        for idx, _, c, _ in p.t0:
+            busy[idx] += p.nbytes * c
+        for idx, c in p.s0:
+            staged[idx] += p.nbytes * c
+        for _, ia, _, ib, _, sa, sb, _, c in p.hops:
+            busy[ia] += p.nbytes * c
+            busy[ib] += p.nbytes * c
+            staged[sa] += p.nbytes
+            staged[sb] += p.nbytes
     longest = max(busy.values())
     least = max(1, math.ceil(max(staged.values()) / bucket_bytes))
     # No budget below what one message of every pair needs (its latencies, and its bytes
@@ -486,12 +474,11 @@ def timed_schedule(
 def _least_budget(p: _Pair, latency: list[float]) -> float:
     """Smallest round budget in which an empty round takes ``min(bytes, chunk)`` of
     ``p`` (``_Rounds.capacity`` at least that)."""
-    counts: dict[tuple[int, int], int] = defaultdict(int)
-    for o, _, _, ks, kd in p.messages:
-        counts[(o, ks)] += 1
-        counts[(o, kd)] += 1
     need = min(p.nbytes, p.chunk)
-    return max(latency[k] * counts[(o, k)] + c * need for o, k, _, c in p.times) * (1 + 1e-9)
+    budget = max(latency[k] * n + c * need for _, k, c, n in p.t0)
+    for _, _, ka, _, kb, _, _, _, c in p.hops:
+        budget = max(budget, max(latency[ka], latency[kb]) + c * need)
+    return budget * (1 + 1e-9)
 
 
 def _pair(
@@ -501,45 +488,42 @@ def _pair(
     links: LinkModel,
     members: Mapping[int, tuple[int, ...]],
     position: Mapping[int, tuple[tuple[int, ...], int]],
-    key,
+    key: Callable[[int, str], int],
+    num_ranks: int,
 ) -> _Pair:
+    """A pair and its effects: the sender's link once per member of ``dst``'s group,
+    each member's link, and for a member in a relay run, every hop of the run."""
     p = _Pair(src, dst, transfers)
-    times: dict[tuple[int, int, int], float] = defaultdict(float)
-    stages: dict[tuple[int, int, int], int] = defaultdict(int)
-    messages: set[tuple[int, int, int, int, int]] = set()
-    chunk = 0.0
+    times: dict[int, float] = defaultdict(float)  # time index -> seconds per byte
+    msgs: dict[int, int] = defaultdict(int)  # key -> this pair's messages on it
+    stages: dict[int, int] = defaultdict(int)  # staging index -> bytes per byte
+    m0 = []
     for m in members.get(dst, (dst,)):
         link, spb = links.link(src, m)
         ks, km = key(src, link), key(m, link)
-        times[(0, ks, 0)] += spb
-        times[(0, km, 1)] += spb
-        stages[(0, src, 0)] += 1
-        stages[(0, m, 1)] += 1
-        messages.add((0, src, m, ks, km))
+        times[2 * ks] += spb
+        times[2 * km + 1] += spb
+        msgs[ks] += 1
+        msgs[km] += 1
+        stages[2 * src] += 1
+        stages[2 * m + 1] += 1
+        m0.append((src * num_ranks + m, ks, km))
         p.send_cost += spb
         p.recv_cost = max(p.recv_cost, spb)
-        chunk = max(chunk, MIN_CHUNK_LATENCIES * links.latency(link) / spb)
+        p.chunk = max(p.chunk, MIN_CHUNK_LATENCIES * links.latency(link) / spb)
+        p.gate.append(2 * km + 1)
+        p.sgate.append(2 * m + 1)
         run, i = position.get(m, ((m,), 0))
         w = len(run)
         for hop in range(1, w):
             a, b = run[(i + hop - 1) % w], run[(i + hop) % w]
             link, spb = links.link(a, b)
             ka, kb = key(a, link), key(b, link)
-            times[(hop, ka, 0)] += spb
-            times[(hop, kb, 1)] += spb
-            stages[(hop, a, 0)] += 1
-            stages[(hop, b, 1)] += 1
-            messages.add((hop, a, b, ka, kb))
-    own = {k for (o, k, d) in times if o == 0 and d == 0}
-    # The sender's own keys first: ``blocked`` then mostly answers at the first test.
-    p.times = sorted(
-        ((o, k, d, c) for (o, k, d), c in times.items()), key=lambda e: (e[1] not in own, e)
-    )
-    p.stages = sorted(
-        ((o, r, d, c) for (o, r, d), c in stages.items()), key=lambda e: (e[1] != src, e)
-    )
-    p.horizon = max(o for o, _, _, _ in p.times)
-    p.messages = sorted(messages)
-    p.chunk = chunk
-    p.compile()
+            p.hops.append(
+                (hop, 2 * ka, ka, 2 * kb + 1, kb, 2 * a, 2 * b + 1, a * num_ranks + b, spb)
+            )
+            p.horizon = max(p.horizon, hop)
+    p.t0 = [(idx, idx // 2, c, msgs[idx // 2]) for idx, c in sorted(times.items())]
+    p.s0 = sorted(stages.items())
+    p.m0 = m0
     return p
