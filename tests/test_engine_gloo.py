@@ -228,3 +228,31 @@ def test_domain_relay_bit_exact_over_gloo(tmp_path) -> None:
     forwarded = result.plan.stats.bytes_sent[2:]
     assert forwarded[0] + forwarded[1] == forwarded[2] + forwarded[3] == per_replica
     assert min(forwarded) > 0
+
+
+def test_carried_transfers_bit_exact_over_gloo(tmp_path) -> None:
+    """Pipeline stages of unequal size on one 2-GPU "node": the busier stage hands part
+    of its sending to the other over NVLink, which sends it on from its relay buffer;
+    4 inference ranks on the next node receive everything bit-exact, twice."""
+    from nemo_refit_reshard.integrations.spawn import build_layouts
+    from nemo_refit_reshard.plan import plan_refit
+    from nemo_refit_reshard.plan.carry import is_relay
+    from nemo_refit_reshard.plan.topology import Cluster, Placement, Topology
+
+    cfg = RunConfig(
+        model=_config_file(tmp_path, "llama", num_hidden_layers=3, vocab_size=512),
+        train="pp=2",
+        infer="tp=2,dp=2",
+        first_stage_layers=1,
+        steps=2,
+        timeout_s=60,
+        backends=("reshard",),
+    )
+    spec, src, dst = build_layouts(cfg)
+    cluster = Cluster(gpus_per_node=2, nvlink_latency_us=0.01, nic_latency_us=0.02)
+    links = Topology(cluster, Placement.packed(2, 4, cluster))
+    plan = plan_refit(spec, src, dst, bucket_mb=0.05, links=links)
+    carried = [t for r in plan.rounds for m in r for t in m.transfers if is_relay(t.dst_tensor)]
+    assert carried and {t.src for t in carried} == {1} and {t.dst for t in carried} == {0}
+    result = run_local(cfg, join_timeout_s=240, plan=plan)
+    _assert_bit_exact(result, backends=("reshard",))

@@ -335,15 +335,17 @@ def test_domain_relay_one_copy_per_nvlink_domain_then_chains() -> None:
     assert plan.relay_chains == ((2, 3), (4, 5))
     verify_plan(plan, src, dst)  # exact once, and nothing forwarded before it arrived
     per_replica = plan.stats.min_bytes // 4
-    # training ranks send two copies (one per node), not four
-    assert sum(plan.stats.bytes_sent[:2]) == 2 * per_replica
+    # training ranks send two copies (one per node), not four (besides what one of them
+    # hands the other to even out their NIC time: carried, ``plan/carry.py``)
+    into_inference = sum(m.nbytes for r in plan.rounds for m in r if m.src < 2 <= m.dst)
+    assert into_inference == 2 * per_replica
     # each node's two GPUs forward to each other what entered through them: together
     # one replica's worth, each a part of it
     sent = plan.stats.bytes_sent[2:]
     assert sent[0] + sent[1] == sent[2] + sent[3] == per_replica
     assert min(sent) > 0 and max(sent) < per_replica
     assert plan.stats.bytes_received[2:] == (per_replica,) * 4
-    assert {m.dst for msgs in plan.class_rounds for m in msgs} == {2, 3}
+    assert {m.dst for msgs in plan.class_rounds for m in msgs if m.dst >= 2} == {2, 3}
     assert plan.num_rounds == len(plan.class_rounds) + 1
     # each hop runs one round after its entry received, and forwards all of it
     for r, msgs in enumerate(plan.rounds):

@@ -19,6 +19,11 @@ element the plan forgot still counts on the receiving side). The two agree iff
 * ``MULT`` is odd and ``salt`` depends on the canonical name, so swapping two elements,
   or two canonical tensors of one fused destination tensor (q and k inside
   ``qkv_proj``), changes the sum.
+
+Carried transfers (``plan/carry.py``): the first sender checksums what it hands to the
+carrying rank under a relay key (that rank, the relay buffer name and box); the
+carrying rank adds nothing, and :func:`relay_routes` (from the plan) sends each relay
+key's sum on to every (rank, tensor) that receives those bytes from the relay buffer.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from ..layouts.base import Box, RankLayout
+from ..plan.carry import is_relay
 from ..plan.schedule import Message
 from .program import TORCH_DTYPES
 
@@ -39,6 +45,13 @@ _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 # (destination refit rank, destination local tensor) -> checksum in [0, 2^64)
 Checksums = dict[tuple[int, str], int]
+# relay key -> every (rank, tensor) its bytes reach from the relay buffer
+Routes = dict[tuple[int, str], list[tuple[int, str]]]
+
+
+def relay_key(rank: int, name: str, box: Box) -> tuple[int, str]:
+    """Checksum key of bytes held in ``rank``'s relay buffer as ``name`` at ``box``."""
+    return rank, f"{name}{list(box.offsets)}{list(box.sizes)}"
 
 
 def _salt(canonical: str) -> int:
@@ -94,9 +107,26 @@ def sender_checksums(
         if m.src != group_rank:
             continue
         for t in m.transfers:
+            if is_relay(t.src_tensor):
+                continue  # counted by the rank that handed it over (see relay_routes)
             live = tensors[t.src_tensor][t.src_box.slices()].to(TORCH_DTYPES[t.dtype])
             value = box_checksum(live, t.canonical, canonical_shapes[t.canonical], t.canonical_box)
-            add(out, (m.dst, t.dst_tensor), value)
+            if is_relay(t.dst_tensor):
+                add(out, relay_key(m.dst, t.dst_tensor, t.dst_box), value)
+            else:
+                add(out, (m.dst, t.dst_tensor), value)
+    return out
+
+
+def relay_routes(messages: Iterable[Message]) -> Routes:
+    """Where the bytes of each relay key go (from a plan's expanded messages)."""
+    out: Routes = {}
+    for m in messages:
+        for t in m.transfers:
+            if is_relay(t.src_tensor):
+                out.setdefault(relay_key(m.src, t.src_tensor, t.src_box), []).append(
+                    (m.dst, t.dst_tensor)
+                )
     return out
 
 
@@ -117,12 +147,15 @@ def receiver_checksums(
     return out
 
 
-def combine(parts: Iterable[Checksums]) -> Checksums:
-    """Sum several ranks' checksums per key (modulo 2^64)."""
+def combine(parts: Iterable[Checksums], routes: Routes | None = None) -> Checksums:
+    """Sum several ranks' checksums per key (modulo 2^64); a relay key's sum goes to
+    every target ``routes`` gives it (a relay key without a route stays as it is,
+    so :func:`compare` reports it)."""
     out: Checksums = {}
     for part in parts:
         for key, value in part.items():
-            add(out, key, value)
+            for target in (routes or {}).get(key, [key]):
+                add(out, target, value)
     return out
 
 

@@ -10,6 +10,10 @@ of transfers and messages, never with the number of elements.
 Staging: per round, a rank's outgoing messages are laid out back to back in
 one send buffer and its incoming messages in one receive buffer; both are
 sized to the largest round and reused.
+
+Relay buffer (``plan/carry.py``): bytes a rank carries for another one arrive in
+round ``r`` into one half of a relay buffer and leave from it in round ``r + 1``;
+the halves alternate, each sized to the largest round's carried bytes.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 
 from ..layouts.base import Box
 from ..plan.balance import DTYPE_BYTES
+from ..plan.carry import is_relay
 from ..plan.overlap import PlanError
 from ..plan.plan import RefitPlan
 from ..plan.rank_plan import RankPlan
@@ -102,13 +107,15 @@ def _view(buf: torch.Tensor, offset: int, nbytes: int, dtype: str, shape: tuple[
 
 @dataclass(frozen=True)
 class _Run:
-    """A contiguous staged span copied to/from one live box."""
+    """A contiguous staged span copied to/from one live box, or (``relay`` set) to/from
+    ``(half, byte offset)`` of the relay buffer."""
 
     name: str
     box: Box
     dtype: str
     offset: int
     nbytes: int
+    relay: tuple[int, int] | None = None
 
 
 class RankProgram:
@@ -134,25 +141,50 @@ class RankProgram:
         by_round: dict[int, list[Message]] = {}
         for m in messages:
             by_round.setdefault(m.round, []).append(m)
-        layouts = [self._layout_round(by_round.get(r, [])) for r in range(plan.num_rounds)]
+        self._carried: dict[tuple[str, Box], tuple[int, int]] = {}  # arrived last round
+        self._relay_size = 0  # bytes of one relay buffer half
+        layouts = [self._layout_round(r, by_round.get(r, []), who) for r in range(plan.num_rounds)]
         send_size = max((lay[1] for lay in layouts), default=0)
         recv_size = max((lay[2] for lay in layouts), default=0)
         self.send_buffer = torch.empty(send_size, dtype=torch.uint8, device=self.device)
         self.recv_buffer = torch.empty(recv_size, dtype=torch.uint8, device=self.device)
+        self.relay_buffer = torch.empty(2 * self._relay_size, dtype=torch.uint8, device=self.device)
         self.rounds = [self._bind(lay[0], tensors) for lay in layouts]
         self.num_transfers = sum(len(m.transfers) for m in messages)
         self.num_messages = len(messages)
         self.num_copies = sum(len(r.copies_out) + len(r.copies_in) for r in self.rounds)
 
-    def _runs(self, m: Message, outgoing: bool, start: int) -> tuple[list[_Run], int]:
+    def _runs(
+        self, m: Message, outgoing: bool, start: int, carried: dict, arriving: dict, who: str
+    ) -> tuple[list[_Run], int]:
         """Staged runs of one message from byte ``start``; adjacent live boxes merged
-        (e.g. Megatron's [gate; up] rows into vLLM's [gate; up] rows: one copy)."""
+        (e.g. Megatron's [gate; up] rows into vLLM's [gate; up] rows: one copy).
+        Carried bytes (relay buffer names) get their own runs: arriving ones a place in
+        this round's half (``arriving``), leaving ones the place they arrived at in the
+        previous round (``carried``)."""
         runs: list[_Run] = []
         off = start
         for t in m.transfers:
             name, box = (t.src_tensor, t.src_box) if outgoing else (t.dst_tensor, t.dst_box)
+            if is_relay(name):
+                if outgoing:
+                    at = carried.get((name, box))
+                    if at is None:
+                        raise PlanError(
+                            f"{who}: round {m.round} sends {t.canonical}{list(box.sizes)} "
+                            f"from its relay buffer ({name}) but did not receive it in "
+                            f"round {m.round - 1}; the plan is inconsistent, rebuild it"
+                        )
+                else:
+                    half, end = arriving.setdefault("@end", (m.round % 2, 0))
+                    at = (half, _align(end))
+                    arriving[(name, box)] = at
+                    arriving["@end"] = (half, at[1] + t.nbytes)
+                runs.append(_Run(name, box, t.dtype, off, t.nbytes, at))
+                off += t.nbytes
+                continue
             last = runs[-1] if runs else None
-            if last and last.name == name and last.dtype == t.dtype:
+            if last and last.relay is None and last.name == name and last.dtype == t.dtype:
                 joined = last.box.followed_by(box)
                 if joined is not None:
                     runs[-1] = _Run(name, joined, t.dtype, last.offset, last.nbytes + t.nbytes)
@@ -162,7 +194,7 @@ class RankProgram:
             off += t.nbytes
         return runs, off
 
-    def _layout_round(self, messages: list[Message]):
+    def _layout_round(self, round_index: int, messages: list[Message], who: str):
         """Byte offsets of one round's messages in the staging buffers.
 
         Outgoing messages with identical contents (the same source boxes in the same
@@ -172,6 +204,7 @@ class RankProgram:
         entries: list[tuple[bool, int, int, int, list[_Run]]] = []  # outgoing, peer, start, end
         shared: dict[tuple, tuple[int, int]] = {}
         send_end = recv_end = 0
+        arriving: dict = {}
         for m in messages:
             if m.src == self.group_rank:
                 key = tuple((t.src_tensor, t.src_box, t.dtype) for t in m.transfers)
@@ -179,14 +212,17 @@ class RankProgram:
                     start, end = shared[key]
                     entries.append((True, m.dst, start, end, []))
                     continue
-                runs, end = self._runs(m, True, _align(send_end))
+                runs, end = self._runs(m, True, _align(send_end), self._carried, arriving, who)
                 shared[key] = (_align(send_end), end)
                 entries.append((True, m.dst, _align(send_end), end, runs))
                 send_end = end
             else:
-                runs, end = self._runs(m, False, _align(recv_end))
+                runs, end = self._runs(m, False, _align(recv_end), self._carried, arriving, who)
                 entries.append((False, m.src, _align(recv_end), end, runs))
                 recv_end = end
+        if "@end" in arriving:
+            self._relay_size = max(self._relay_size, _align(arriving.pop("@end")[1]))
+        self._carried = arriving
         return entries, send_end, recv_end
 
     def _bind(self, layout, tensors: Mapping[str, torch.Tensor]) -> CopyPhase:
@@ -194,7 +230,12 @@ class RankProgram:
         for outgoing, peer, start, end, runs in layout:
             buf = self.send_buffer if outgoing else self.recv_buffer
             for r in runs:
-                live = tensors[r.name][r.box.slices()]
+                if r.relay is None:
+                    live = tensors[r.name][r.box.slices()]
+                else:
+                    half, at = r.relay
+                    base = half * self._relay_size + at
+                    live = _view(self.relay_buffer, base, r.nbytes, r.dtype, tuple(r.box.sizes))
                 staged = _view(buf, r.offset, r.nbytes, r.dtype, tuple(r.box.sizes))
                 if outgoing:
                     phase.copies_out.append((staged, live))
@@ -211,7 +252,7 @@ class RankProgram:
 
     @property
     def staging_bytes(self) -> int:
-        return self.send_buffer.numel() + self.recv_buffer.numel()
+        return self.send_buffer.numel() + self.recv_buffer.numel() + self.relay_buffer.numel()
 
 
 __all__ = ["DTYPE_BYTES", "RankProgram", "check_live_tensors"]

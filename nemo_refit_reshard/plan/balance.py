@@ -79,6 +79,25 @@ def split_box(box: Box, parts: int) -> list[Box]:
     return out
 
 
+def cut_rows(t: Transfer, nbytes: float) -> tuple[Transfer, Transfer] | None:
+    """``t`` cut after as many whole rows of its lead (first non-unit) dim as fit in
+    ``nbytes``: (head, tail), or None if not even one row fits or ``t`` is one row."""
+    box = t.canonical_box
+    lead = next((d for d, n in enumerate(box.sizes) if n != 1), None)
+    if lead is None:
+        return None
+    rows = box.sizes[lead]
+    take = min(rows - 1, int(nbytes // (t.nbytes // rows)))
+    if take < 1:
+        return None
+    head = list(box.sizes)
+    head[lead] = take
+    offsets, rest = list(box.offsets), list(box.sizes)
+    offsets[lead] += take
+    rest[lead] -= take
+    return t.part(Box(box.offsets, tuple(head))), t.part(Box(tuple(offsets), tuple(rest)))
+
+
 class LinkModel(Protocol):
     """What the balancer needs to know about the network (``plan/topology.py``)."""
 

@@ -19,6 +19,7 @@ from typing import Any
 from ..layouts.base import Box, RankLayout, paused_gc
 from ..spec.model import ModelSpec
 from .balance import DTYPE_BYTES, LinkModel, assign_senders
+from .carry import choose_carriers
 from .domain import domain_entries, domain_runs, relieve_egress
 from .expand import Expansion
 from .overlap import PlanError, destination_needs, source_regions
@@ -284,13 +285,18 @@ def plan_refit(
     destination_spec: ModelSpec | None = None,
     relay: str = "none",
     links: LinkModel | None = None,
+    carry: bool = True,
 ) -> RefitPlan:
     """Build the transfer plan from every source layout to every destination layout.
 
     ``relay="chain"`` forwards a box that one training rank would send to several
-    inference replicas along a chain of those replicas (``plan/relay.py``).
-    ``links`` (a topology, ``plan/topology.py``) makes replica choice minimise
-    predicted link busy time instead of bytes per sender.
+    inference replicas along a chain of those replicas (``plan/relay.py``);
+    ``relay="domain"`` sends one copy per NVLink domain and forwards it inside
+    (``plan/domain.py``). ``links`` (a topology, ``plan/topology.py``) makes replica
+    choice minimise predicted link busy time instead of bytes per sender and schedules
+    rounds by time (``plan/timed.py``); with it and ``carry``, training ranks busier
+    than their NVLink domain's mean hand part of their sending to neighbours, which
+    carry it through a relay buffer (``plan/carry.py``; direct and domain plans).
     """
     if relay not in RELAY_MODES:
         raise PlanError(f"unknown relay mode {relay!r}; choose one of {RELAY_MODES}")
@@ -301,7 +307,7 @@ def plan_refit(
     if [lay.rank for lay in destinations] != list(range(len(destinations))):
         raise PlanError("destination layouts must be given for ranks 0..D-1 in order")
     bucket_bytes = int(bucket_mb * 2**20)
-    return _plan(spec, sources, destinations, bucket_bytes, relay, links)
+    return _plan(spec, sources, destinations, bucket_bytes, relay, links, carry)
 
 
 @paused_gc
@@ -312,6 +318,7 @@ def _plan(
     bucket_bytes: int,
     relay: str,
     links: LinkModel | None,
+    carry: bool,
 ) -> RefitPlan:
     regions = source_regions(spec, sources)
     s = len(sources)
@@ -343,7 +350,12 @@ def _plan(
         if relay == "domain":
             transfers, members = domain_entries(transfers, runs_of)
         if links is not None:
-            rounds = timed_schedule(transfers, bucket_bytes, links, members, chains)
+            # Training ranks above their NVLink domain's mean hand part of their sending
+            # to neighbours below it (carried through relay buffers, ``plan/carry.py``).
+            carried: list = []
+            if carry:
+                transfers, carried = choose_carriers(transfers, links, members, s)
+            rounds = timed_schedule(transfers, bucket_bytes, links, members, chains, carried)
         else:
             rounds = schedule(transfers, bucket_bytes, members=members)
 

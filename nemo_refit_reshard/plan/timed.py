@@ -35,8 +35,8 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
-from ..layouts.base import Box
-from .balance import LinkModel, Transfer
+from .balance import LinkModel, Transfer, cut_rows
+from .carry import legs
 from .schedule import Message, message_order
 
 # A round where a key has less than this fraction of its budget left (or less than a
@@ -58,6 +58,7 @@ class _Pair:
     __slots__ = (
         "src",
         "dst",
+        "via",
         "transfers",
         "nbytes",
         "left",
@@ -70,12 +71,13 @@ class _Pair:
         "sgate",
         "chunk",
         "send_cost",
-        "recv_cost",
+        "recv",
         "horizon",
     )
 
-    def __init__(self, src: int, dst: int, transfers: list[Transfer]) -> None:
+    def __init__(self, src: int, dst: int, via: int, transfers: list[Transfer]) -> None:
         self.src, self.dst = src, dst
+        self.via = via  # the rank that carries it (``plan/carry.py``), or -1
         self.transfers = transfers
         self.nbytes = sum(t.nbytes for t in transfers)
         self.left = float(self.nbytes)  # bytes not yet placed
@@ -95,7 +97,7 @@ class _Pair:
         self.sgate: list[int] = []  # receivers' staging indices
         self.chunk = 0.0  # smallest worthwhile message, bytes
         self.send_cost = 0.0  # sender link seconds per byte
-        self.recv_cost = 0.0  # a member's link seconds per byte (the largest)
+        self.recv: list[tuple[int, float]] = []  # (members' time index, seconds per byte)
         self.horizon = 0  # largest round offset of a hop
 
 
@@ -247,46 +249,32 @@ class _TooSmall(Exception):
     """An empty round cannot take a worthwhile chunk: the round budget is below latency."""
 
 
-def _split_rows(t: Transfer, nbytes: float) -> tuple[Transfer, Transfer] | None:
-    """``t`` cut after as many whole rows of its lead dim as fit ``nbytes``; None if
-    not one row fits."""
-    sizes = t.canonical_box.sizes
-    lead = next((d for d, s in enumerate(sizes) if s != 1), None)
-    if lead is None:
-        return None
-    rows = sizes[lead]
-    take = min(rows - 1, int(nbytes // (t.nbytes // rows)))
-    if take < 1:
-        return None
-    box = t.canonical_box
-    head_sizes = list(box.sizes)
-    head_sizes[lead] = take
-    tail_offsets, tail_sizes = list(box.offsets), list(box.sizes)
-    tail_offsets[lead] += take
-    tail_sizes[lead] -= take
-    head = t.part(Box(box.offsets, tuple(head_sizes)))
-    tail = t.part(Box(tuple(tail_offsets), tuple(tail_sizes)))
-    return head, tail
-
-
-def _take(p: _Pair, room: float, placed: list[Transfer] | None) -> float:
+def _take(p: _Pair, room: float, placed: list[list[Transfer]] | None, r: int) -> float:
     """Take up to ``room`` bytes off ``p``: a divisible amount, or (``placed`` given)
-    whole transfers and whole rows of the next one, appended to ``placed``."""
+    whole transfers and whole rows of the next one, appended to ``placed[r]`` (a
+    carried pair: leg 1 to ``placed[r]``, leg 2 to ``placed[r + 1]``)."""
     if placed is None:
         x = min(room, p.left)
         p.left -= x
         return x
-    queue, nbytes = p.queue, 0
+    queue, nbytes, taken = p.queue, 0, []
     while queue and nbytes + queue[-1].nbytes <= room:
         t = queue.pop()
-        placed.append(t)
+        taken.append(t)
         nbytes += t.nbytes
     if queue and room > nbytes:
-        cut = _split_rows(queue[-1], room - nbytes)
+        cut = cut_rows(queue[-1], room - nbytes)
         if cut is not None:
             queue[-1] = cut[1]
-            placed.append(cut[0])
+            taken.append(cut[0])
             nbytes += cut[0].nbytes
+    if p.via < 0:
+        placed[r].extend(taken)
+    else:
+        for t in taken:
+            first, second = legs(t, p.via)
+            placed[r].append(first)
+            placed[r + 1].append(second)
     p.left -= nbytes
     return nbytes
 
@@ -308,9 +296,12 @@ def _fill(pairs: list[_Pair], rounds: _Rounds, placed: list[list[Transfer]] | No
             raise _TooSmall
         by_src[p.src].append(p)
     send_left = {s: sum(p.left * p.send_cost for p in ps) for s, ps in by_src.items()}
+    # Work left per receiving link (time index): a pair ranks by its busiest receiver,
+    # so members that several stored receivers share are seen as the sum of them all.
     recv_left: dict[int, float] = defaultdict(float)
     for p in pairs:
-        recv_left[p.dst] += p.left * p.recv_cost
+        for idx, c in p.recv:
+            recv_left[idx] += p.left * c
     # Each sender's pairs in turn from a different receiver: the order between equals.
     rank_in = {}
     for i, src in enumerate(sorted(by_src)):
@@ -328,7 +319,7 @@ def _fill(pairs: list[_Pair], rounds: _Rounds, placed: list[list[Transfer]] | No
     r = 0
     while by_src:
         if placed is not None:
-            while len(placed) <= r:
+            while len(placed) <= r + 1:
                 placed.append([])
         rounds.open(r + horizon)
         full_time, full_stage = rounds.full_time[r], rounds.full_stage[r]
@@ -343,7 +334,7 @@ def _fill(pairs: list[_Pair], rounds: _Rounds, placed: list[list[Transfer]] | No
                     chosen = {id(p) for p in first}
                     todo = sorted(
                         (p for p in by_src[s] if p.left > 0 and id(p) not in chosen),
-                        key=lambda p: (-recv_left[p.dst], rank_in[id(p)]),
+                        key=lambda p: (-max(recv_left[i] for i, _ in p.recv), rank_in[id(p)]),
                     )
                 else:
                     todo = first
@@ -353,12 +344,13 @@ def _fill(pairs: list[_Pair], rounds: _Rounds, placed: list[list[Transfer]] | No
                     room = rounds.room(p, r)
                     if room < min(p.left, p.chunk):
                         continue
-                    got = _take(p, room, placed[r] if placed is not None else None)
+                    got = _take(p, room, placed, r)
                     if not got:
                         continue
                     rounds.add(p, r, got)
                     send_left[s] -= got * p.send_cost
-                    recv_left[p.dst] -= got * p.recv_cost
+                    for idx, c in p.recv:
+                        recv_left[idx] -= got * c
                     served.append(p)
                     if stage in full_stage or all(k in full_time for k in keys):
                         break
@@ -378,6 +370,7 @@ def timed_schedule(
     links: LinkModel,
     members: Mapping[int, tuple[int, ...]] | None = None,
     runs: Sequence[tuple[int, ...]] = (),
+    carried: Sequence[tuple[Transfer, int]] = (),
 ) -> list[list[Message]]:
     """Rounds of messages for a known topology (module docstring).
 
@@ -385,10 +378,12 @@ def timed_schedule(
     round (replicas, or with ``relay="domain"`` every run's entry). ``runs``: relay runs
     (``relay="domain"``); what enters a run at position ``p`` in round ``r`` travels on,
     from position ``p+k-1`` to ``p+k`` in round ``r+k`` (``plan/expand.py``).
+    ``carried``: ``(transfer, via)``, sent through ``via``'s relay buffer
+    (``plan/carry.py``): leg 1 in some round, leg 2 (and what follows it) one later.
     """
     if bucket_bytes <= 0:
         raise ValueError("bucket size must be positive")
-    if not transfers:
+    if not transfers and not carried:
         return []
     members = members or {}
     position = {m: (run, i) for run in runs for i, m in enumerate(run)}
@@ -402,18 +397,21 @@ def timed_schedule(
             latency.append(links.latency(link))
         return k
 
-    by_pair: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
+    by_pair: dict[tuple[int, int, int], list[Transfer]] = defaultdict(list)
     for t in transfers:
-        by_pair[(t.src, t.dst)].append(t)
+        by_pair[(t.src, t.dst, -1)].append(t)
+    for t, via in carried:
+        by_pair[(t.src, t.dst, via)].append(t)
     ranks = 1 + max(
         [t.src for t in transfers]
         + [m for g in members.values() for m in g]
         + [t.dst for t in transfers]
         + [m for run in runs for m in run]
+        + [via for _, via in carried]
     )
     pairs = [
-        _pair(src, dst, ts, links, members, position, key, ranks)
-        for (src, dst), ts in sorted(by_pair.items())
+        _pair(src, dst, via, ts, links, members, position, key, ranks)
+        for (src, dst, via), ts in sorted(by_pair.items())
     ]
     for p in pairs:  # a chunk never needs more than a round's staging
         p.chunk = min(p.chunk, bucket_bytes / max(c for _, c in p.s0))
@@ -439,20 +437,28 @@ def timed_schedule(
 
     # Price a few round counts from the staging bound up: more rounds cost more messages,
     # fewer leave less room to balance. Keep the cheapest.
-    best: tuple[float, float] | None = None
-    for num_rounds in sorted({least, -(-5 * least // 4), -(-3 * least // 2), 2 * least}):
-        rounds = _Rounds(max(longest / num_rounds, floor), bucket_bytes, latency, ranks)
+    best: tuple[float, float, int] | None = None  # (seconds, budget, round count)
+
+    def price(tau: float, num_rounds: int) -> None:
+        nonlocal best
+        rounds = _Rounds(max(tau, floor), bucket_bytes, latency, ranks)
         try:
             _fill(pairs, rounds, None)
         except _TooSmall:
-            continue
+            return
         seconds = rounds.seconds()
         if best is None or seconds < best[0]:
-            best = (seconds, rounds.tau)
+            best = (seconds, rounds.tau, num_rounds)
+
+    for num_rounds in sorted({least, -(-5 * least // 4), -(-3 * least // 2), 2 * least}):
+        price(longest / num_rounds, num_rounds)
     if best is None:
         raise ValueError(
             "no round count gives a round budget above the message latency; raise bucket_mb"
         )
+    # What spilled past the best count's rounds (latency, packing) may fit in them with
+    # a budget that counts it: a third of a round spilled costs a whole one.
+    price(best[0] / best[2], best[2])
     placed: list[list[Transfer]] = []
     _fill(pairs, _Rounds(best[1], bucket_bytes, latency, ranks), placed)
     out: list[list[Message]] = []
@@ -484,6 +490,7 @@ def _least_budget(p: _Pair, latency: list[float]) -> float:
 def _pair(
     src: int,
     dst: int,
+    via: int,
     transfers: list[Transfer],
     links: LinkModel,
     members: Mapping[int, tuple[int, ...]],
@@ -492,38 +499,55 @@ def _pair(
     num_ranks: int,
 ) -> _Pair:
     """A pair and its effects: the sender's link once per member of ``dst``'s group,
-    each member's link, and for a member in a relay run, every hop of the run."""
-    p = _Pair(src, dst, transfers)
+    each member's link, and for a member in a relay run, every hop of the run. A
+    carried pair (``via >= 0``) loads ``src -> via`` in its round and sends on from
+    ``via`` one round later."""
+    p = _Pair(src, dst, via, transfers)
     times: dict[int, float] = defaultdict(float)  # time index -> seconds per byte
     msgs: dict[int, int] = defaultdict(int)  # key -> this pair's messages on it
     stages: dict[int, int] = defaultdict(int)  # staging index -> bytes per byte
     m0 = []
-    for m in members.get(dst, (dst,)):
-        link, spb = links.link(src, m)
-        ks, km = key(src, link), key(m, link)
-        times[2 * ks] += spb
-        times[2 * km + 1] += spb
-        msgs[ks] += 1
-        msgs[km] += 1
-        stages[2 * src] += 1
-        stages[2 * m + 1] += 1
-        m0.append((src * num_ranks + m, ks, km))
+
+    def direct(a: int, b: int) -> None:
+        link, spb = links.link(a, b)
+        ka, kb = key(a, link), key(b, link)
+        times[2 * ka] += spb
+        times[2 * kb + 1] += spb
+        msgs[ka] += 1
+        msgs[kb] += 1
+        stages[2 * a] += 1
+        stages[2 * b + 1] += 1
+        m0.append((a * num_ranks + b, ka, kb))
         p.send_cost += spb
-        p.recv_cost = max(p.recv_cost, spb)
+        p.gate.append(2 * kb + 1)
+        p.sgate.append(2 * b + 1)
+
+    def hop(offset: int, a: int, b: int) -> None:
+        link, spb = links.link(a, b)
+        ka, kb = key(a, link), key(b, link)
+        p.hops.append(
+            (offset, 2 * ka, ka, 2 * kb + 1, kb, 2 * a, 2 * b + 1, a * num_ranks + b, spb)
+        )
+        p.horizon = max(p.horizon, offset)
+
+    lag = 0
+    if via >= 0:
+        direct(src, via)
+        lag = 1
+    for m in members.get(dst, (dst,)):
+        sender = src if via < 0 else via
+        link, spb = links.link(sender, m)
         p.chunk = max(p.chunk, MIN_CHUNK_LATENCIES * links.latency(link) / spb)
-        p.gate.append(2 * km + 1)
-        p.sgate.append(2 * m + 1)
+        if via < 0:
+            direct(src, m)
+        else:
+            hop(1, via, m)
         run, i = position.get(m, ((m,), 0))
         w = len(run)
-        for hop in range(1, w):
-            a, b = run[(i + hop - 1) % w], run[(i + hop) % w]
-            link, spb = links.link(a, b)
-            ka, kb = key(a, link), key(b, link)
-            p.hops.append(
-                (hop, 2 * ka, ka, 2 * kb + 1, kb, 2 * a, 2 * b + 1, a * num_ranks + b, spb)
-            )
-            p.horizon = max(p.horizon, hop)
+        for k in range(1, w):
+            hop(lag + k, run[(i + k - 1) % w], run[(i + k) % w])
     p.t0 = [(idx, idx // 2, c, msgs[idx // 2]) for idx, c in sorted(times.items())]
+    p.recv = [(idx, times[idx]) for idx in p.gate]
     p.s0 = sorted(stages.items())
     p.m0 = m0
     return p

@@ -4,8 +4,13 @@ For each destination tensor, count how many transfers write each element
 (numpy masks, so meant for test-sized models): every element covered by a
 piece must be written once, padding never. For each transfer, the canonical
 box must lie inside a piece its sender holds and inside a piece its receiver
-needs, and both local boxes must be that canonical box's image. Bytes sent must
-equal the sum of destination needs.
+needs, and both local boxes must be that canonical box's image. Bytes delivered
+into destination tensors must equal the sum of destination needs.
+
+Carried transfers (``plan/carry.py``): a leg into a relay buffer must be read from
+a piece its sender holds and name a box its final destination needs; it writes
+nothing. A leg out of a relay buffer must send exactly what its sender received
+into that buffer in the previous round.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections import defaultdict
 import numpy as np
 
 from ..layouts.base import Box, RankLayout, map_sub_box
+from .carry import is_relay, relayed_to
 from .plan import RefitPlan
 
 
@@ -41,12 +47,13 @@ def verify_plan(plan: RefitPlan, sources: list[RankLayout], destinations: list[R
         for lay in destinations
         for t in lay.tensors
     }
-    sent = 0
+    delivered = sent = 0
+    carried: dict[tuple[int, str, Box], int] = {}  # (rank, relay name, box) -> round received
     for messages in plan.rounds:
         # A relay hop may only forward what its sender received in an earlier round.
         for m in messages:
             for t in m.transfers:
-                if t.src >= s:
+                if t.src >= s and not is_relay(t.src_tensor):
                     have = counts[(t.src, t.src_tensor)][t.src_box.slices()]
                     if not (have == 1).all():
                         raise AssertionError(
@@ -55,23 +62,36 @@ def verify_plan(plan: RefitPlan, sources: list[RankLayout], destinations: list[R
                         )
         for m in messages:
             for t in m.transfers:
-                holders = src_pieces[t.src] if t.src < s else dst_pieces[t.src - s]
-                sp = _containing(holders, t.canonical, t.canonical_box)
-                if sp is None or sp.local != t.src_tensor:
+                sent += t.nbytes
+                if is_relay(t.src_tensor):
+                    if carried.get((t.src, t.src_tensor, t.src_box)) != m.round - 1:
+                        raise AssertionError(
+                            f"rank {t.src} sends {t.canonical}{t.canonical_box} from its relay "
+                            f"buffer in round {m.round} without receiving it in round "
+                            f"{m.round - 1}"
+                        )
+                else:
+                    holders = src_pieces[t.src] if t.src < s else dst_pieces[t.src - s]
+                    sp = _containing(holders, t.canonical, t.canonical_box)
+                    if sp is None or sp.local != t.src_tensor:
+                        raise AssertionError(
+                            f"source rank {t.src} does not hold {t.canonical}{t.canonical_box}"
+                        )
+                    if map_sub_box(sp.canonical_box, sp.local_box, t.canonical_box) != t.src_box:
+                        raise AssertionError(f"transfer {t} reads the wrong source box")
+                final, tensor = relayed_to(t.dst_tensor) or (t.dst, t.dst_tensor)
+                dp = _containing(dst_pieces[final - s], t.canonical, t.canonical_box)
+                if dp is None or dp.local != tensor:
                     raise AssertionError(
-                        f"source rank {t.src} does not hold {t.canonical}{t.canonical_box}"
-                    )
-                if map_sub_box(sp.canonical_box, sp.local_box, t.canonical_box) != t.src_box:
-                    raise AssertionError(f"transfer {t} reads the wrong source box")
-                dp = _containing(dst_pieces[t.dst - s], t.canonical, t.canonical_box)
-                if dp is None or dp.local != t.dst_tensor:
-                    raise AssertionError(
-                        f"destination rank {t.dst} does not need {t.canonical}{t.canonical_box}"
+                        f"destination rank {final} does not need {t.canonical}{t.canonical_box}"
                     )
                 if map_sub_box(dp.canonical_box, dp.local_box, t.canonical_box) != t.dst_box:
                     raise AssertionError(f"transfer {t} writes the wrong destination box")
+                if is_relay(t.dst_tensor):
+                    carried[(t.dst, t.dst_tensor, t.dst_box)] = m.round
+                    continue
                 counts[(t.dst, t.dst_tensor)][t.dst_box.slices()] += 1
-                sent += t.nbytes
+                delivered += t.nbytes
     for lay in destinations:
         for tensor in lay.tensors:
             want = np.zeros(tensor.shape, dtype=np.int32)
@@ -84,5 +104,9 @@ def verify_plan(plan: RefitPlan, sources: list[RankLayout], destinations: list[R
                     f"destination rank {lay.rank} {tensor.name}: {bad} elements written "
                     f"{'more than once or never' if bad else ''} (max count {got.max()})"
                 )
-    if sent != plan.stats.min_bytes or sent != plan.stats.total_bytes:
-        raise AssertionError(f"plan moves {sent} bytes; destinations need {plan.stats.min_bytes}")
+    if delivered != plan.stats.min_bytes:
+        raise AssertionError(
+            f"plan delivers {delivered} bytes; destinations need {plan.stats.min_bytes}"
+        )
+    if sent != plan.stats.total_bytes:
+        raise AssertionError(f"plan moves {sent} bytes; its stats say {plan.stats.total_bytes}")

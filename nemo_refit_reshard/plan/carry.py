@@ -1,0 +1,156 @@
+"""Carried transfers: data a rank passes on without storing it.
+
+A training rank whose pipeline stage holds more than its NVLink neighbours (the
+first stage with the embedding, the last with the head) would otherwise push all
+of it through its own NIC. Instead it can hand part of it over NVLink to a
+neighbour with NIC time to spare, which sends it on one round later. The
+neighbour keeps those bytes in a *relay buffer* between the two rounds, not in a
+live tensor, so a carried transfer becomes two legs:
+
+* leg 1, round ``r``: ``src -> via``, into the relay buffer under the name
+  :func:`relay_tensor` ``(dst, dst_tensor)`` and the destination box;
+* leg 2, round ``r + 1``: ``via -> dst``, from that relay buffer entry into the
+  destination tensor, like any other transfer to ``dst`` (so replicas of ``dst``
+  and relay runs receive it as usual, ``plan/expand.py``).
+
+The relay buffer holds two rounds' worth (what arrives in round ``r`` is sent in
+round ``r + 1``), allocated by the engine (``engine/program.py``); it is never a
+live tensor the frameworks hand over.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from collections.abc import Mapping
+
+from .balance import LinkModel, Transfer, cut_rows
+
+RELAY = "@relay:"
+# A rank carries for a neighbour only to save more than this many message latencies.
+LATENCIES_WORTH = 16
+
+
+def relay_tensor(dst: int, dst_tensor: str) -> str:
+    """The relay buffer name of bytes on their way to ``dst``'s ``dst_tensor``."""
+    return f"{RELAY}{dst}:{dst_tensor}"
+
+
+def relayed_to(name: str) -> tuple[int, str] | None:
+    """``(dst, dst_tensor)`` of a relay buffer name; ``None`` for a live tensor."""
+    if not name.startswith(RELAY):
+        return None
+    rank, _, tensor = name[len(RELAY) :].partition(":")
+    return int(rank), tensor
+
+
+def is_relay(name: str) -> bool:
+    return name.startswith(RELAY)
+
+
+def legs(t: Transfer, via: int) -> tuple[Transfer, Transfer]:
+    """Leg 1 (``t.src -> via``, into the relay buffer) and leg 2 (``via -> t.dst``)."""
+    name = relay_tensor(t.dst, t.dst_tensor)
+    first = t._replace(dst=via, dst_tensor=name)
+    second = t._replace(src=via, src_tensor=name, src_box=t.dst_box)
+    return first, second
+
+
+def choose_carriers(
+    transfers: list[Transfer],
+    links: LinkModel,
+    members: Mapping[int, tuple[int, ...]],
+    num_sources: int,
+    worth: float = 0.03,
+) -> tuple[list[Transfer], list[tuple[Transfer, int]]]:
+    """Which transfers training ranks hand to an NVLink neighbour, and to which one.
+
+    Per training rank ``s`` and link ``L`` its busy seconds ``E(s, L)`` (bytes times
+    seconds per byte, once per member of the receiver's group). Inside one NVLink
+    domain (ranks whose mutual link is ``nvlink``) the target is the mean ``T_L``; a rank
+    more than ``worth`` above it (below that, the extra round a carried leg adds costs
+    about what it saves) hands its largest transfers over ``L`` to the domain's ranks
+    furthest below it (cutting the last one at a row), until it is within ``worth`` of
+    ``T_L`` or they are. The carrier's NVLink pays once more for the hop in, which at NVLink speed
+    is a small fraction of the NIC time it saves. Deterministic: ranks, transfers and
+    carriers are taken in fixed orders.
+
+    Returns the transfers still sent directly and the carried ``(transfer, via)``.
+    """
+    cost: dict[tuple[int, int], dict[str, float]] = {}  # (src, dst) -> link -> s/byte
+
+    def spb(src: int, dst: int) -> dict[str, float]:
+        c = cost.get((src, dst))
+        if c is None:
+            c = cost[(src, dst)] = {}
+            for m in members.get(dst, (dst,)):
+                link, x = links.link(src, m)
+                c[link] = c.get(link, 0.0) + x
+        return c
+
+    busy: dict[tuple[int, str], float] = defaultdict(float)
+    for t in transfers:
+        if t.src < num_sources:
+            for link, x in spb(t.src, t.dst).items():
+                busy[(t.src, link)] += t.nbytes * x
+    domains: list[list[int]] = []
+    for rank in range(num_sources):
+        for d in domains:
+            if links.link(d[0], rank)[0] == links.link(rank, d[0])[0] == "nvlink":
+                d.append(rank)
+                break
+        else:
+            domains.append([rank])
+    moves: dict[int, tuple[float, int]] = {}  # transfer index -> (seconds to move, via)
+    by_src: dict[int, list[int]] = defaultdict(list)
+    for i, t in enumerate(transfers):
+        by_src[t.src].append(i)
+    carried: list[tuple[Transfer, int]] = []
+    cut: dict[int, Transfer] = {}  # transfer index -> what stays direct after a cut
+    for domain in domains:
+        if len(domain) < 2:
+            continue
+        for link in sorted({lk for (r, lk) in busy if r in domain} - {"nvlink"}):
+            target = sum(busy[(r, link)] for r in domain) / len(domain)
+            if target <= 0:
+                continue
+            # Carriers furthest below the target first: (-(room), rank).
+            room = [(-(target - busy[(r, link)]), r) for r in domain if busy[(r, link)] < target]
+            heapq.heapify(room)
+            # Worth it only above ``worth`` of the target and above a few message
+            # latencies (each carried piece costs two messages instead of one).
+            floor = max(target * worth, LATENCIES_WORTH * links.latency(link))
+            heavy = sorted(
+                (r for r in domain if busy[(r, link)] > target + floor),
+                key=lambda r: (-busy[(r, link)], r),
+            )
+            for s in heavy:
+                excess = busy[(s, link)] - target
+                order = sorted(
+                    (i for i in by_src[s] if i not in moves and link in spb(s, transfers[i].dst)),
+                    key=lambda i: (-transfers[i].nbytes, transfers[i].dst, i),
+                )
+                for i in order:
+                    if excess <= target * worth or not room:
+                        break
+                    t = transfers[i]
+                    per_byte = spb(s, t.dst)[link]
+                    spare, via = -room[0][0], room[0][1]
+                    seconds = min(excess, spare)
+                    if t.nbytes * per_byte > seconds:
+                        part = cut_rows(t, seconds / per_byte)
+                        if part is None:
+                            continue
+                        head, tail = part
+                        cut[i] = tail
+                        t = head
+                    moves[i] = (t.nbytes * per_byte, via)
+                    carried.append((t, via))
+                    excess -= t.nbytes * per_byte
+                    heapq.heapreplace(room, (-(spare - t.nbytes * per_byte), via))
+                    if -room[0][0] <= target * worth:
+                        heapq.heappop(room)
+    direct = [
+        cut[i] if i in cut else t for i, t in enumerate(transfers) if i not in moves or i in cut
+    ]
+    return direct, carried

@@ -1,0 +1,166 @@
+"""Carried transfers: a busy training rank hands bytes to an NVLink neighbour, which
+sends them on from its relay buffer one round later (``plan/carry.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hf_models import TINY_CONFIGS
+
+from nemo_refit_reshard.engine.checksum import (
+    combine,
+    compare,
+    receiver_checksums,
+    relay_routes,
+    sender_checksums,
+)
+from nemo_refit_reshard.engine.materialize import empty_like_layout, materialize, mismatches
+from nemo_refit_reshard.engine.program import RankProgram
+from nemo_refit_reshard.engine.simulate import simulate_plan
+from nemo_refit_reshard.layouts import MegatronOptions, megatron_layout, vllm_layout
+from nemo_refit_reshard.plan import PlanError, plan_refit
+from nemo_refit_reshard.plan.carry import is_relay, relay_tensor, relayed_to
+from nemo_refit_reshard.plan.predict import predict_refit
+from nemo_refit_reshard.plan.topology import Cluster, Placement, Topology
+from nemo_refit_reshard.plan.verify import verify_plan
+from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
+
+# 3 layers over 2 pipeline stages, the first holding 1: stage 0 = embedding + 1 layer,
+# stage 1 = 2 layers + final norm + head, about a third more bytes.
+SPEC = spec_from_hf_config(
+    dict(TINY_CONFIGS["llama"], num_hidden_layers=3, vocab_size=256, torch_dtype="float32")
+)
+# Latencies far below the test model's transfer times, as at real model sizes.
+CLUSTER = Cluster(
+    gpus_per_node=2, nvlink_gbps=450, nic_gbps=50, nvlink_latency_us=0.01, nic_latency_us=0.02
+)
+
+
+def _layouts():
+    tp = TrainParallel(pp=2)
+    opts = MegatronOptions(num_layers_in_first_pipeline_stage=1)
+    sources = [megatron_layout(SPEC, tp, r, opts) for r in range(2)]
+    destinations = [vllm_layout(SPEC, InferParallel(tp=2), r) for r in range(2)]
+    return sources, destinations
+
+
+def _plan(carry: bool = True):
+    sources, destinations = _layouts()
+    placement = Placement.packed(2, 2, CLUSTER)  # training on node 0, inference on node 1
+    plan = plan_refit(
+        SPEC,
+        sources,
+        destinations,
+        bucket_mb=0.02,
+        links=Topology(CLUSTER, placement),
+        carry=carry,
+    )
+    return plan, sources, destinations, placement
+
+
+def _nic_bytes(plan) -> list[int]:
+    """Bytes each training rank sends to the inference node."""
+    out = [0, 0]
+    for msgs in plan.rounds:
+        for m in msgs:
+            if m.src < 2 <= m.dst:
+                out[m.src] += m.nbytes
+    return out
+
+
+def test_relay_names_round_trip() -> None:
+    name = relay_tensor(7, "model.layers.0.mlp.gate_up_proj.weight")
+    assert is_relay(name) and not is_relay("model.norm.weight")
+    assert relayed_to(name) == (7, "model.layers.0.mlp.gate_up_proj.weight")
+    assert relayed_to("model.norm.weight") is None
+
+
+def test_the_busier_stage_hands_bytes_to_its_nvlink_neighbour() -> None:
+    plain, *_ = _plan(carry=False)
+    plan, sources, destinations, placement = _plan()
+    before, after = _nic_bytes(plain), _nic_bytes(plan)
+    assert before[1] > 1.25 * before[0]  # stage 1 is the busy one
+    assert sum(after) == sum(before) == plan.stats.min_bytes
+    # within the 3 % the carrier stops at, plus one row of the last cut transfer
+    assert abs(after[1] - after[0]) <= 0.06 * sum(after) / 2 + 256 * 4
+    legs1 = [(m, t) for r in plan.rounds for m in r for t in m.transfers if is_relay(t.dst_tensor)]
+    legs2 = {
+        (m.round, m.src, t.src_tensor, t.src_box): t
+        for r in plan.rounds
+        for m in r
+        for t in m.transfers
+        if is_relay(t.src_tensor)
+    }
+    assert legs1 and all(m.src == 1 and m.dst == 0 for m, _ in legs1)  # over NVLink
+    assert len(legs2) == len(legs1)
+    for m, t in legs1:  # leg 2 leaves the relay buffer one round later, to the real owner
+        second = legs2[(m.round + 1, 0, t.dst_tensor, t.dst_box)]
+        owner, tensor = relayed_to(t.dst_tensor)
+        assert (second.dst, second.dst_tensor, second.dst_box) == (owner, tensor, t.dst_box)
+        assert second.canonical_box == t.canonical_box and second.canonical == t.canonical
+    carried = sum(t.nbytes for _, t in legs1)
+    assert plan.stats.total_bytes == plan.stats.min_bytes + carried
+    assert plan.stats.bytes_sent[:2] == (after[0] + 0, after[1] + carried)
+    # NIC time evens out, so the prediction drops
+    assert (
+        predict_refit(plan, CLUSTER, placement).seconds
+        < predict_refit(plain, CLUSTER, placement).seconds
+    )
+    # the carrier's relay buffer: two halves, each the largest round's carried bytes
+    tensors = {t.name: torch.zeros(t.shape) for t in sources[0].tensors}
+    program = RankProgram(plan, 0, tensors)
+    per_round: dict[int, int] = {}
+    for m, t in legs1:
+        per_round[m.round] = per_round.get(m.round, 0) + -(-t.nbytes // 16) * 16
+    assert program.relay_buffer.numel() == 2 * max(per_round.values())
+    assert "model.layers.2.mlp.down_proj.weight" not in plan.expected_tensors(0)
+
+
+def test_carried_plan_is_exact_once_and_bit_exact() -> None:
+    plan, sources, destinations, _ = _plan()
+    verify_plan(plan, sources, destinations)
+    canonical = {t.name: torch.randn(t.shape) for t in SPEC}
+    src = [materialize(lay, canonical) for lay in sources]
+    dst = [empty_like_layout(lay) for lay in destinations]
+    simulate_plan(plan, src, dst)
+    assert [mismatches(lay, t, canonical) for lay, t in zip(destinations, dst)] == [[], []]
+    # Checksums: the first sender counts what it hands over, the routes send it on.
+    shapes = {t.name: t.shape for t in SPEC}
+    sent = [sender_checksums(plan.messages_of(r), r, src[r], shapes) for r in range(2)]
+    received = combine(
+        receiver_checksums(lay, 2 + lay.rank, t, shapes) for lay, t in zip(destinations, dst)
+    )
+    routes = relay_routes(m for r in plan.rounds for m in r)
+    assert routes and compare(combine(sent, routes), received) == []
+    # without the routes the carried bytes show up as missing at their owners
+    missing = compare(combine(sent), received)
+    assert missing and {rank for rank, *_ in missing} >= {0, 2}
+    # a corrupted carried element is caught
+    first = next(t for r in plan.rounds for m in r for t in m.transfers if is_relay(t.dst_tensor))
+    owner, tensor = relayed_to(first.dst_tensor)
+    dst[owner - 2][tensor][first.dst_box.slices()].view(-1)[0] += 1
+    received = combine(
+        receiver_checksums(lay, 2 + lay.rank, t, shapes) for lay, t in zip(destinations, dst)
+    )
+    assert [(r, n) for r, n, *_ in compare(combine(sent, routes), received)] == [(owner, tensor)]
+
+
+def test_a_relay_send_without_its_first_leg_is_refused() -> None:
+    plan, sources, destinations, _ = _plan()
+    dropped = tuple(
+        tuple(
+            dataclasses.replace(
+                m, transfers=tuple(t for t in m.transfers if not is_relay(t.dst_tensor))
+            )
+            for m in msgs
+        )
+        for msgs in plan.class_rounds
+    )
+    broken = dataclasses.replace(plan, class_rounds=dropped)
+    tensors = {t.name: torch.zeros(t.shape) for t in sources[0].tensors}
+    with pytest.raises(PlanError, match="from its relay buffer .* did not receive it in round"):
+        RankProgram(broken, 0, tensors)
+    with pytest.raises(AssertionError, match="from its relay\nbuffer|from its relay buffer"):
+        verify_plan(broken, sources, destinations)
