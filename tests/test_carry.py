@@ -164,3 +164,75 @@ def test_a_relay_send_without_its_first_leg_is_refused() -> None:
         RankProgram(broken, 0, tensors)
     with pytest.raises(AssertionError, match="from its relay\nbuffer|from its relay buffer"):
         verify_plan(broken, sources, destinations)
+
+
+def test_a_lone_inference_rank_gets_part_of_its_copy_through_a_neighbour() -> None:
+    """8 training ranks (tp=2, dp=4) on node 0; vLLM tp=2, dp=3 with ranks 8, 9, 10 on
+    node 1 and 11, 12, 13 on node 2. TP rank 0's group is {8, 10, 12}, TP rank 1's
+    {9, 11, 13}: 9 is alone on node 1 and 12 alone on node 2, each taking a whole shard
+    through its NIC while its two neighbours (one run) take half a shard each. Planned
+    on their own, part of what 9 and 12 need comes through those neighbours' relay
+    buffers and NVLink: every NIC on nodes 1 and 2 takes about 2/3 of a shard."""
+    sources = [megatron_layout(SPEC, TrainParallel(tp=2, dp=4), r) for r in range(8)]
+    destinations = [vllm_layout(SPEC, InferParallel(tp=2, dp=3), r) for r in range(6)]
+    cluster = dataclasses.replace(CLUSTER, gpus_per_node=8)
+    placement = Placement.explicit((0,) * 8 + (1, 1, 1, 2, 2, 2), 8, 6, cluster)
+    links = Topology(cluster, placement)
+
+    def nic_in(plan) -> list[int]:
+        out = [0] * 14
+        for msgs in plan.rounds:
+            for m in msgs:
+                if placement.node(m.src) != placement.node(m.dst):
+                    out[m.dst] += m.nbytes
+        return out
+
+    plain = plan_refit(SPEC, sources, destinations, 0.1, relay="domain", links=links, carry=False)
+    plan = plan_refit(SPEC, sources, destinations, 0.1, relay="domain", links=links)
+    shard = plan.stats.min_bytes // 6
+    before = nic_in(plain)
+    assert before[9] == before[12] == shard
+    assert before[8] + before[10] == before[11] + before[13] == shard
+    legs1 = [t for r in plan.rounds for m in r for t in m.transfers if is_relay(t.dst_tensor)]
+    # (the training ranks may also even out their own sending among themselves)
+    inward = [t for t in legs1 if t.dst >= 8]
+    assert {t.dst for t in inward} == {8, 10, 11, 13} and {t.src for t in inward} <= set(range(8))
+    assert {relayed_to(t.dst_tensor)[0] for t in inward} == {9, 12}
+    hops = [m for r in plan.rounds for m in r if (m.src, m.dst) in {(8, 9), (10, 9), (11, 12)}]
+    assert hops and all(is_relay(t.src_tensor) for m in hops for t in m.transfers)
+    after = nic_in(plan)
+    assert sum(after[8:]) == sum(before[8:])  # the same bytes, spread out
+    # within 3 % or 16 message latencies' worth of bytes (what carrying must beat)
+    mean = shard * 2 / 3
+    slack = max(0.03 * mean, 16 * cluster.nic_latency_s * cluster.nic_bytes_per_s) + 4 * 64
+    assert max(after[8:]) <= mean + slack
+    verify_plan(plan, sources, destinations)
+    canonical = {t.name: torch.randn(t.shape) for t in SPEC}
+    src = [materialize(lay, canonical) for lay in sources]
+    dst = [empty_like_layout(lay) for lay in destinations]
+    simulate_plan(plan, src, dst)
+    assert [mismatches(lay, t, canonical) for lay, t in zip(destinations, dst)] == [[]] * 6
+    assert (
+        predict_refit(plan, cluster, placement).seconds
+        < 0.85 * predict_refit(plain, cluster, placement).seconds
+    )
+
+
+def test_carrying_is_dropped_where_it_would_not_pay() -> None:
+    """The same cluster with a 20 kB bucket: each rank's staging, not its NIC, bounds
+    the rounds, so a carried leg only adds a round and staging. The planner prices the
+    plan both ways and sends everything directly."""
+    sources = [megatron_layout(SPEC, TrainParallel(tp=2, dp=4), r) for r in range(8)]
+    destinations = [vllm_layout(SPEC, InferParallel(tp=2, dp=3), r) for r in range(6)]
+    cluster = dataclasses.replace(CLUSTER, gpus_per_node=8)
+    placement = Placement.explicit((0,) * 8 + (1, 1, 1, 2, 2, 2), 8, 6, cluster)
+    links = Topology(cluster, placement)
+    plain = plan_refit(SPEC, sources, destinations, 0.02, relay="domain", links=links, carry=False)
+    plan = plan_refit(SPEC, sources, destinations, 0.02, relay="domain", links=links)
+    assert not [t for r in plan.rounds for m in r for t in m.transfers if is_relay(t.dst_tensor)]
+    assert plan.stats.total_bytes == plan.stats.min_bytes
+    assert (
+        predict_refit(plan, cluster, placement).seconds
+        <= predict_refit(plain, cluster, placement).seconds * 1.02
+    )
+    verify_plan(plan, sources, destinations)

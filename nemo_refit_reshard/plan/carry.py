@@ -93,15 +93,8 @@ def choose_carriers(
         if t.src < num_sources:
             for link, x in spb(t.src, t.dst).items():
                 busy[(t.src, link)] += t.nbytes * x
-    domains: list[list[int]] = []
-    for rank in range(num_sources):
-        for d in domains:
-            if links.link(d[0], rank)[0] == links.link(rank, d[0])[0] == "nvlink":
-                d.append(rank)
-                break
-        else:
-            domains.append([rank])
-    moves: dict[int, tuple[float, int]] = {}  # transfer index -> (seconds to move, via)
+    domains = node_groups_of(list(range(num_sources)), links)
+    moves: set[int] = set()  # indices of transfers carried, whole or in part
     by_src: dict[int, list[int]] = defaultdict(list)
     for i, t in enumerate(transfers):
         by_src[t.src].append(i)
@@ -131,26 +124,151 @@ def choose_carriers(
                     key=lambda i: (-transfers[i].nbytes, transfers[i].dst, i),
                 )
                 for i in order:
-                    if excess <= target * worth or not room:
-                        break
-                    t = transfers[i]
-                    per_byte = spb(s, t.dst)[link]
+                    per_byte = spb(s, transfers[i].dst)[link]
+                    rest: Transfer | None = transfers[i]
+                    while rest is not None and excess > floor and room:
+                        spare, via = -room[0][0], room[0][1]
+                        t, rest = _part(rest, min(excess, spare) / per_byte)
+                        if t is None:
+                            break
+                        moves.add(i)
+                        carried.append((t, via))
+                        excess -= t.nbytes * per_byte
+                        heapq.heapreplace(room, (-(spare - t.nbytes * per_byte), via))
+                        if -room[0][0] <= 0:
+                            heapq.heappop(room)
+                    if i in moves and rest is not None:
+                        cut[i] = rest
+    direct = [cut.get(i, t) for i, t in enumerate(transfers) if i not in moves or i in cut]
+    return direct, carried
+
+
+def choose_ingress_carriers(
+    transfers: list[Transfer],
+    links: LinkModel,
+    members: Mapping[int, tuple[int, ...]],
+    runs: list[tuple[int, ...]],
+    lone: list[int],
+    carried_before: list[tuple[Transfer, int]] = (),  # type: ignore[assignment]
+    worth: float = 0.03,
+) -> tuple[list[Transfer], list[tuple[Transfer, int]]]:
+    """Which transfers to a lone inference rank a domain neighbour carries, and which one.
+
+    ``lone``: inference ranks planned as their own group (``domain.split_lone_members``),
+    so what is stored for them reaches only them. Per inference rank its NIC ingress
+    seconds ``I`` (direct deliveries and relay run hops over a NIC). In each NVLink domain
+    with mean ``M`` (or, if higher, the busiest NIC nothing here relieves: a training
+    rank's, a non-lone inference rank's), a lone rank above ``M`` by more than ``worth``
+    has its largest
+    incoming transfers sent instead to the domain's ranks furthest below ``M`` (cutting
+    the last at a row), into their relay buffers; they pass them on over NVLink one round
+    later. ``carried_before``: transfers training ranks already carry for each other
+    (their second leg counts here; they are not carried twice). Returns the transfers
+    still direct and the newly carried ``(transfer, via)``.
+    """
+    position = {m: (run, i) for run in runs for i, m in enumerate(run)}
+    busy: dict[int, float] = defaultdict(float)  # inference rank -> NIC ingress seconds
+
+    def nic_in(src: int, dst: int) -> list[tuple[int, float]]:
+        out = []
+        for m in members.get(dst, (dst,)):
+            link, x = links.link(src, m)
+            if link != "nvlink":
+                out.append((m, x))
+            run, i = position.get(m, ((m,), 0))
+            for k in range(1, len(run)):
+                a, b = run[(i + k - 1) % len(run)], run[(i + k) % len(run)]
+                link, x = links.link(a, b)
+                if link != "nvlink":
+                    out.append((b, x))
+        return out
+
+    for t in transfers:
+        for m, x in nic_in(t.src, t.dst):
+            busy[m] += t.nbytes * x
+    for t, via in carried_before:
+        for m, x in nic_in(via, t.dst):
+            busy[m] += t.nbytes * x
+    lone_set = set(lone)
+    ranks = sorted(set(busy) | lone_set)
+    domains = node_groups_of(ranks, links)
+    # Relieving a lone rank only helps down to what nothing here can relieve: the other
+    # inference ranks' NICs, lone ranks with no neighbour, the training ranks' NICs.
+    out: dict[int, float] = defaultdict(float)
+    for t in transfers:
+        for m in members.get(t.dst, (t.dst,)):
+            link, x = links.link(t.src, m)
+            if link != "nvlink":
+                out[t.src] += t.nbytes * x
+    for t, via in carried_before:
+        for m in members.get(t.dst, (t.dst,)):
+            link, x = links.link(via, m)
+            if link != "nvlink":
+                out[via] += t.nbytes * x
+    fixed = max(
+        [busy[r] for d in domains for r in d if r not in lone_set or len(d) < 2]
+        + list(out.values()),
+        default=0.0,
+    )
+    by_dst: dict[int, list[int]] = defaultdict(list)
+    for i, t in enumerate(transfers):
+        if t.dst in lone_set:
+            by_dst[t.dst].append(i)
+    moves: set[int] = set()
+    cut: dict[int, Transfer] = {}
+    carried: list[tuple[Transfer, int]] = []
+    for domain in domains:
+        heavy_here = [y for y in domain if y in lone_set]
+        if not heavy_here or len(domain) < 2:
+            continue
+        mean = max(fixed, sum(busy[r] for r in domain) / len(domain))
+        floor = max(mean * worth, LATENCIES_WORTH * links.latency("nic"))
+        room = [(-(mean - busy[r]), r) for r in domain if busy[r] < mean and r not in lone_set]
+        heapq.heapify(room)
+        for y in sorted(heavy_here, key=lambda r: (-busy[r], r)):
+            excess = busy[y] - mean
+            order = sorted(by_dst[y], key=lambda i: (-transfers[i].nbytes, transfers[i].src, i))
+            for i in order:
+                link, per_byte = links.link(transfers[i].src, y)
+                if link == "nvlink":
+                    continue
+                rest: Transfer | None = transfers[i]
+                while rest is not None and excess > floor and room:
                     spare, via = -room[0][0], room[0][1]
-                    seconds = min(excess, spare)
-                    if t.nbytes * per_byte > seconds:
-                        part = cut_rows(t, seconds / per_byte)
-                        if part is None:
-                            continue
-                        head, tail = part
-                        cut[i] = tail
-                        t = head
-                    moves[i] = (t.nbytes * per_byte, via)
+                    t, rest = _part(rest, min(excess, spare) / per_byte)
+                    if t is None:
+                        break
+                    moves.add(i)
                     carried.append((t, via))
                     excess -= t.nbytes * per_byte
-                    heapq.heapreplace(room, (-(spare - t.nbytes * per_byte), via))
-                    if -room[0][0] <= target * worth:
+                    busy[y] -= t.nbytes * per_byte
+                    busy[via] += t.nbytes * links.link(t.src, via)[1]
+                    heapq.heapreplace(room, (-(mean - busy[via]), via))
+                    if -room[0][0] <= 0:
                         heapq.heappop(room)
-    direct = [
-        cut[i] if i in cut else t for i, t in enumerate(transfers) if i not in moves or i in cut
-    ]
+                if i in moves and rest is not None:
+                    cut[i] = rest
+    direct = [cut.get(i, t) for i, t in enumerate(transfers) if i not in moves or i in cut]
     return direct, carried
+
+
+def _part(t: Transfer, nbytes: float) -> tuple[Transfer | None, Transfer | None]:
+    """(what of ``t`` fits in ``nbytes``, the rest): ``t`` whole, or cut after whole rows
+    (``(None, t)`` if not one row fits)."""
+    if t.nbytes <= nbytes:
+        return t, None
+    parts = cut_rows(t, nbytes)
+    return (None, t) if parts is None else parts
+
+
+def node_groups_of(ranks: list[int], links: LinkModel) -> list[list[int]]:
+    """``ranks`` grouped by NVLink domain (``nvlink`` both ways), in rank order."""
+    domains: list[list[int]] = []
+    for rank in ranks:
+        for d in domains:
+            if links.link(d[0], rank)[0] == links.link(rank, d[0])[0] == "nvlink":
+                d.append(rank)
+                break
+        else:
+            domains.append([rank])
+    return domains

@@ -18,8 +18,10 @@ import functools
 import heapq
 import math
 from collections import defaultdict
+from collections.abc import Mapping
 
 from .balance import DTYPE_BYTES, LinkModel, Transfer
+from .carry import node_groups_of
 from .overlap import Need, PlanError
 from .relay import node_groups
 
@@ -189,3 +191,44 @@ def relieve_egress(
         ]
         out[rep] = sorted(wide + joined, key=len, reverse=True)
     return out
+
+
+def split_lone_members(
+    runs_of: dict[int, list[tuple[int, ...]]],
+    group_bytes: Mapping[int, int],
+    links: LinkModel,
+    worth: float = 0.03,
+) -> tuple[dict[int, list[tuple[int, ...]]], list[int]]:
+    """Single-member runs that would bring in more than their NVLink domain's mean,
+    taken out of their groups to be planned on their own.
+
+    A member alone in its domain takes its group's whole copy through its own NIC,
+    while members of wider runs there take a share. Planned as its own group (still
+    one copy from the training pool), it can have domain neighbours with NIC time to
+    spare carry part of it (``carry.choose_ingress_carriers``).
+    ``group_bytes[rep]``: bytes one member of ``rep``'s group stores. Returns the
+    remaining runs and the members taken out.
+    """
+    share = {
+        m: group_bytes[rep] / len(run) for rep, runs in runs_of.items() for run in runs for m in run
+    }
+    domains = node_groups_of(sorted(share), links)
+    mean = {m: sum(share[x] for x in d) / len(d) for d in domains for m in d}
+    alone = {
+        run[0]
+        for runs in runs_of.values()
+        if len(runs) > 1
+        for run in runs
+        if len(run) == 1 and share[run[0]] > mean[run[0]] * (1 + worth)
+    }
+    if not alone:
+        return runs_of, []
+    out = {}
+    for rep, runs in runs_of.items():
+        kept = [run for run in runs if run[0] not in alone or len(run) > 1]
+        if kept and kept[0][0] != rep and rep in alone:
+            # the group's stored receiver moves to the first member still in it
+            out[kept[0][0]] = kept
+        elif kept:
+            out[rep] = kept
+    return out, sorted(alone)

@@ -51,13 +51,28 @@ class Expansion:
         return len(self.class_rounds) + self.lag if self.class_rounds else 0
 
     def deliveries(self, m: Message) -> Iterator[tuple[int, int, int, bool]]:
-        """``(round, src, dst, forwarded)`` of every message carrying ``m``'s content."""
+        """``(round, src, dst, forwarded)`` of every message carrying ``m``'s content:
+        all of it to ``m.dst``, its shared part (:attr:`Message.shared`) to the other
+        replicas and along relay runs."""
+        shared = m.shared
         for x in self.members.get(m.dst, (m.dst,)):
+            if shared is None and x != m.dst:
+                continue
             yield m.round, m.src, x, False
+            if shared is None:
+                continue
             run, p = self.position.get(x, ((x,), 0))
             w = len(run)
             for k in range(1, w):
                 yield m.round + k, run[(p + k - 1) % w], run[(p + k) % w], True
+
+    @staticmethod
+    def size(m: Message, dst: int, forwarded: bool) -> int:
+        """Bytes of ``m``'s content that a delivery to ``dst`` carries."""
+        if not forwarded and dst == m.dst:
+            return m.nbytes
+        shared = m.shared
+        return shared.nbytes if shared is not None else 0
 
     @cached_property
     def into_run(self) -> dict[int, list[tuple[Message, int]]]:
@@ -87,8 +102,8 @@ class Expansion:
         sizes: dict[tuple[int, int, int], int] = defaultdict(int)
         for msgs in self.class_rounds:
             for m in msgs:
-                for r, src, dst, _ in self.deliveries(m):
-                    sizes[(r, src, dst)] += m.nbytes
+                for r, src, dst, fwd in self.deliveries(m):
+                    sizes[(r, src, dst)] += self.size(m, dst, fwd)
         out: list[list[tuple[int, int, int]]] = [[] for _ in range(self.num_rounds)]
         for (r, src, dst), nbytes in sizes.items():
             out[r].append((src, dst, nbytes))
@@ -104,8 +119,12 @@ class Expansion:
         run, i = self.position.get(rank, ((rank,), 0))
         w = len(run)
         for m, p in self.into_run.get(run[0], ()):
+            if m.shared is None and rank != m.dst:
+                continue
             if i == p:
                 parts[(m.round, m.src, rank)].append((m, False))
+            if m.shared is None:
+                continue
             k = (i - p) % w
             if k:
                 parts[(m.round + k, run[i - 1], rank)].append((m, True))
@@ -115,11 +134,18 @@ class Expansion:
         return [_merge(*key, parts[key]) for key in sorted(parts)]
 
 
+def _content(m: Message, r: int, src: int, dst: int, forwarded: bool) -> Message:
+    """What one delivery of ``m`` carries (see :meth:`Expansion.deliveries`)."""
+    if forwarded:
+        return m.shared.forwarded(src, dst, r)  # type: ignore[union-attr]
+    if dst == m.dst:
+        return m
+    return m.shared.to(dst)  # type: ignore[union-attr]
+
+
 def _merge(r: int, src: int, dst: int, parts: list[tuple[Message, bool]]) -> Message:
     if len(parts) == 1:
         m, fwd = parts[0]
-        return m.forwarded(src, dst, r) if fwd else m.to(dst)
-    transfers = [
-        t for m, fwd in parts for t in (m.forwarded(src, dst, r) if fwd else m.to(dst)).transfers
-    ]
+        return _content(m, r, src, dst, fwd)
+    transfers = [t for m, fwd in parts for t in _content(m, r, src, dst, fwd).transfers]
     return Message(r, src, dst, tuple(sorted(transfers, key=message_order)))

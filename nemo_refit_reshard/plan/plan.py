@@ -19,8 +19,8 @@ from typing import Any
 from ..layouts.base import Box, RankLayout, paused_gc
 from ..spec.model import ModelSpec
 from .balance import DTYPE_BYTES, LinkModel, assign_senders
-from .carry import choose_carriers
-from .domain import domain_entries, domain_runs, relieve_egress
+from .carry import choose_carriers, choose_ingress_carriers
+from .domain import domain_entries, domain_runs, relieve_egress, split_lone_members
 from .expand import Expansion
 from .overlap import PlanError, destination_needs, source_regions
 from .relay import RELAY_MODES, chain_replicas
@@ -332,16 +332,37 @@ def _plan(
         groups = [(s + lay.rank,) for lay in destinations]
     else:
         groups = replica_groups(destinations, s)
-    members = {g[0]: g for g in groups}
-    needs = [
-        need for g in groups for need in destination_needs(destinations[g[0] - s], regions, g[0])
-    ]
+    needs_of = {g[0]: destination_needs(destinations[g[0] - s], regions, g[0]) for g in groups}
+    lone: list[int] = []
     if relay == "domain":
         runs_of = domain_runs(groups, links)
         assert links is not None  # domain_runs checked it
-        runs_of = relieve_egress(runs_of, needs, dtype_of, links)
+        runs_of = relieve_egress(
+            runs_of, [n for ns in needs_of.values() for n in ns], dtype_of, links
+        )
+        if carry:
+            # Members alone in their NVLink domain become groups of their own, so that
+            # neighbours can carry part of what they need (``choose_ingress_carriers``).
+            group_bytes = {
+                rep: sum(n.numel * DTYPE_BYTES[dtype_of[(rep, n.dst_piece.local)]] for n in ns)
+                for rep, ns in needs_of.items()
+            }
+            runs_of, lone = split_lone_members(runs_of, group_bytes, links)
+            if lone:
+                for y in lone:
+                    runs_of[y] = [(y,)]
+                groups = [
+                    (rep, *sorted(m for run in runs for m in run if m != rep))
+                    for rep, runs in sorted(runs_of.items())
+                ]
+                for g in groups:
+                    if g[0] not in needs_of:
+                        needs_of[g[0]] = destination_needs(destinations[g[0] - s], regions, g[0])
         chains = [run for runs in runs_of.values() for run in runs if len(run) > 1]
         members = {rep: tuple(run[0] for run in runs) for rep, runs in runs_of.items()}
+    else:
+        members = {g[0]: g for g in groups}
+    needs = [n for g in groups for n in needs_of[g[0]]]
     transfers = coalesce(assign_senders(needs, dtype_of, links, members))
     if relay == "chain":
         direct, *forwarded = chain_replicas(transfers, links)
@@ -355,6 +376,11 @@ def _plan(
             carried: list = []
             if carry:
                 transfers, carried = choose_carriers(transfers, links, members, s)
+            if lone:
+                transfers, more = choose_ingress_carriers(
+                    transfers, links, members, chains, lone, carried
+                )
+                carried += more
             rounds = timed_schedule(transfers, bucket_bytes, links, members, chains, carried)
         else:
             rounds = schedule(transfers, bucket_bytes, members=members)
@@ -371,9 +397,11 @@ def _plan(
             if m.src < s:
                 used_src[m.src].update(t.src_tensor for t in m.transfers)
             for key in expansion.deliveries(m):
-                sent[key[1]] += m.nbytes
-                received[key[2]] += m.nbytes
-                num_transfers += len(m.transfers)
+                whole = not key[3] and key[2] == m.dst  # else only its shared part
+                content = m if whole or m.shared is None else m.shared
+                sent[key[1]] += content.nbytes
+                received[key[2]] += content.nbytes
+                num_transfers += len(content.transfers)
                 pairs.add(key[:3])
     min_bytes = sum(
         len(g) * p.canonical_box.numel * DTYPE_BYTES[t.dtype]

@@ -21,6 +21,7 @@ from functools import cached_property
 
 from ..layouts.base import Box
 from .balance import DTYPE_BYTES, LinkModel, Transfer, split_box
+from .carry import is_relay
 
 
 def _lead_dim(box: Box) -> int | None:
@@ -105,6 +106,16 @@ class Message:
     @cached_property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.transfers)
+
+    @cached_property
+    def shared(self) -> Message | None:
+        """What ``dst``'s replicas and relay run receive too (``plan/expand.py``): every
+        transfer except those into ``dst``'s relay buffer (``plan/carry.py``), which only
+        ``dst`` itself receives. ``None`` if that leaves nothing."""
+        keep = tuple(t for t in self.transfers if not is_relay(t.dst_tensor))
+        if len(keep) == len(self.transfers):
+            return self
+        return Message(self.round, self.src, self.dst, keep) if keep else None
 
     def forwarded(self, src: int, dst: int, round_index: int) -> Message:
         """This message's content sent on by ``src``, which received it, to ``dst``, a

@@ -397,26 +397,71 @@ def timed_schedule(
             latency.append(links.latency(link))
         return k
 
-    by_pair: dict[tuple[int, int, int], list[Transfer]] = defaultdict(list)
-    for t in transfers:
-        by_pair[(t.src, t.dst, -1)].append(t)
-    for t, via in carried:
-        by_pair[(t.src, t.dst, via)].append(t)
     ranks = 1 + max(
         [t.src for t in transfers]
         + [m for g in members.values() for m in g]
         + [t.dst for t in transfers]
         + [m for run in runs for m in run]
         + [via for _, via in carried]
+        + [t.src for t, _ in carried]
     )
-    pairs = [
-        _pair(src, dst, via, ts, links, members, position, key, ranks)
-        for (src, dst, via), ts in sorted(by_pair.items())
-    ]
-    for p in pairs:  # a chunk never needs more than a round's staging
-        p.chunk = min(p.chunk, bucket_bytes / max(c for _, c in p.s0))
 
-    # The busiest link's seconds, and the staging bound on the round count.
+    def pairs_of(direct: list[Transfer], through: Sequence[tuple[Transfer, int]]) -> list[_Pair]:
+        by_pair: dict[tuple[int, int, int], list[Transfer]] = defaultdict(list)
+        for t in direct:
+            by_pair[(t.src, t.dst, -1)].append(t)
+        for t, via in through:
+            by_pair[(t.src, t.dst, via)].append(t)
+        out = [
+            _pair(src, dst, via, ts, links, members, position, key, ranks)
+            for (src, dst, via), ts in sorted(by_pair.items())
+        ]
+        for p in out:  # a chunk never needs more than a round's staging
+            p.chunk = min(p.chunk, bucket_bytes / max(c for _, c in p.s0))
+        return out
+
+    pairs = pairs_of(transfers, carried)
+    best = _choose(pairs, bucket_bytes, latency, ranks)
+    if carried:
+        # Carrying pays in NIC time but costs a round of lag and more staging; where the
+        # staging bound or latency rules, sending everything directly can come out ahead.
+        plain = pairs_of(transfers + [t for t, _ in carried], ())
+        alternative = _choose(plain, bucket_bytes, latency, ranks, rounds=best[2])
+        if alternative[0] < best[0]:
+            pairs, best = plain, alternative
+    placed: list[list[Transfer]] = []
+    _fill(pairs, _Rounds(best[1], bucket_bytes, latency, ranks), placed)
+    out: list[list[Message]] = []
+    for r, ts in enumerate(placed):
+        by_dst: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
+        for t in ts:
+            by_dst[(t.src, t.dst)].append(t)
+        out.append(
+            [
+                Message(r, src, dst, tuple(sorted(parts, key=message_order)))
+                for (src, dst), parts in sorted(by_dst.items())
+            ]
+        )
+    while out and not out[-1]:
+        out.pop()
+    return out
+
+
+def _choose(
+    pairs: list[_Pair],
+    bucket_bytes: int,
+    latency: list[float],
+    ranks: int,
+    rounds: int | None = None,
+) -> tuple[float, float, int]:
+    """(predicted seconds, round budget, round count) of the cheapest of a few budgets.
+
+    ``R`` runs from the staging bound ``max staged / bucket`` up (``rounds`` given: that
+    one only), the budget being the busiest link's seconds over ``R``; more rounds cost
+    more messages, fewer leave less room to balance. Then the best count's budget is
+    raised to hold what spilled past its rounds (latency, packing): a third of a round
+    spilled costs a whole one.
+    """
     busy: dict[int, float] = defaultdict(float)
     staged: dict[int, float] = defaultdict(float)
     for p in pairs:
@@ -434,47 +479,28 @@ def timed_schedule(
     # No budget below what one message of every pair needs (its latencies, and its bytes
     # up to a worthwhile chunk): small plans are latency-bound whatever the budget.
     floor = max(_least_budget(p, latency) for p in pairs)
-
-    # Price a few round counts from the staging bound up: more rounds cost more messages,
-    # fewer leave less room to balance. Keep the cheapest.
-    best: tuple[float, float, int] | None = None  # (seconds, budget, round count)
+    best: tuple[float, float, int] | None = None
 
     def price(tau: float, num_rounds: int) -> None:
         nonlocal best
-        rounds = _Rounds(max(tau, floor), bucket_bytes, latency, ranks)
+        state = _Rounds(max(tau, floor), bucket_bytes, latency, ranks)
         try:
-            _fill(pairs, rounds, None)
+            _fill(pairs, state, None)
         except _TooSmall:
             return
-        seconds = rounds.seconds()
+        seconds = state.seconds()
         if best is None or seconds < best[0]:
-            best = (seconds, rounds.tau, num_rounds)
+            best = (seconds, state.tau, num_rounds)
 
-    for num_rounds in sorted({least, -(-5 * least // 4), -(-3 * least // 2), 2 * least}):
+    counts = {least, -(-5 * least // 4), -(-3 * least // 2), 2 * least}
+    for num_rounds in sorted(counts) if rounds is None else [max(rounds, least)]:
         price(longest / num_rounds, num_rounds)
     if best is None:
         raise ValueError(
             "no round count gives a round budget above the message latency; raise bucket_mb"
         )
-    # What spilled past the best count's rounds (latency, packing) may fit in them with
-    # a budget that counts it: a third of a round spilled costs a whole one.
     price(best[0] / best[2], best[2])
-    placed: list[list[Transfer]] = []
-    _fill(pairs, _Rounds(best[1], bucket_bytes, latency, ranks), placed)
-    out: list[list[Message]] = []
-    for r, ts in enumerate(placed):
-        by_dst: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
-        for t in ts:
-            by_dst[(t.src, t.dst)].append(t)
-        out.append(
-            [
-                Message(r, src, dst, tuple(sorted(parts, key=message_order)))
-                for (src, dst), parts in sorted(by_dst.items())
-            ]
-        )
-    while out and not out[-1]:
-        out.pop()
-    return out
+    return best
 
 
 def _least_budget(p: _Pair, latency: list[float]) -> float:
