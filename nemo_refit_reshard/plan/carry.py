@@ -107,9 +107,7 @@ def choose_carriers(
             target = sum(busy[(r, link)] for r in domain) / len(domain)
             if target <= 0:
                 continue
-            # Carriers furthest below the target first: (-(room), rank).
-            room = [(-(target - busy[(r, link)]), r) for r in domain if busy[(r, link)] < target]
-            heapq.heapify(room)
+            room = _Carriers({r: target - busy[(r, link)] for r in domain})
             # Worth it only above ``worth`` of the target and above a few message
             # latencies (each carried piece costs two messages instead of one).
             floor = max(target * worth, LATENCIES_WORTH * links.latency(link))
@@ -126,19 +124,19 @@ def choose_carriers(
                 for i in order:
                     per_byte = spb(s, transfers[i].dst)[link]
                     rest: Transfer | None = transfers[i]
-                    while rest is not None and excess > floor and room:
-                        spare, via = -room[0][0], room[0][1]
+                    while rest is not None and excess > floor and (pick := room.take()):
+                        via, spare = pick
                         t, rest = _part(rest, min(excess, spare) / per_byte)
                         if t is None:
+                            room.release()
                             break
                         moves.add(i)
                         carried.append((t, via))
                         excess -= t.nbytes * per_byte
-                        heapq.heapreplace(room, (-(spare - t.nbytes * per_byte), via))
-                        if -room[0][0] <= 0:
-                            heapq.heappop(room)
+                        room.use(t.nbytes * per_byte)
                     if i in moves and rest is not None:
                         cut[i] = rest
+                room.release()
     direct = [cut.get(i, t) for i, t in enumerate(transfers) if i not in moves or i in cut]
     return direct, carried
 
@@ -223,8 +221,7 @@ def choose_ingress_carriers(
             continue
         mean = max(fixed, sum(busy[r] for r in domain) / len(domain))
         floor = max(mean * worth, LATENCIES_WORTH * links.latency("nic"))
-        room = [(-(mean - busy[r]), r) for r in domain if busy[r] < mean and r not in lone_set]
-        heapq.heapify(room)
+        room = _Carriers({r: mean - busy[r] for r in domain if r not in lone_set})
         for y in sorted(heavy_here, key=lambda r: (-busy[r], r)):
             excess = busy[y] - mean
             order = sorted(by_dst[y], key=lambda i: (-transfers[i].nbytes, transfers[i].src, i))
@@ -233,23 +230,52 @@ def choose_ingress_carriers(
                 if link == "nvlink":
                     continue
                 rest: Transfer | None = transfers[i]
-                while rest is not None and excess > floor and room:
-                    spare, via = -room[0][0], room[0][1]
+                while rest is not None and excess > floor and (pick := room.take()):
+                    via, spare = pick
                     t, rest = _part(rest, min(excess, spare) / per_byte)
                     if t is None:
+                        room.release()
                         break
                     moves.add(i)
                     carried.append((t, via))
                     excess -= t.nbytes * per_byte
                     busy[y] -= t.nbytes * per_byte
-                    busy[via] += t.nbytes * links.link(t.src, via)[1]
-                    heapq.heapreplace(room, (-(mean - busy[via]), via))
-                    if -room[0][0] <= 0:
-                        heapq.heappop(room)
+                    room.use(t.nbytes * links.link(t.src, via)[1])
                 if i in moves and rest is not None:
                     cut[i] = rest
+            room.release()
     direct = [cut.get(i, t) for i, t in enumerate(transfers) if i not in moves or i in cut]
     return direct, carried
+
+
+class _Carriers:
+    """Ranks with spare seconds, most spare first. The one taken stays in use until it
+    is full or released, so a busy rank's bytes go to few carriers: few pairs, few
+    messages."""
+
+    def __init__(self, spare: Mapping[int, float]) -> None:
+        self.heap = [(-x, r) for r, x in spare.items() if x > 0]
+        heapq.heapify(self.heap)
+        self.active: list[float | int] | None = None  # [spare, rank]
+
+    def take(self) -> tuple[int, float] | None:
+        if self.active is None:
+            if not self.heap:
+                return None
+            x, r = heapq.heappop(self.heap)
+            self.active = [-x, r]
+        return int(self.active[1]), float(self.active[0])
+
+    def use(self, seconds: float) -> None:
+        assert self.active is not None
+        self.active[0] -= seconds
+        if self.active[0] <= 0:
+            self.active = None
+
+    def release(self) -> None:
+        if self.active is not None:
+            heapq.heappush(self.heap, (-self.active[0], int(self.active[1])))
+            self.active = None
 
 
 def _part(t: Transfer, nbytes: float) -> tuple[Transfer | None, Transfer | None]:

@@ -381,7 +381,7 @@ def _plan(
                     transfers, links, members, chains, lone, carried
                 )
                 carried += more
-            rounds = timed_schedule(transfers, bucket_bytes, links, members, chains, carried)
+            rounds = timed_schedule(transfers, bucket_bytes, links, members, chains, carried).rounds
         else:
             rounds = schedule(transfers, bucket_bytes, members=members)
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 from .balance import LinkModel, Transfer, cut_rows
 from .carry import legs
@@ -45,6 +46,15 @@ FULL = 1 / 64
 # A pair does not open a message for fewer bytes than take this many latencies to move
 # (unless that is all it has left): a sliver of a round costs more than it carries.
 MIN_CHUNK_LATENCIES = 4
+
+
+class TimedRounds(NamedTuple):
+    """The rounds, the time budget every (GPU, link) kept to in each of them, and the
+    refit time the scheduler predicts for them (``predict.predict_refit`` of the plan)."""
+
+    rounds: list[list[Message]]
+    budget: float
+    seconds: float
 
 
 class _Pair:
@@ -66,7 +76,9 @@ class _Pair:
         "t0",
         "s0",
         "m0",
-        "hops",
+        "tl",
+        "sl",
+        "ml",
         "gate",
         "sgate",
         "chunk",
@@ -89,10 +101,12 @@ class _Pair:
         self.t0: list[tuple[int, int, float, int]] = []
         self.s0: list[tuple[int, int]] = []
         self.m0: list[tuple[int, int, int]] = []
-        # Relay hops, ``offset`` rounds later: (offset, sender time index, sender key,
-        # receiver time index, receiver key, sender staging index, receiver staging
-        # index, code of (sender, receiver), seconds per byte).
-        self.hops: list[tuple[int, int, int, int, int, int, int, int, float]] = []
+        # Relay hops and carried second legs, ``offset`` rounds later, summed per key:
+        # (offset, time index, key, seconds per byte), (offset, staging index, bytes per
+        # byte), and their messages (offset, code of (src, dst), src key, dst key).
+        self.tl: list[tuple[int, int, int, float]] = []
+        self.sl: list[tuple[int, int, int]] = []
+        self.ml: list[tuple[int, int, int, int]] = []
         self.gate: list[int] = []  # receivers' time indices: a full one blocks the pair
         self.sgate: list[int] = []  # receivers' staging indices
         self.chunk = 0.0  # smallest worthwhile message, bytes
@@ -137,8 +151,11 @@ class _Rounds:
             if idx in full:
                 return True
         ft, fs = self.full_time, self.full_stage
-        for o, ia, _, ib, _, sa, sb, _, _ in p.hops:
-            if ia in ft[r + o] or ib in ft[r + o] or sa in fs[r + o] or sb in fs[r + o]:
+        for o, idx, _, _ in p.tl:
+            if idx in ft[r + o]:
+                return True
+        for o, idx, _ in p.sl:
+            if idx in fs[r + o]:
                 return True
         return False
 
@@ -149,8 +166,10 @@ class _Rounds:
         busy, count = self.busy[r], self.count[r]
         x = math.inf
         for idx, k, c, n in p.t0:
-            left = tau - busy[idx] - lat[k] * (count[k] + n)
-            if left <= 0:
+            # A new message's latency counts on both directions of its link.
+            spare = tau - lat[k] * (count[k] + n)
+            left = spare - busy[idx]
+            if left <= 0 or (n and spare <= busy[idx ^ 1]):
                 return 0.0
             if left < x * c:
                 x = left / c
@@ -161,25 +180,28 @@ class _Rounds:
                 return 0.0
             if left < x * c:
                 x = left / c
-        if p.hops:
+        if p.tl:
             sent, codes = self.sent, self.codes
-            for o, ia, ka, ib, kb, sa, sb, code, c in p.hops:
+            new: dict[tuple[int, int], int] = defaultdict(int)
+            for o, code, ka, kb in p.ml:
+                if (r + o) * codes + code not in sent:
+                    new[(o, ka)] += 1
+                    new[(o, kb)] += 1
+            for o, idx, k, c in p.tl:
                 rr = r + o
-                busy, count, staged = self.busy[rr], self.count[rr], self.staged[rr]
-                n = 0 if rr * codes + code in sent else 1
-                left = min(
-                    tau - busy[ia] - lat[ka] * (count[ka] + n),
-                    tau - busy[ib] - lat[kb] * (count[kb] + n),
-                )
+                n = new[(o, k)]
+                spare = tau - lat[k] * (self.count[rr][k] + n)
+                left = spare - self.busy[rr][idx]
+                if left <= 0 or (n and spare <= self.busy[rr][idx ^ 1]):
+                    return 0.0
+                if left < x * c:
+                    x = left / c
+            for o, idx, c in p.sl:
+                left = bucket - self.staged[r + o][idx]
                 if left <= 0:
                     return 0.0
                 if left < x * c:
                     x = left / c
-                left = bucket - max(staged[sa], staged[sb])
-                if left <= 0:
-                    return 0.0
-                if left < x:
-                    x = left
         return x
 
     def capacity(self, p: _Pair) -> float:
@@ -189,8 +211,14 @@ class _Rounds:
             x = min(x, (self.tau - self.latency[k] * n) / c)
         for _, c in p.s0:
             x = min(x, self.bucket / c)
-        for _, _, ka, _, kb, _, _, _, c in p.hops:
-            x = min(x, (self.tau - max(self.latency[ka], self.latency[kb])) / c, self.bucket)
+        later: dict[tuple[int, int], int] = defaultdict(int)
+        for o, _, ka, kb in p.ml:
+            later[(o, ka)] += 1
+            later[(o, kb)] += 1
+        for o, _, k, c in p.tl:
+            x = min(x, (self.tau - self.latency[k] * later[(o, k)]) / c)
+        for _, _, c in p.sl:
+            x = min(x, self.bucket / c)
         return x
 
     def add(self, p: _Pair, r: int, nbytes: float) -> None:
@@ -211,26 +239,24 @@ class _Rounds:
             staged[idx] += math.ceil(nbytes * c)
             if bucket - staged[idx] < FULL * bucket:
                 sfull.add(idx)
-        whole = math.ceil(nbytes)
-        for o, ia, ka, ib, kb, sa, sb, code, c in p.hops:
-            rr = r + o
-            count, busy, staged = self.count[rr], self.busy[rr], self.staged[rr]
-            key = rr * codes + code
+        for o, code, ka, kb in p.ml:
+            key = (r + o) * codes + code
             if key not in sent:
                 sent.add(key)
-                count[ka] += 1
-                count[kb] += 1
-            full, sfull = self.full_time[rr], self.full_stage[rr]
-            for idx, k in ((ia, ka), (ib, kb)):
-                busy[idx] += nbytes * c
-                if tau - busy[idx] - lat[k] * count[k] < max(
-                    FULL * tau, MIN_CHUNK_LATENCIES * lat[k]
-                ):
-                    full.add(idx)
-            for idx in (sa, sb):
-                staged[idx] += whole
-                if bucket - staged[idx] < FULL * bucket:
-                    sfull.add(idx)
+                self.count[r + o][ka] += 1
+                self.count[r + o][kb] += 1
+        for o, idx, k, c in p.tl:
+            rr = r + o
+            row = self.busy[rr]
+            row[idx] += nbytes * c
+            left = tau - row[idx] - lat[k] * self.count[rr][k]
+            if left < max(FULL * tau, MIN_CHUNK_LATENCIES * lat[k]):
+                self.full_time[rr].add(idx)
+        for o, idx, c in p.sl:
+            row = self.staged[r + o]
+            row[idx] += math.ceil(nbytes * c)
+            if bucket - row[idx] < FULL * bucket:
+                self.full_stage[r + o].add(idx)
 
     def seconds(self) -> float:
         """Sum over rounds of the slowest key's time (``predict.round_time``)."""
@@ -371,7 +397,7 @@ def timed_schedule(
     members: Mapping[int, tuple[int, ...]] | None = None,
     runs: Sequence[tuple[int, ...]] = (),
     carried: Sequence[tuple[Transfer, int]] = (),
-) -> list[list[Message]]:
+) -> TimedRounds:
     """Rounds of messages for a known topology (module docstring).
 
     ``members[dst]``: the receivers a transfer stored for ``dst`` reaches in the same
@@ -426,11 +452,16 @@ def timed_schedule(
         # Carrying pays in NIC time but costs a round of lag and more staging; where the
         # staging bound or latency rules, sending everything directly can come out ahead.
         plain = pairs_of(transfers + [t for t, _ in carried], ())
-        alternative = _choose(plain, bucket_bytes, latency, ranks, rounds=best[2])
-        if alternative[0] < best[0]:
+        alternative = _choose(plain, bucket_bytes, latency, ranks, rounds=best and best[2])
+        if alternative is not None and (best is None or alternative[0] < best[0]):
             pairs, best = plain, alternative
+    if best is None:
+        raise ValueError(
+            "no round count gives a round budget above the message latency; raise bucket_mb"
+        )
     placed: list[list[Transfer]] = []
-    _fill(pairs, _Rounds(best[1], bucket_bytes, latency, ranks), placed)
+    final = _Rounds(best[1], bucket_bytes, latency, ranks)
+    _fill(pairs, final, placed)
     out: list[list[Message]] = []
     for r, ts in enumerate(placed):
         by_dst: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
@@ -444,7 +475,7 @@ def timed_schedule(
         )
     while out and not out[-1]:
         out.pop()
-    return out
+    return TimedRounds(out, final.tau, final.seconds())
 
 
 def _choose(
@@ -453,8 +484,9 @@ def _choose(
     latency: list[float],
     ranks: int,
     rounds: int | None = None,
-) -> tuple[float, float, int]:
-    """(predicted seconds, round budget, round count) of the cheapest of a few budgets.
+) -> tuple[float, float, int] | None:
+    """(predicted seconds, round budget, round count) of the cheapest of a few budgets
+    (None if no budget lets every pair place a worthwhile chunk).
 
     ``R`` runs from the staging bound ``max staged / bucket`` up (``rounds`` given: that
     one only), the budget being the busiest link's seconds over ``R``; more rounds cost
@@ -469,11 +501,10 @@ def _choose(
             busy[idx] += p.nbytes * c
         for idx, c in p.s0:
             staged[idx] += p.nbytes * c
-        for _, ia, _, ib, _, sa, sb, _, c in p.hops:
-            busy[ia] += p.nbytes * c
-            busy[ib] += p.nbytes * c
-            staged[sa] += p.nbytes
-            staged[sb] += p.nbytes
+        for _, idx, _, c in p.tl:
+            busy[idx] += p.nbytes * c
+        for _, idx, c in p.sl:
+            staged[idx] += p.nbytes * c
     longest = max(busy.values())
     least = max(1, math.ceil(max(staged.values()) / bucket_bytes))
     # No budget below what one message of every pair needs (its latencies, and its bytes
@@ -495,11 +526,8 @@ def _choose(
     counts = {least, -(-5 * least // 4), -(-3 * least // 2), 2 * least}
     for num_rounds in sorted(counts) if rounds is None else [max(rounds, least)]:
         price(longest / num_rounds, num_rounds)
-    if best is None:
-        raise ValueError(
-            "no round count gives a round budget above the message latency; raise bucket_mb"
-        )
-    price(best[0] / best[2], best[2])
+    if best is not None:
+        price(best[0] / best[2], best[2])
     return best
 
 
@@ -508,8 +536,12 @@ def _least_budget(p: _Pair, latency: list[float]) -> float:
     ``p`` (``_Rounds.capacity`` at least that)."""
     need = min(p.nbytes, p.chunk)
     budget = max(latency[k] * n + c * need for _, k, c, n in p.t0)
-    for _, _, ka, _, kb, _, _, _, c in p.hops:
-        budget = max(budget, max(latency[ka], latency[kb]) + c * need)
+    later: dict[tuple[int, int], int] = defaultdict(int)
+    for o, _, ka, kb in p.ml:
+        later[(o, ka)] += 1
+        later[(o, kb)] += 1
+    for o, _, k, c in p.tl:
+        budget = max(budget, latency[k] * later[(o, k)] + c * need)
     return budget * (1 + 1e-9)
 
 
@@ -548,12 +580,18 @@ def _pair(
         p.gate.append(2 * kb + 1)
         p.sgate.append(2 * b + 1)
 
+    later_t: dict[tuple[int, int], float] = defaultdict(float)  # (offset, index) -> s/byte
+    later_s: dict[tuple[int, int], int] = defaultdict(int)
+    later_m: dict[tuple[int, int], tuple[int, int]] = {}  # (offset, code) -> keys
+
     def hop(offset: int, a: int, b: int) -> None:
         link, spb = links.link(a, b)
         ka, kb = key(a, link), key(b, link)
-        p.hops.append(
-            (offset, 2 * ka, ka, 2 * kb + 1, kb, 2 * a, 2 * b + 1, a * num_ranks + b, spb)
-        )
+        later_t[(offset, 2 * ka)] += spb
+        later_t[(offset, 2 * kb + 1)] += spb
+        later_s[(offset, 2 * a)] += 1
+        later_s[(offset, 2 * b + 1)] += 1
+        later_m[(offset, a * num_ranks + b)] = (ka, kb)
         p.horizon = max(p.horizon, offset)
 
     lag = 0
@@ -572,6 +610,9 @@ def _pair(
         w = len(run)
         for k in range(1, w):
             hop(lag + k, run[(i + k - 1) % w], run[(i + k) % w])
+    p.tl = [(o, idx, idx // 2, c) for (o, idx), c in sorted(later_t.items())]
+    p.sl = [(o, idx, c) for (o, idx), c in sorted(later_s.items())]
+    p.ml = [(o, code, ka, kb) for (o, code), (ka, kb) in sorted(later_m.items())]
     p.t0 = [(idx, idx // 2, c, msgs[idx // 2]) for idx, c in sorted(times.items())]
     p.recv = [(idx, times[idx]) for idx in p.gate]
     p.s0 = sorted(stages.items())

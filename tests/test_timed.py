@@ -1,0 +1,99 @@
+"""Time-budgeted rounds (``plan/timed.py``): the scheduler's own estimate is the cluster
+model's prediction of the plan it returns, no round breaks its budget, and even
+traffic comes out at the busiest link's time."""
+
+from __future__ import annotations
+
+import pytest
+from hf_models import TINY_CONFIGS
+
+import nemo_refit_reshard.plan.plan as plan_module
+from nemo_refit_reshard.layouts import MegatronOptions, megatron_layout, vllm_layout
+from nemo_refit_reshard.plan import plan_refit
+from nemo_refit_reshard.plan.predict import bandwidth_floor, predict_refit
+from nemo_refit_reshard.plan.topology import Cluster, Placement, Topology
+from nemo_refit_reshard.plan.verify import verify_plan
+from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
+
+SPEC = spec_from_hf_config(
+    dict(TINY_CONFIGS["llama"], num_hidden_layers=3, vocab_size=256, torch_dtype="float32")
+)
+MOE = spec_from_hf_config(dict(TINY_CONFIGS["qwen3_moe"], torch_dtype="float32"))
+
+
+@pytest.fixture()
+def recorded(monkeypatch):
+    """The ``TimedRounds`` of every plan built while the test runs."""
+    out = []
+    real = plan_module.timed_schedule
+
+    def record(*args, **kwargs):
+        result = real(*args, **kwargs)
+        out.append(result)
+        return result
+
+    monkeypatch.setattr(plan_module, "timed_schedule", record)
+    return out
+
+
+CASES = [
+    # (model, training, inference, GPUs per node, latencies (NVLink, NIC) in us, relay)
+    (SPEC, "pp=2", "tp=2,dp=2", 2, (0.01, 0.02), "none"),  # carried legs, replicas
+    (SPEC, "tp=2,pp=2", "tp=2,dp=2", 4, (0.01, 0.02), "none"),
+    (SPEC, "tp=2,dp=2", "tp=1,dp=4", 2, (5.0, 10.0), "domain"),  # runs of 2
+    (SPEC, "dp=4", "tp=2,dp=3", 3, (0.01, 0.02), "domain"),  # runs over node edges
+    (MOE, "ep=2,dp=2", "tp=2,dp=2", 2, (0.01, 0.02), "domain"),
+    (MOE, "tp=2,ep=2,etp=1", "tp=1,dp=4", 8, (0.01, 0.02), "none"),  # one node: NVLink
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[1]}->{c[2]}/{c[3]}/{c[5]}" for c in CASES])
+@pytest.mark.parametrize("bucket_mb", [0.01, 0.1])
+def test_estimate_is_the_prediction_and_rounds_keep_their_budget(recorded, case, bucket_mb):
+    spec, train, infer, gpus, (nvlink_us, nic_us), relay = case
+    tp, ip = TrainParallel.parse(train), InferParallel.parse(infer)
+    opts = MegatronOptions(num_layers_in_first_pipeline_stage=1 if tp.pp == 2 else None)
+    sources = [megatron_layout(spec, tp, r, opts) for r in range(tp.world_size)]
+    destinations = [vllm_layout(spec, ip, r) for r in range(ip.world_size)]
+    cluster = Cluster(gpus_per_node=gpus, nvlink_latency_us=nvlink_us, nic_latency_us=nic_us)
+    placement = Placement.packed(len(sources), len(destinations), cluster)
+    plan = plan_refit(
+        spec, sources, destinations, bucket_mb, relay=relay, links=Topology(cluster, placement)
+    )
+    verify_plan(plan, sources, destinations)
+    (timed,) = recorded
+    predicted = predict_refit(plan, cluster, placement)
+    assert predicted.seconds == pytest.approx(timed.seconds, rel=1e-9)
+    assert max(predicted.round_seconds) <= timed.budget * (1 + 1e-9)
+    # every round's staging stays within the bucket, per rank and direction
+    for msgs in plan.rounds:
+        sent: dict[int, int] = {}
+        received: dict[int, int] = {}
+        for m in msgs:
+            sent[m.src] = sent.get(m.src, 0) + m.nbytes
+            received[m.dst] = received.get(m.dst, 0) + m.nbytes
+        assert max(sent.values()) <= plan.bucket_bytes
+        assert max(received.values()) <= plan.bucket_bytes
+
+
+def test_even_traffic_runs_at_the_busiest_links_time(recorded) -> None:
+    """4 data-parallel training GPUs (each holding everything) on one node, vLLM tp=4 on
+    the next: each inference GPU must take in its shard (KV heads replicated, so a bit
+    more than a quarter) through its NIC, and the training NICs can share that evenly.
+    With message latency 1000x below the transfer time and buckets of many rows, the
+    plan takes within 2 % of the busiest NIC's bytes / bandwidth."""
+    tp, ip = TrainParallel(dp=4), InferParallel(tp=4)
+    sources = [megatron_layout(SPEC, tp, r) for r in range(4)]
+    destinations = [vllm_layout(SPEC, ip, r) for r in range(4)]
+    cluster = Cluster(gpus_per_node=4, nvlink_latency_us=0.001, nic_latency_us=0.002)
+    placement = Placement.packed(4, 4, cluster)
+    for bucket_mb in (0.02, 0.05, 1):
+        plan = plan_refit(
+            SPEC, sources, destinations, bucket_mb, links=Topology(cluster, placement)
+        )
+        busiest = max(max(plan.stats.bytes_sent), max(plan.stats.bytes_received))
+        assert max(plan.stats.bytes_received[4:]) == busiest  # the inference NICs bind
+        bound = busiest / cluster.nic_bytes_per_s
+        floor = bandwidth_floor(plan, sources, destinations, cluster, placement).seconds
+        predicted = predict_refit(plan, cluster, placement).seconds
+        assert floor < bound <= predicted <= 1.02 * bound, bucket_mb
