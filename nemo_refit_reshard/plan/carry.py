@@ -167,8 +167,14 @@ def choose_ingress_carriers(
     position = {m: (run, i) for run in runs for i, m in enumerate(run)}
     busy: dict[int, float] = defaultdict(float)  # inference rank -> NIC ingress seconds
 
+    cache: dict[tuple[int, int], list[tuple[int, float]]] = {}
+
     def nic_in(src: int, dst: int) -> list[tuple[int, float]]:
-        out = []
+        """(rank, seconds per byte) of every NIC a byte from ``src`` to ``dst`` enters."""
+        out = cache.get((src, dst))
+        if out is not None:
+            return out
+        out = cache[(src, dst)] = []
         for m in members.get(dst, (dst,)):
             link, x = links.link(src, m)
             if link != "nvlink":
@@ -181,28 +187,25 @@ def choose_ingress_carriers(
                     out.append((b, x))
         return out
 
+    pair_bytes: dict[tuple[int, int], int] = defaultdict(int)
     for t in transfers:
-        for m, x in nic_in(t.src, t.dst):
-            busy[m] += t.nbytes * x
+        pair_bytes[(t.src, t.dst)] += t.nbytes
     for t, via in carried_before:
-        for m, x in nic_in(via, t.dst):
-            busy[m] += t.nbytes * x
+        pair_bytes[(via, t.dst)] += t.nbytes
+    for (src, dst), nbytes in pair_bytes.items():
+        for m, x in nic_in(src, dst):
+            busy[m] += nbytes * x
     lone_set = set(lone)
     ranks = sorted(set(busy) | lone_set)
     domains = node_groups_of(ranks, links)
     # Relieving a lone rank only helps down to what nothing here can relieve: the other
     # inference ranks' NICs, lone ranks with no neighbour, the training ranks' NICs.
     out: dict[int, float] = defaultdict(float)
-    for t in transfers:
-        for m in members.get(t.dst, (t.dst,)):
-            link, x = links.link(t.src, m)
+    for (src, dst), nbytes in pair_bytes.items():
+        for m in members.get(dst, (dst,)):
+            link, x = links.link(src, m)
             if link != "nvlink":
-                out[t.src] += t.nbytes * x
-    for t, via in carried_before:
-        for m in members.get(t.dst, (t.dst,)):
-            link, x = links.link(via, m)
-            if link != "nvlink":
-                out[via] += t.nbytes * x
+                out[src] += nbytes * x
     fixed = max(
         [busy[r] for d in domains for r in d if r not in lone_set or len(d) < 2]
         + list(out.values()),

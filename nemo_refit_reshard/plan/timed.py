@@ -84,6 +84,7 @@ class _Pair:
         "chunk",
         "send_cost",
         "recv",
+        "rkey",
         "horizon",
     )
 
@@ -112,6 +113,7 @@ class _Pair:
         self.chunk = 0.0  # smallest worthwhile message, bytes
         self.send_cost = 0.0  # sender link seconds per byte
         self.recv: list[tuple[int, float]] = []  # (members' time index, seconds per byte)
+        self.rkey: tuple[int, ...] = ()  # those indices
         self.horizon = 0  # largest round offset of a hop
 
 
@@ -342,6 +344,16 @@ def _fill(pairs: list[_Pair], rounds: _Rounds, placed: list[list[Transfer]] | No
         own[src] = (keys, 2 * src)
     horizon = max(p.horizon for p in pairs)
     active: dict[int, list[_Pair]] = defaultdict(list)
+    # A pair's receivers' work left, the busiest of them: cached per round and receiver
+    # set (many pairs share one), dropped whenever a placement changes it.
+    ranks_of: dict[tuple[int, ...], float] = {}
+
+    def priority(rkey: tuple[int, ...]) -> float:
+        x = ranks_of.get(rkey)
+        if x is None:
+            x = ranks_of[rkey] = max(recv_left[i] for i in rkey)
+        return x
+
     r = 0
     while by_src:
         if placed is not None:
@@ -360,7 +372,7 @@ def _fill(pairs: list[_Pair], rounds: _Rounds, placed: list[list[Transfer]] | No
                     chosen = {id(p) for p in first}
                     todo = sorted(
                         (p for p in by_src[s] if p.left > 0 and id(p) not in chosen),
-                        key=lambda p: (-max(recv_left[i] for i, _ in p.recv), rank_in[id(p)]),
+                        key=lambda p: (-priority(p.rkey), rank_in[id(p)]),
                     )
                 else:
                     todo = first
@@ -377,6 +389,7 @@ def _fill(pairs: list[_Pair], rounds: _Rounds, placed: list[list[Transfer]] | No
                     send_left[s] -= got * p.send_cost
                     for idx, c in p.recv:
                         recv_left[idx] -= got * c
+                    ranks_of.clear()
                     served.append(p)
                     if stage in full_stage or all(k in full_time for k in keys):
                         break
@@ -615,6 +628,7 @@ def _pair(
     p.ml = [(o, code, ka, kb) for (o, code), (ka, kb) in sorted(later_m.items())]
     p.t0 = [(idx, idx // 2, c, msgs[idx // 2]) for idx, c in sorted(times.items())]
     p.recv = [(idx, times[idx]) for idx in p.gate]
+    p.rkey = tuple(idx for idx, _ in p.recv)
     p.s0 = sorted(stages.items())
     p.m0 = m0
     return p
