@@ -502,10 +502,10 @@ def _choose(
     (None if no budget lets every pair place a worthwhile chunk).
 
     ``R`` runs from the staging bound ``max staged / bucket`` up (``rounds`` given: that
-    one only), the budget being the busiest link's seconds over ``R``; more rounds cost
-    more messages, fewer leave less room to balance. Then the best count's budget is
-    raised to hold what spilled past its rounds (latency, packing): a third of a round
-    spilled costs a whole one.
+    one only, as it is), the budget being the busiest link's seconds over ``R``; more
+    rounds cost more messages, fewer leave less room to balance. Then the best count's
+    budget is raised to hold what spilled past its rounds (latency, packing): a third of
+    a round spilled costs a whole one.
     """
     busy: dict[int, float] = defaultdict(float)
     staged: dict[int, float] = defaultdict(float)
@@ -539,7 +539,7 @@ def _choose(
     counts = {least, -(-5 * least // 4), -(-3 * least // 2), 2 * least}
     for num_rounds in sorted(counts) if rounds is None else [max(rounds, least)]:
         price(longest / num_rounds, num_rounds)
-    if best is not None:
+    if best is not None and rounds is None:
         price(best[0] / best[2], best[2])
     return best
 
