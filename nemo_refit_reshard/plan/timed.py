@@ -31,6 +31,7 @@ messages. Here:
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -354,50 +355,66 @@ def _fill(pairs: list[_Pair], rounds: _Rounds, placed: list[list[Transfer]] | No
             x = ranks_of[rkey] = max(recv_left[i] for i in rkey)
         return x
 
+    # Each sender's pairs in a heap by (-(busiest receiver's work left), rotation). Work
+    # left only shrinks, so a stored key is an upper bound: a popped pair whose key has
+    # gone stale goes back in with its current one (lazy re-ranking instead of sorting
+    # every sender's pairs every round).
+    heaps = {s: [(-priority(p.rkey), rank_in[id(p)], p) for p in ps] for s, ps in by_src.items()}
+    for heap in heaps.values():
+        heapq.heapify(heap)
+    left = {s: len(ps) for s, ps in by_src.items()}  # pairs with bytes left
+
+    def place(s: int, p: _Pair, r: int) -> bool:
+        """Put what fits of ``p`` into round ``r``; whether anything went."""
+        if rounds.blocked(p, r):
+            return False
+        room = rounds.room(p, r)
+        if room < min(p.left, p.chunk):
+            return False
+        got = _take(p, room, placed, r)
+        if not got:
+            return False
+        rounds.add(p, r, got)
+        send_left[s] -= got * p.send_cost
+        for idx, c in p.recv:
+            recv_left[idx] -= got * c
+        ranks_of.clear()
+        if p.left <= 0:
+            left[s] -= 1
+        return True
+
+    def full(s: int, r: int) -> bool:
+        """Whether sender ``s``'s own links (or its send staging) have no room in ``r``."""
+        keys, stage = own[s]
+        full_time = rounds.full_time[r]
+        return stage in rounds.full_stage[r] or all(k in full_time for k in keys)
+
     r = 0
-    while by_src:
+    while any(left.values()):
         if placed is not None:
             while len(placed) <= r + 1:
                 placed.append([])
         rounds.open(r + horizon)
-        full_time, full_stage = rounds.full_time[r], rounds.full_stage[r]
-        for s in sorted(by_src, key=lambda x: (-send_left[x], x)):
-            keys, stage = own[s]
-            served: list[_Pair] = []
-            first = [p for p in active[s] if p.left > 0]
-            for phase in (0, 1):
-                if stage in full_stage or all(k in full_time for k in keys):
-                    break
-                if phase:
-                    chosen = {id(p) for p in first}
-                    todo = sorted(
-                        (p for p in by_src[s] if p.left > 0 and id(p) not in chosen),
-                        key=lambda p: (-priority(p.rkey), rank_in[id(p)]),
-                    )
-                else:
-                    todo = first
-                for p in todo:
-                    if rounds.blocked(p, r):
-                        continue
-                    room = rounds.room(p, r)
-                    if room < min(p.left, p.chunk):
-                        continue
-                    got = _take(p, room, placed, r)
-                    if not got:
-                        continue
-                    rounds.add(p, r, got)
-                    send_left[s] -= got * p.send_cost
-                    for idx, c in p.recv:
-                        recv_left[idx] -= got * c
-                    ranks_of.clear()
+        for s in sorted((x for x in left if left[x]), key=lambda x: (-send_left[x], x)):
+            # first the pairs it served last round (no new peer), then by priority
+            served = [p for p in active[s] if p.left > 0 and not full(s, r) and place(s, p, r)]
+            heap, examined = heaps[s], []
+            chosen = {id(p) for p in active[s]}
+            while heap and not full(s, r):
+                key, rk, p = heapq.heappop(heap)
+                if p.left <= 0:
+                    continue
+                now = -priority(p.rkey)
+                if now > key and heap and now > heap[0][0]:
+                    heapq.heappush(heap, (now, rk, p))
+                    continue
+                examined.append(p)
+                if id(p) not in chosen and place(s, p, r):
                     served.append(p)
-                    if stage in full_stage or all(k in full_time for k in keys):
-                        break
+            for p in examined:
+                if p.left > 0:
+                    heapq.heappush(heap, (-priority(p.rkey), rank_in[id(p)], p))
             active[s] = served
-            if served and any(p.left <= 0 for p in served):
-                by_src[s] = [p for p in by_src[s] if p.left > 0]
-                if not by_src[s]:
-                    del by_src[s]
         r += 1
         if r > 64 * (len(rounds.busy) + 64):
             raise AssertionError("round filling made no progress")
