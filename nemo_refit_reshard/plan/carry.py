@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from .balance import LinkModel, Transfer, cut_rows
 
@@ -123,19 +123,12 @@ def choose_carriers(
                 )
                 for i in order:
                     per_byte = spb(s, transfers[i].dst)[link]
-                    rest: Transfer | None = transfers[i]
-                    while rest is not None and excess > floor and (pick := room.take()):
-                        via, spare = pick
-                        t, rest = _part(rest, min(excess, spare) / per_byte)
-                        if t is None:
-                            room.release()
-                            break
+                    moved, rest, excess = _hand_over(transfers[i], per_byte, excess, floor, room)
+                    if moved:
                         moves.add(i)
-                        carried.append((t, via))
-                        excess -= t.nbytes * per_byte
-                        room.use(t.nbytes * per_byte)
-                    if i in moves and rest is not None:
-                        cut[i] = rest
+                        carried += moved
+                        if rest is not None:
+                            cut[i] = rest
                 room.release()
     direct = [cut.get(i, t) for i, t in enumerate(transfers) if i not in moves or i in cut]
     return direct, carried
@@ -211,6 +204,10 @@ def choose_ingress_carriers(
         + list(out.values()),
         default=0.0,
     )
+
+    def via_cost(t: Transfer, via: int) -> float:
+        return links.link(t.src, via)[1]
+
     by_dst: dict[int, list[int]] = defaultdict(list)
     for i, t in enumerate(transfers):
         if t.dst in lone_set:
@@ -232,20 +229,21 @@ def choose_ingress_carriers(
                 link, per_byte = links.link(transfers[i].src, y)
                 if link == "nvlink":
                     continue
-                rest: Transfer | None = transfers[i]
-                while rest is not None and excess > floor and (pick := room.take()):
-                    via, spare = pick
-                    t, rest = _part(rest, min(excess, spare) / per_byte)
-                    if t is None:
-                        room.release()
-                        break
+                before = excess
+                moved, rest, excess = _hand_over(
+                    transfers[i],
+                    per_byte,
+                    excess,
+                    floor,
+                    room,
+                    lambda t, via: links.link(t.src, via)[1],
+                )
+                busy[y] -= before - excess
+                if moved:
                     moves.add(i)
-                    carried.append((t, via))
-                    excess -= t.nbytes * per_byte
-                    busy[y] -= t.nbytes * per_byte
-                    room.use(t.nbytes * links.link(t.src, via)[1])
-                if i in moves and rest is not None:
-                    cut[i] = rest
+                    carried += moved
+                    if rest is not None:
+                        cut[i] = rest
             room.release()
     direct = [cut.get(i, t) for i, t in enumerate(transfers) if i not in moves or i in cut]
     return direct, carried
@@ -279,6 +277,33 @@ class _Carriers:
         if self.active is not None:
             heapq.heappush(self.heap, (-self.active[0], int(self.active[1])))
             self.active = None
+
+
+def _hand_over(
+    t: Transfer,
+    per_byte: float,
+    excess: float,
+    floor: float,
+    room: _Carriers,
+    carrier_per_byte: Callable[[Transfer, int], float] | None = None,
+) -> tuple[list[tuple[Transfer, int]], Transfer | None, float]:
+    """Hand parts of ``t`` (``per_byte`` seconds a byte on the busy link) to carriers
+    while ``excess`` stays above ``floor``; a carrier's spare shrinks by
+    ``carrier_per_byte(part, via)`` a byte. Returns the parts with their carriers, what
+    stays direct (None if nothing) and the excess left."""
+    moved: list[tuple[Transfer, int]] = []
+    rest: Transfer | None = t
+    while rest is not None and excess > floor and (pick := room.take()):
+        via, spare = pick
+        part, rest = _part(rest, min(excess, spare) / per_byte)
+        if part is None:
+            room.release()
+            break
+        moved.append((part, via))
+        excess -= part.nbytes * per_byte
+        cost = per_byte if carrier_per_byte is None else carrier_per_byte(part, via)
+        room.use(part.nbytes * cost)
+    return moved, rest, excess
 
 
 def _part(t: Transfer, nbytes: float) -> tuple[Transfer | None, Transfer | None]:

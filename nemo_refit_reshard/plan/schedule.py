@@ -435,15 +435,15 @@ def schedule(
             place(piece, 0)
     if waiting:
         raise AssertionError(f"{len(waiting)} relay hops never received their data")
-    rounds: list[list[Message]] = []
-    for r, round_transfers in enumerate(placed):
-        pairs: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
-        for t in round_transfers:
-            pairs[(t.src, t.dst)].append(t)
-        rounds.append(
-            [
-                Message(r, src, dst, tuple(sorted(ts, key=message_order)))
-                for (src, dst), ts in sorted(pairs.items())
-            ]
-        )
-    return rounds
+    return [round_messages(r, ts) for r, ts in enumerate(placed)]
+
+
+def round_messages(r: int, transfers: list[Transfer]) -> list[Message]:
+    """One round's transfers as one message per (sender, receiver), in that order."""
+    pairs: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
+    for t in transfers:
+        pairs[(t.src, t.dst)].append(t)
+    return [
+        Message(r, src, dst, tuple(sorted(ts, key=message_order)))
+        for (src, dst), ts in sorted(pairs.items())
+    ]

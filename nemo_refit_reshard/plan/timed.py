@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 from .balance import LinkModel, Transfer, cut_rows
 from .carry import legs
-from .schedule import Message, message_order
+from .schedule import Message, message_order, round_messages
 
 # A round where a key has less than this fraction of its budget left (or less than a
 # worthwhile chunk's time) counts as full for it: pairs skip it without pricing it.
@@ -492,17 +492,7 @@ def timed_schedule(
     placed: list[list[Transfer]] = []
     final = _Rounds(best[1], bucket_bytes, latency, ranks)
     _fill(pairs, final, placed)
-    out: list[list[Message]] = []
-    for r, ts in enumerate(placed):
-        by_dst: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
-        for t in ts:
-            by_dst[(t.src, t.dst)].append(t)
-        out.append(
-            [
-                Message(r, src, dst, tuple(sorted(parts, key=message_order)))
-                for (src, dst), parts in sorted(by_dst.items())
-            ]
-        )
+    out = [round_messages(r, ts) for r, ts in enumerate(placed)]
     while out and not out[-1]:
         out.pop()
     return TimedRounds(out, final.tau, final.seconds())
