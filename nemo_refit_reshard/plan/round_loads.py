@@ -1,0 +1,333 @@
+"""What a topology-aware schedule prices: pairs and their per-byte effects, and the
+per-round load of every (GPU, link) and (rank, direction) (``plan/timed.py`` fills them).
+
+Keys: a time key is a (rank, link) with a latency; ``2 * key + direction`` indexes a
+round's busy seconds (direction 0 out, 1 in) and the key's message count is shared by
+both directions, as in ``predict.round_time``. A staging key ``2 * rank + direction``
+indexes a round's staged bytes (0 send, 1 receive).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+
+from .balance import LinkModel, Transfer
+
+# A round where a key has less than this fraction of its budget left (or less than a
+# worthwhile chunk's time) counts as full for it: pairs skip it without pricing it.
+FULL = 1 / 64
+# A pair does not open a message for fewer bytes than take this many latencies to move
+# (unless that is all it has left): a sliver of a round costs more than it carries.
+MIN_CHUNK_LATENCIES = 4
+
+
+class Pair:
+    """One (sender, stored receiver) pair: its transfers and what a byte of it costs.
+
+    Effects on keys: time keys are ``2 * key + direction`` indices into a round's busy
+    seconds (``key`` a (rank, link), direction 0 out / 1 in), staging keys
+    ``2 * rank + direction`` indices into its staged bytes (0 send / 1 receive).
+    """
+
+    __slots__ = (
+        "src",
+        "dst",
+        "via",
+        "transfers",
+        "nbytes",
+        "left",
+        "queue",
+        "t0",
+        "s0",
+        "m0",
+        "tl",
+        "sl",
+        "ml",
+        "gate",
+        "sgate",
+        "chunk",
+        "send_cost",
+        "recv",
+        "rkey",
+        "horizon",
+    )
+
+    def __init__(self, src: int, dst: int, via: int, transfers: list[Transfer]) -> None:
+        self.src, self.dst = src, dst
+        self.via = via  # the rank that carries it (``plan/carry.py``), or -1
+        self.transfers = transfers
+        self.nbytes = sum(t.nbytes for t in transfers)
+        self.left = float(self.nbytes)  # bytes not yet placed
+        self.queue: list[Transfer] = []  # transfers not yet placed, last one next
+        # In the round the pair is placed in: (time index, key, seconds per byte, this
+        # pair's messages on the key), (staging index, bytes per byte), and its
+        # messages (code of (src, dst), src key, dst key). A pair is placed at most once
+        # per round, so these messages are always new there.
+        self.t0: list[tuple[int, int, float, int]] = []
+        self.s0: list[tuple[int, int]] = []
+        self.m0: list[tuple[int, int, int]] = []
+        # Relay hops and carried second legs, ``offset`` rounds later, summed per key:
+        # (offset, time index, key, seconds per byte), (offset, staging index, bytes per
+        # byte), and their messages (offset, code of (src, dst), src key, dst key).
+        self.tl: list[tuple[int, int, int, float]] = []
+        self.sl: list[tuple[int, int, int]] = []
+        self.ml: list[tuple[int, int, int, int]] = []
+        self.gate: list[int] = []  # receivers' time indices: a full one blocks the pair
+        self.sgate: list[int] = []  # receivers' staging indices
+        self.chunk = 0.0  # smallest worthwhile message, bytes
+        self.send_cost = 0.0  # sender link seconds per byte
+        self.recv: list[tuple[int, float]] = []  # (members' time index, seconds per byte)
+        self.rkey: tuple[int, ...] = ()  # those indices
+        self.horizon = 0  # largest round offset of a hop
+
+
+class RoundLoads:
+    """Per-round load of every key, and the pricing and adding of pairs in rounds."""
+
+    def __init__(self, tau: float, bucket: int, latency: list[float], num_ranks: int) -> None:
+        self.tau, self.bucket = tau, bucket
+        self.latency = latency  # per time key
+        self.num_keys = len(latency)
+        self.num_ranks = num_ranks
+        self.codes = num_ranks * num_ranks  # message code = round * codes + src * ranks + dst
+        self.busy: list[list[float]] = []  # [round][2 * key + direction] seconds
+        self.count: list[list[int]] = []  # [round][key] messages sent + received
+        self.staged: list[list[int]] = []  # [round][2 * rank + direction] bytes
+        self.full_time: list[set[int]] = []  # [round] time indices with no room left
+        self.full_stage: list[set[int]] = []  # [round] staging indices with no room left
+        self.sent: set[int] = set()  # codes of (round, src, dst) with a message
+
+    def open(self, r: int) -> None:
+        while len(self.busy) <= r:
+            self.busy.append([0.0] * (2 * self.num_keys))
+            self.count.append([0] * self.num_keys)
+            self.staged.append([0] * (2 * self.num_ranks))
+            self.full_time.append(set())
+            self.full_stage.append(set())
+
+    def blocked(self, p: Pair, r: int) -> bool:
+        """Whether a receiving key of ``p`` has no room left in round ``r`` (a cheap
+        test before :meth:`room`; ``_fill`` tests the sender's own keys itself)."""
+        full = self.full_time[r]
+        for idx in p.gate:
+            if idx in full:
+                return True
+        full = self.full_stage[r]
+        for idx in p.sgate:
+            if idx in full:
+                return True
+        ft, fs = self.full_time, self.full_stage
+        for o, idx, _, _ in p.tl:
+            if idx in ft[r + o]:
+                return True
+        for o, idx, _ in p.sl:
+            if idx in fs[r + o]:
+                return True
+        return False
+
+    def room(self, p: Pair, r: int) -> float:
+        """Bytes of ``p`` that round ``r`` can still take (rounds up to ``r + horizon``
+        must be open)."""
+        tau, lat, bucket = self.tau, self.latency, self.bucket
+        busy, count = self.busy[r], self.count[r]
+        x = math.inf
+        for idx, k, c, n in p.t0:
+            # A new message's latency counts on both directions of its link.
+            spare = tau - lat[k] * (count[k] + n)
+            left = spare - busy[idx]
+            if left <= 0 or (n and spare <= busy[idx ^ 1]):
+                return 0.0
+            if left < x * c:
+                x = left / c
+        staged = self.staged[r]
+        for idx, c in p.s0:
+            left = bucket - staged[idx]
+            if left <= 0:
+                return 0.0
+            if left < x * c:
+                x = left / c
+        if p.tl:
+            sent, codes = self.sent, self.codes
+            new: dict[tuple[int, int], int] = defaultdict(int)
+            for o, code, ka, kb in p.ml:
+                if (r + o) * codes + code not in sent:
+                    new[(o, ka)] += 1
+                    new[(o, kb)] += 1
+            for o, idx, k, c in p.tl:
+                rr = r + o
+                n = new[(o, k)]
+                spare = tau - lat[k] * (self.count[rr][k] + n)
+                left = spare - self.busy[rr][idx]
+                if left <= 0 or (n and spare <= self.busy[rr][idx ^ 1]):
+                    return 0.0
+                if left < x * c:
+                    x = left / c
+            for o, idx, c in p.sl:
+                left = bucket - self.staged[r + o][idx]
+                if left <= 0:
+                    return 0.0
+                if left < x * c:
+                    x = left / c
+        return x
+
+    def capacity(self, p: Pair) -> float:
+        """Bytes of ``p`` a round with nothing else in it takes."""
+        x = math.inf
+        for _, k, c, n in p.t0:
+            x = min(x, (self.tau - self.latency[k] * n) / c)
+        for _, c in p.s0:
+            x = min(x, self.bucket / c)
+        later: dict[tuple[int, int], int] = defaultdict(int)
+        for o, _, ka, kb in p.ml:
+            later[(o, ka)] += 1
+            later[(o, kb)] += 1
+        for o, _, k, c in p.tl:
+            x = min(x, (self.tau - self.latency[k] * later[(o, k)]) / c)
+        for _, _, c in p.sl:
+            x = min(x, self.bucket / c)
+        return x
+
+    def add(self, p: Pair, r: int, nbytes: float) -> None:
+        tau, lat, bucket = self.tau, self.latency, self.bucket
+        sent, codes = self.sent, self.codes
+        count, busy, full = self.count[r], self.busy[r], self.full_time[r]
+        base = r * codes
+        for code, ka, kb in p.m0:
+            sent.add(base + code)
+            count[ka] += 1
+            count[kb] += 1
+        for idx, k, c, _ in p.t0:
+            busy[idx] += nbytes * c
+            if tau - busy[idx] - lat[k] * count[k] < max(FULL * tau, MIN_CHUNK_LATENCIES * lat[k]):
+                full.add(idx)
+        staged, sfull = self.staged[r], self.full_stage[r]
+        for idx, c in p.s0:
+            staged[idx] += math.ceil(nbytes * c)
+            if bucket - staged[idx] < FULL * bucket:
+                sfull.add(idx)
+        for o, code, ka, kb in p.ml:
+            key = (r + o) * codes + code
+            if key not in sent:
+                sent.add(key)
+                self.count[r + o][ka] += 1
+                self.count[r + o][kb] += 1
+        for o, idx, k, c in p.tl:
+            rr = r + o
+            row = self.busy[rr]
+            row[idx] += nbytes * c
+            left = tau - row[idx] - lat[k] * self.count[rr][k]
+            if left < max(FULL * tau, MIN_CHUNK_LATENCIES * lat[k]):
+                self.full_time[rr].add(idx)
+        for o, idx, c in p.sl:
+            row = self.staged[r + o]
+            row[idx] += math.ceil(nbytes * c)
+            if bucket - row[idx] < FULL * bucket:
+                self.full_stage[r + o].add(idx)
+
+    def seconds(self) -> float:
+        """Sum over rounds of the slowest key's time (``predict.round_time``)."""
+        total = 0.0
+        for busy, count in zip(self.busy, self.count):
+            worst = 0.0
+            for k, lat in enumerate(self.latency):
+                t = max(busy[2 * k], busy[2 * k + 1]) + lat * count[k]
+                if t > worst:
+                    worst = t
+            total += worst
+        return total
+
+
+class TooSmall(Exception):
+    """An empty round cannot take a worthwhile chunk: the round budget is below latency."""
+
+
+def least_budget(p: Pair, latency: list[float]) -> float:
+    """Smallest round budget in which an empty round takes ``min(bytes, chunk)`` of
+    ``p`` (``RoundLoads.capacity`` at least that)."""
+    need = min(p.nbytes, p.chunk)
+    budget = max(latency[k] * n + c * need for _, k, c, n in p.t0)
+    later: dict[tuple[int, int], int] = defaultdict(int)
+    for o, _, ka, kb in p.ml:
+        later[(o, ka)] += 1
+        later[(o, kb)] += 1
+    for o, _, k, c in p.tl:
+        budget = max(budget, latency[k] * later[(o, k)] + c * need)
+    return budget * (1 + 1e-9)
+
+
+def build_pair(
+    src: int,
+    dst: int,
+    via: int,
+    transfers: list[Transfer],
+    links: LinkModel,
+    members: Mapping[int, tuple[int, ...]],
+    position: Mapping[int, tuple[tuple[int, ...], int]],
+    key: Callable[[int, str], int],
+    num_ranks: int,
+) -> Pair:
+    """A pair and its effects: the sender's link once per member of ``dst``'s group,
+    each member's link, and for a member in a relay run, every hop of the run. A
+    carried pair (``via >= 0``) loads ``src -> via`` in its round and sends on from
+    ``via`` one round later."""
+    p = Pair(src, dst, via, transfers)
+    times: dict[int, float] = defaultdict(float)  # time index -> seconds per byte
+    msgs: dict[int, int] = defaultdict(int)  # key -> this pair's messages on it
+    stages: dict[int, int] = defaultdict(int)  # staging index -> bytes per byte
+    m0 = []
+
+    def direct(a: int, b: int) -> None:
+        link, spb = links.link(a, b)
+        ka, kb = key(a, link), key(b, link)
+        times[2 * ka] += spb
+        times[2 * kb + 1] += spb
+        msgs[ka] += 1
+        msgs[kb] += 1
+        stages[2 * a] += 1
+        stages[2 * b + 1] += 1
+        m0.append((a * num_ranks + b, ka, kb))
+        p.send_cost += spb
+        p.gate.append(2 * kb + 1)
+        p.sgate.append(2 * b + 1)
+
+    later_t: dict[tuple[int, int], float] = defaultdict(float)  # (offset, index) -> s/byte
+    later_s: dict[tuple[int, int], int] = defaultdict(int)
+    later_m: dict[tuple[int, int], tuple[int, int]] = {}  # (offset, code) -> keys
+
+    def hop(offset: int, a: int, b: int) -> None:
+        link, spb = links.link(a, b)
+        ka, kb = key(a, link), key(b, link)
+        later_t[(offset, 2 * ka)] += spb
+        later_t[(offset, 2 * kb + 1)] += spb
+        later_s[(offset, 2 * a)] += 1
+        later_s[(offset, 2 * b + 1)] += 1
+        later_m[(offset, a * num_ranks + b)] = (ka, kb)
+        p.horizon = max(p.horizon, offset)
+
+    lag = 0
+    if via >= 0:
+        direct(src, via)
+        lag = 1
+    for m in members.get(dst, (dst,)):
+        sender = src if via < 0 else via
+        link, spb = links.link(sender, m)
+        p.chunk = max(p.chunk, MIN_CHUNK_LATENCIES * links.latency(link) / spb)
+        if via < 0:
+            direct(src, m)
+        else:
+            hop(1, via, m)
+        run, i = position.get(m, ((m,), 0))
+        w = len(run)
+        for k in range(1, w):
+            hop(lag + k, run[(i + k - 1) % w], run[(i + k) % w])
+    p.tl = [(o, idx, idx // 2, c) for (o, idx), c in sorted(later_t.items())]
+    p.sl = [(o, idx, c) for (o, idx), c in sorted(later_s.items())]
+    p.ml = [(o, code, ka, kb) for (o, code), (ka, kb) in sorted(later_m.items())]
+    p.t0 = [(idx, idx // 2, c, msgs[idx // 2]) for idx, c in sorted(times.items())]
+    p.recv = [(idx, times[idx]) for idx in p.gate]
+    p.rkey = tuple(idx for idx, _ in p.recv)
+    p.s0 = sorted(stages.items())
+    p.m0 = m0
+    return p
