@@ -20,9 +20,9 @@ from ..layouts.base import Box, RankLayout, paused_gc
 from ..spec.model import ModelSpec
 from .balance import DTYPE_BYTES, LinkModel, assign_senders
 from .carry import choose_carriers, choose_ingress_carriers
-from .domain import domain_entries, domain_runs, relieve_egress, split_lone_members
+from .domain import domain_entries, domain_groups
 from .expand import Expansion
-from .overlap import PlanError, destination_needs, source_regions
+from .overlap import Need, PlanError, destination_needs, source_regions
 from .relay import RELAY_MODES, chain_replicas
 from .schedule import Message, coalesce, schedule
 from .serialize import NameTable, compact_json, fingerprint_of, message_from_json, message_json
@@ -335,29 +335,11 @@ def _plan(
     needs_of = {g[0]: destination_needs(destinations[g[0] - s], regions, g[0]) for g in groups}
     lone: list[int] = []
     if relay == "domain":
-        runs_of = domain_runs(groups, links)
-        assert links is not None  # domain_runs checked it
-        runs_of = relieve_egress(
-            runs_of, [n for ns in needs_of.values() for n in ns], dtype_of, links
-        )
-        if carry:
-            # Members alone in their NVLink domain become groups of their own, so that
-            # neighbours can carry part of what they need (``choose_ingress_carriers``).
-            group_bytes = {
-                rep: sum(n.numel * DTYPE_BYTES[dtype_of[(rep, n.dst_piece.local)]] for n in ns)
-                for rep, ns in needs_of.items()
-            }
-            runs_of, lone = split_lone_members(runs_of, group_bytes, links)
-            if lone:
-                for y in lone:
-                    runs_of[y] = [(y,)]
-                groups = [
-                    (rep, *sorted(m for run in runs for m in run if m != rep))
-                    for rep, runs in sorted(runs_of.items())
-                ]
-                for g in groups:
-                    if g[0] not in needs_of:
-                        needs_of[g[0]] = destination_needs(destinations[g[0] - s], regions, g[0])
+
+        def need_for(rep: int) -> list[Need]:
+            return destination_needs(destinations[rep - s], regions, rep)
+
+        groups, runs_of, lone = domain_groups(groups, needs_of, need_for, dtype_of, links, carry)
         chains = [run for runs in runs_of.values() for run in runs if len(run) > 1]
         members = {rep: tuple(run[0] for run in runs) for rep, runs in runs_of.items()}
     else:
