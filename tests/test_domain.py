@@ -1,0 +1,71 @@
+"""``relay="domain"`` refinements: entry weights for runs of unequal width, and rings
+across nodes where the training NICs would bind (``plan/domain.py``)."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import torch
+from hf_models import TINY_CONFIGS
+
+from nemo_refit_reshard.engine.materialize import empty_like_layout, materialize, mismatches
+from nemo_refit_reshard.engine.simulate import simulate_plan
+from nemo_refit_reshard.layouts import megatron_layout, vllm_layout
+from nemo_refit_reshard.plan import plan_refit
+from nemo_refit_reshard.plan.domain import entry_weights
+from nemo_refit_reshard.plan.predict import predict_refit
+from nemo_refit_reshard.plan.topology import Cluster, Placement, Topology
+from nemo_refit_reshard.plan.verify import verify_plan
+from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
+
+SPEC = spec_from_hf_config(dict(TINY_CONFIGS["llama"], torch_dtype="float32"))
+
+
+def _member_shares(widths: tuple[int, ...]) -> list[list[Fraction]]:
+    """Per run, each member's share of a group's entries under ``entry_weights``."""
+    weights = [Fraction(w).limit_denominator(10**6) for w in entry_weights(widths)]
+    shares = [[Fraction(0)] * w for w in widths]
+    for j, x in enumerate(weights):
+        for k, w in enumerate(widths):
+            shares[k][j % w] += x
+    return shares
+
+
+def test_entry_weights_spread_every_run_evenly() -> None:
+    # equal runs: every position the same
+    assert _member_shares((8, 8)) == [[Fraction(1, 8)] * 8] * 2
+    # 9 and 7 members (DeepSeek-V3's TP8 x DP16 over 72 + 56 GPUs): each of the 7 takes
+    # 1/7 (its NIC is what binds), the 9 take at most that
+    wide, narrow = _member_shares((9, 7))
+    assert all(abs(x - Fraction(1, 7)) < Fraction(1, 500) for x in narrow)
+    assert max(wide) <= Fraction(1, 7) + Fraction(1, 500) and sum(wide) == 1
+    # a single-member run takes everything whatever the rest
+    assert _member_shares((3, 1))[1] == [1]
+
+
+def test_training_egress_binding_joins_lone_replicas_into_a_ring() -> None:
+    """One training GPU, four replicas each alone on its own node: sending four copies
+    would take 4x the time one inference NIC needs. The four become one ring across
+    nodes: one copy leaves the training GPU, each replica forwards what entered it."""
+    cluster = Cluster(gpus_per_node=1, nvlink_latency_us=0.01, nic_latency_us=0.02)
+    placement = Placement.packed(1, 4, cluster)
+    links = Topology(cluster, placement)
+    sources = [megatron_layout(SPEC, TrainParallel(), 0)]
+    destinations = [vllm_layout(SPEC, InferParallel(dp=4), r) for r in range(4)]
+    direct = plan_refit(SPEC, sources, destinations, 0.05, links=links)
+    plan = plan_refit(SPEC, sources, destinations, 0.05, relay="domain", links=links)
+    model = plan.stats.min_bytes // 4
+    assert plan.relay_chains == ((1, 2, 3, 4),)
+    assert plan.stats.bytes_sent[0] == model == direct.stats.bytes_sent[0] // 4
+    assert plan.stats.bytes_received[1:] == (model,) * 4
+    assert sum(plan.stats.bytes_sent[1:]) == 3 * model  # three hops around the ring
+    verify_plan(plan, sources, destinations)
+    canonical = {t.name: torch.randn(t.shape) for t in SPEC}
+    src = [materialize(sources[0], canonical)]
+    dst = [empty_like_layout(lay) for lay in destinations]
+    simulate_plan(plan, src, dst)
+    assert [mismatches(lay, t, canonical) for lay, t in zip(destinations, dst)] == [[]] * 4
+    assert (
+        predict_refit(plan, cluster, placement).seconds
+        < 0.5 * predict_refit(direct, cluster, placement).seconds
+    )
