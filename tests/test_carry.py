@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 from hf_models import TINY_CONFIGS
+from plan_checks import assert_delivers_exactly
 
 from nemo_refit_reshard.engine.checksum import (
     combine,
@@ -16,9 +17,7 @@ from nemo_refit_reshard.engine.checksum import (
     relay_routes,
     sender_checksums,
 )
-from nemo_refit_reshard.engine.materialize import empty_like_layout, materialize, mismatches
 from nemo_refit_reshard.engine.program import RankProgram
-from nemo_refit_reshard.engine.simulate import simulate_plan
 from nemo_refit_reshard.layouts import MegatronOptions, megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import PlanError, plan_refit
 from nemo_refit_reshard.plan.carry import is_relay, relay_tensor, relayed_to
@@ -120,12 +119,7 @@ def test_the_busier_stage_hands_bytes_to_its_nvlink_neighbour() -> None:
 
 def test_carried_plan_is_exact_once_and_bit_exact() -> None:
     plan, sources, destinations, _ = _plan()
-    verify_plan(plan, sources, destinations)
-    canonical = {t.name: torch.randn(t.shape) for t in SPEC}
-    src = [materialize(lay, canonical) for lay in sources]
-    dst = [empty_like_layout(lay) for lay in destinations]
-    simulate_plan(plan, src, dst)
-    assert [mismatches(lay, t, canonical) for lay, t in zip(destinations, dst)] == [[], []]
+    src, dst, _ = assert_delivers_exactly(plan, SPEC, sources, destinations)
     # Checksums: the first sender counts what it hands over, the routes send it on.
     shapes = {t.name: t.shape for t in SPEC}
     sent = [sender_checksums(plan.messages_of(r), r, src[r], shapes) for r in range(2)]
@@ -206,12 +200,7 @@ def test_a_lone_inference_rank_gets_part_of_its_copy_through_a_neighbour() -> No
     mean = shard * 2 / 3
     slack = max(0.03 * mean, 16 * cluster.nic_latency_s * cluster.nic_bytes_per_s) + 4 * 64
     assert max(after[8:]) <= mean + slack
-    verify_plan(plan, sources, destinations)
-    canonical = {t.name: torch.randn(t.shape) for t in SPEC}
-    src = [materialize(lay, canonical) for lay in sources]
-    dst = [empty_like_layout(lay) for lay in destinations]
-    simulate_plan(plan, src, dst)
-    assert [mismatches(lay, t, canonical) for lay, t in zip(destinations, dst)] == [[]] * 6
+    assert_delivers_exactly(plan, SPEC, sources, destinations)
     assert (
         predict_refit(plan, cluster, placement).seconds
         < 0.85 * predict_refit(plain, cluster, placement).seconds

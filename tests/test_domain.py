@@ -5,17 +5,14 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-import torch
 from hf_models import TINY_CONFIGS
+from plan_checks import assert_delivers_exactly
 
-from nemo_refit_reshard.engine.materialize import empty_like_layout, materialize, mismatches
-from nemo_refit_reshard.engine.simulate import simulate_plan
 from nemo_refit_reshard.layouts import megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import plan_refit
 from nemo_refit_reshard.plan.domain import entry_weights
 from nemo_refit_reshard.plan.predict import predict_refit
 from nemo_refit_reshard.plan.topology import Cluster, Placement, Topology
-from nemo_refit_reshard.plan.verify import verify_plan
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
 
 SPEC = spec_from_hf_config(dict(TINY_CONFIGS["llama"], torch_dtype="float32"))
@@ -59,12 +56,7 @@ def test_training_egress_binding_joins_lone_replicas_into_a_ring() -> None:
     assert plan.stats.bytes_sent[0] == model == direct.stats.bytes_sent[0] // 4
     assert plan.stats.bytes_received[1:] == (model,) * 4
     assert sum(plan.stats.bytes_sent[1:]) == 3 * model  # three hops around the ring
-    verify_plan(plan, sources, destinations)
-    canonical = {t.name: torch.randn(t.shape) for t in SPEC}
-    src = [materialize(sources[0], canonical)]
-    dst = [empty_like_layout(lay) for lay in destinations]
-    simulate_plan(plan, src, dst)
-    assert [mismatches(lay, t, canonical) for lay, t in zip(destinations, dst)] == [[]] * 4
+    assert_delivers_exactly(plan, SPEC, sources, destinations)
     assert (
         predict_refit(plan, cluster, placement).seconds
         < 0.5 * predict_refit(direct, cluster, placement).seconds

@@ -94,12 +94,10 @@ def choose_carriers(
             for link, x in spb(t.src, t.dst).items():
                 busy[(t.src, link)] += t.nbytes * x
     domains = node_groups_of(list(range(num_sources)), links)
-    moves: set[int] = set()  # indices of transfers carried, whole or in part
     by_src: dict[int, list[int]] = defaultdict(list)
     for i, t in enumerate(transfers):
         by_src[t.src].append(i)
-    carried: list[tuple[Transfer, int]] = []
-    cut: dict[int, Transfer] = {}  # transfer index -> what stays direct after a cut
+    record = _Moves()
     for domain in domains:
         if len(domain) < 2:
             continue
@@ -118,20 +116,19 @@ def choose_carriers(
             for s in heavy:
                 excess = busy[(s, link)] - target
                 order = sorted(
-                    (i for i in by_src[s] if i not in moves and link in spb(s, transfers[i].dst)),
+                    (
+                        i
+                        for i in by_src[s]
+                        if i not in record.moved and link in spb(s, transfers[i].dst)
+                    ),
                     key=lambda i: (-transfers[i].nbytes, transfers[i].dst, i),
                 )
                 for i in order:
                     per_byte = spb(s, transfers[i].dst)[link]
                     moved, rest, excess = _hand_over(transfers[i], per_byte, excess, floor, room)
-                    if moved:
-                        moves.add(i)
-                        carried += moved
-                        if rest is not None:
-                            cut[i] = rest
+                    record.add(i, moved, rest)
                 room.release()
-    direct = [cut.get(i, t) for i, t in enumerate(transfers) if i not in moves or i in cut]
-    return direct, carried
+    return record.result(transfers)
 
 
 def choose_ingress_carriers(
@@ -212,9 +209,7 @@ def choose_ingress_carriers(
     for i, t in enumerate(transfers):
         if t.dst in lone_set:
             by_dst[t.dst].append(i)
-    moves: set[int] = set()
-    cut: dict[int, Transfer] = {}
-    carried: list[tuple[Transfer, int]] = []
+    record = _Moves()
     for domain in domains:
         heavy_here = [y for y in domain if y in lone_set]
         if not heavy_here or len(domain) < 2:
@@ -231,22 +226,39 @@ def choose_ingress_carriers(
                     continue
                 before = excess
                 moved, rest, excess = _hand_over(
-                    transfers[i],
-                    per_byte,
-                    excess,
-                    floor,
-                    room,
-                    lambda t, via: links.link(t.src, via)[1],
+                    transfers[i], per_byte, excess, floor, room, via_cost
                 )
                 busy[y] -= before - excess
-                if moved:
-                    moves.add(i)
-                    carried += moved
-                    if rest is not None:
-                        cut[i] = rest
+                record.add(i, moved, rest)
             room.release()
-    direct = [cut.get(i, t) for i, t in enumerate(transfers) if i not in moves or i in cut]
-    return direct, carried
+    return record.result(transfers)
+
+
+class _Moves:
+    """What the carrier choice decided: transfers carried (whole or in part), by index."""
+
+    def __init__(self) -> None:
+        self.moved: set[int] = set()
+        self.rest: dict[int, Transfer] = {}  # what of a cut transfer stays direct
+        self.carried: list[tuple[Transfer, int]] = []
+
+    def add(self, i: int, moved: list[tuple[Transfer, int]], rest: Transfer | None) -> None:
+        if moved:
+            self.moved.add(i)
+            self.carried += moved
+            if rest is not None:
+                self.rest[i] = rest
+
+    def result(
+        self, transfers: list[Transfer]
+    ) -> tuple[list[Transfer], list[tuple[Transfer, int]]]:
+        """(the transfers still direct, the carried ``(transfer, via)``)."""
+        direct = [
+            self.rest.get(i, t)
+            for i, t in enumerate(transfers)
+            if i not in self.moved or i in self.rest
+        ]
+        return direct, self.carried
 
 
 class _Carriers:
