@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from plan_checks import assert_delivers_exactly
@@ -32,11 +31,6 @@ EXAMPLES = int(os.environ.get("HYPOTHESIS_EXAMPLES", "60"))
 SETTINGS = settings(
     max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.filter_too_much]
 )
-
-
-def _canonical(spec, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {t.name: torch.randn(t.shape, generator=g) for t in spec}
 
 
 class _Parity:
