@@ -18,7 +18,7 @@ from typing import Any
 
 from ..layouts.base import Box, RankLayout, paused_gc
 from ..spec.model import ModelSpec
-from .balance import DTYPE_BYTES, LinkModel, assign_senders
+from .balance import DTYPE_BYTES, LinkModel, Transfer, assign_senders
 from .carry import choose_carriers, choose_ingress_carriers
 from .domain import domain_entries, domain_groups
 from .expand import Expansion
@@ -355,7 +355,7 @@ def _plan(
         if links is not None:
             # Training ranks above their NVLink domain's mean hand part of their sending
             # to neighbours below it (carried through relay buffers, ``plan/carry.py``).
-            carried: list = []
+            carried: list[tuple[Transfer, int]] = []
             if carry:
                 transfers, carried = choose_carriers(transfers, links, members, s)
             if lone:
