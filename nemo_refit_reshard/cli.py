@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
 from .cli_refit import add_commands
 from .layouts import (
@@ -49,7 +50,8 @@ def build_layout(args: argparse.Namespace, spec: ModelSpec) -> RankLayout:
         partition = None
         if args.pp_partition:
             partition = tuple(int(x) for x in args.pp_partition.split(","))
-        opts_v = VllmOptions(pp_layer_partition=partition) if partition else VllmOptions.from_env()
+        base = VllmOptions(pp_layer_partition=partition) if partition else VllmOptions.from_env()
+        opts_v = replace(base, vllm_version=args.vllm_version, all2all_backend=args.all2all_backend)
         return vllm_layout(spec, InferParallel.parse(args.parallel), args.rank, opts_v)
     sizes = parse_parallel_string(args.parallel, ("dp", "tp"), "dtensor")
     dp, tp = sizes.get("dp", 1), sizes.get("tp", 1)
@@ -124,6 +126,12 @@ def make_parser() -> argparse.ArgumentParser:
     meg.add_argument("--last-stage-layers", type=int, default=None)
     vll = lay.add_argument_group("vllm options")
     vll.add_argument("--pp-partition", help="layers per stage, like VLLM_PP_LAYER_PARTITION")
+    vll.add_argument(
+        "--vllm-version", help="vLLM release to follow (default: the installed one, else 0.33)"
+    )
+    vll.add_argument(
+        "--all2all-backend", help="vLLM's all2all_backend (decides sequence-parallel MoE)"
+    )
     lay.set_defaults(func=cmd_layout)
 
     mod = sub.add_parser("models", help="list the bundled model presets")

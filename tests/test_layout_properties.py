@@ -102,6 +102,9 @@ def _stored_by(spec: ModelSpec, framework: str) -> dict[str, int]:
                 ("embed_tokens.weight", "shared_head.head.weight")
             ):
                 del out[name]  # Megatron's MTP shares the main embedding and output layer
+    if framework == "vllm" and a.moe is not None and a.moe.topk_method != "noaux_tc":
+        # vLLM builds the correction bias only when config.json names noaux_tc.
+        out = {k: v for k, v in out.items() if not k.endswith(".e_score_correction_bias")}
     return out
 
 

@@ -16,7 +16,8 @@ independent plain-torch forward that reads only those local shards, with vLLM's
 * router: ``gate.weight`` and ``gate.e_score_correction_bias`` replicated; sigmoid scores,
   bias only for selection, group-limited top-k, ``norm_topk_prob``,
   ``routed_scaling_factor``; FusedMoE ``w13_weight[j] = [gate ; up]`` slices / whole
-  experts, ``w2_weight``; shared experts ``gate_up_proj``/``down_proj`` tp-sharded.
+  experts, ``w2_weight``; shared experts ``gate_up_proj``/``down_proj`` tp-sharded, or
+  whole on every rank under sequence-parallel MoE (expert parallel, tp > 1, engine_dp > 1).
 * the first ``first_k_dense_replace`` layers are dense; vocab padded to 64, vocab-parallel.
 """
 
@@ -84,6 +85,8 @@ def model(name: str) -> Model:
             if bname.endswith("e_score_correction_bias"):
                 buf.copy_(0.2 * torch.randn(buf.shape, generator=g))
     cfg = hf_config_dict(hf)
+    # HF always applies the correction bias; vLLM builds it only for an explicit noaux_tc.
+    cfg["topk_method"] = "noaux_tc"
     assert cfg["rope_interleave"] and cfg["rope_parameters"]["rope_type"] == "default"
     spec = spec_from_hf_config(cfg, name=name)
     return Model(hf, cfg, spec, checkpoint_state_dict(hf))
@@ -178,7 +181,8 @@ class MlaReference(VllmReference):
                     experts, n = linear_expert_map(self.num_experts, par.moe_size, m), fe
                 else:
                     experts, n = list(range(self.num_experts)), fe // par.moe_size
-                w13, w2 = shards[f"{p}.experts.w13_weight"], shards[f"{p}.experts.w2_weight"]
+                w13 = shards[f"{p}.experts.routed_experts.w13_weight"]
+                w2 = shards[f"{p}.experts.routed_experts.w2_weight"]
                 assert w13.shape == (len(experts), 2 * n, self.h), w13.shape
                 assert w2.shape == (len(experts), self.h, n), w2.shape
                 for j, e in enumerate(experts):
@@ -186,10 +190,13 @@ class MlaReference(VllmReference):
                     gate, up = (x[tok] @ w13[j].T).chunk(2, dim=-1)
                     y = (F.silu(gate) * up) @ w2[j].T
                     out.index_add_(0, tok, y * weights[tok, slot, None])
+        # vLLM's sequence-parallel MoE (EP, tp > 1, engine_dp > 1, default all2all backend)
+        # builds the shared experts whole on every rank: one rank computes them.
+        sequence_parallel = par.expert_parallel and par.tp > 1 and par.engine_dp > 1
         shared = []
         for d, h in enumerate(hidden):
             y = torch.zeros_like(h)
-            for shards in self.ranks(d, pp):
+            for shards in self.ranks(d, pp)[: 1 if sequence_parallel else None]:
                 x = rms_norm(h, shards[post], self.eps)
                 gate, up = (x @ shards[f"{p}.shared_experts.gate_up_proj.weight"].T).chunk(2, -1)
                 y = y + (F.silu(gate) * up) @ shards[f"{p}.shared_experts.down_proj.weight"].T
@@ -261,6 +268,7 @@ CASES: list[tuple[str, InferParallel]] = [
     ("ds", P(tp=2, ep=2)),  # two whole experts per rank
     ("ds", P(tp=4, ep=4)),
     ("ds", P(tp=2, engine_dp=2)),  # experts sliced Fe/4 over 4 moe ranks
+    ("ds", P(tp=2, engine_dp=2, ep=4)),  # sequence-parallel MoE: shared experts whole
     ("ds_grouped", P()),
     ("ds_grouped", P(tp=2)),
     ("ds_grouped", P(tp=4)),

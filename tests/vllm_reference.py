@@ -235,7 +235,8 @@ class VllmReference:
                     experts, n = linear_expert_map(self.num_experts, m_size, m), fe
                 else:
                     experts, n = list(range(self.num_experts)), fe // m_size
-                w13, w2 = shards[f"{p}.experts.w13_weight"], shards[f"{p}.experts.w2_weight"]
+                w13 = shards[f"{p}.experts.routed_experts.w13_weight"]
+                w2 = shards[f"{p}.experts.routed_experts.w2_weight"]
                 assert w13.shape == (len(experts), 2 * n, self.h), w13.shape
                 assert w2.shape == (len(experts), self.h, n), w2.shape
                 for j, e in enumerate(experts):

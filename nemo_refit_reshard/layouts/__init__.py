@@ -14,16 +14,21 @@ from .dtensor import (
 from .megatron import MegatronOptions, megatron_layout, megatron_padded_vocab
 from .megatron_grid import megatron_layer_chunks, megatron_position
 from .vllm import (
-    VLLM_VERSION,
+    DEFAULT_VLLM_VERSION,
+    VLLM_RELEASES,
     VllmOptions,
+    VllmRelease,
     vllm_layout,
     vllm_layouts,
     vllm_padded_vocab,
     vllm_pp_indices,
+    vllm_release,
 )
 
 __all__ = [
-    "VLLM_VERSION",
+    "DEFAULT_VLLM_VERSION",
+    "VLLM_RELEASES",
+    "VllmRelease",
     "Box",
     "LocalTensor",
     "MegatronOptions",
@@ -47,4 +52,5 @@ __all__ = [
     "vllm_layouts",
     "vllm_padded_vocab",
     "vllm_pp_indices",
+    "vllm_release",
 ]

@@ -1,4 +1,8 @@
-"""vLLM layout provider (follows vLLM v0.11.0; unchanged in the checked v0.33.0 for these rules).
+"""vLLM layout provider, version-aware (releases in :data:`VLLM_RELEASES`).
+
+The rules below were read from each release's source; for 0.33.0 every rank's
+``named_parameters()`` of vLLM's own model classes is compared with this provider
+(``tests/test_vllm_truth.py``).
 
 Inference ranks are numbered replica-major::
 
@@ -18,6 +22,12 @@ and veRL run one engine per replica); ``edp`` is vLLM's own
   without expert parallel ``w13_weight[e] = [gate rows m·Fe/M.. ; up rows]``,
   ``w2_weight[e]`` columns ``[m·Fe/M, ..)``; with expert parallel (``ep = M``) rank
   m holds ``E//M + (m < E%M)`` whole experts from ``m·(E//M) + min(m, E%M)``.
+  Since 0.24 the weights live in the runner's child module: ``experts.routed_experts.``.
+* sequence-parallel MoE (expert parallel, ``tp > 1``, ``engine_dp > 1`` and an
+  all2all backend that splits tokens, the default one included): DeepSeek's shared
+  experts are built with ``disable_tp`` — every rank holds them whole.
+* DeepSeek's ``gate.e_score_correction_bias`` exists only when config.json says
+  ``topk_method: noaux_tc`` (float32).
 * pipeline: ``get_pp_indices`` — ``L//P`` layers each, the ``L%P`` extra layers to
   stages ``P-2, P-3, ...``; parameter names keep the global layer index.
 """
@@ -25,24 +35,125 @@ and veRL run one engine per replica); ``edp`` is vLLM's own
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from importlib import metadata
 
 from ..spec.config import ArchConfig
 from ..spec.model import ModelSpec
 from ..spec.parallel import InferParallel
 from .base import Box, LayoutBuilder, RankLayout, paused_gc
 
-VLLM_VERSION = "0.11.0"
 VOCAB_PADDING = 64  # DEFAULT_VOCAB_PADDING_SIZE
+
+
+@dataclass(frozen=True)
+class VllmRelease:
+    """The layout facts that differ between vLLM releases.
+
+    ``expert_module``: the module under ``mlp`` that owns ``w13_weight``/``w2_weight``.
+    ``sequence_parallel_backends``: all2all backends for which vLLM's
+    ``ParallelConfig.use_sequence_parallel_moe`` holds (with EP, tp > 1, dp > 1).
+    ``removed_backends``: backends the release replaces by ``allgather_reducescatter``.
+    """
+
+    version: str
+    expert_module: str
+    sequence_parallel_backends: frozenset[str]
+    default_all2all_backend: str = "allgather_reducescatter"
+    removed_backends: frozenset[str] = field(default_factory=frozenset)
+
+    def all2all_backend(self, requested: str | None) -> str:
+        backend = requested or self.default_all2all_backend
+        return "allgather_reducescatter" if backend in self.removed_backends else backend
+
+
+_SP_024 = frozenset(
+    {
+        "allgather_reducescatter",
+        "deepep_high_throughput",
+        "deepep_low_latency",
+        "mori_high_throughput",
+        "mori_low_latency",
+        "nixl_ep",
+    }
+)
+# Keyed by "major.minor"; each entry was read from that release's source
+# (config/parallel.py ``use_sequence_parallel_moe``, fused_moe/layer.py, deepseek_v2.py).
+VLLM_RELEASES: dict[str, VllmRelease] = {
+    "0.11": VllmRelease(
+        "0.11",
+        "experts",
+        frozenset(
+            {"allgather_reducescatter", "naive", "deepep_high_throughput", "deepep_low_latency"}
+        ),
+    ),
+    "0.24": VllmRelease(
+        "0.24", "experts.routed_experts", _SP_024, removed_backends=frozenset({"naive", "pplx"})
+    ),
+    "0.25": VllmRelease(
+        "0.25", "experts.routed_experts", _SP_024, removed_backends=frozenset({"naive", "pplx"})
+    ),
+    "0.33": VllmRelease(
+        "0.33",
+        "experts.routed_experts",
+        _SP_024 | {"deepep_v2", "flashinfer_nvlink_one_sided", "passthrough"},
+        removed_backends=frozenset({"naive", "pplx"}),
+    ),
+}
+DEFAULT_VLLM_VERSION = "0.33"
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version (package metadata; vLLM itself is not imported)."""
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def vllm_release(version: str | None = None) -> VllmRelease:
+    """The release rules for ``version`` ("0.33.0", "0.25.1+cu128", ...); ``None`` means
+    the installed vLLM, else :data:`DEFAULT_VLLM_VERSION`."""
+    text = version or installed_vllm_version() or DEFAULT_VLLM_VERSION
+    parts = text.split("+")[0].split(".")
+    key = ".".join(parts[:2])
+    if key not in VLLM_RELEASES:
+        known = ", ".join(f"{k}.x" for k in VLLM_RELEASES)
+        origin = "" if version else " (the installed vLLM)"
+        raise ValueError(
+            f"vLLM {text}{origin} is not a release whose parameter layout this provider knows; "
+            f"known: {known}. Pass VllmOptions(vllm_version=...) / --vllm-version for one of "
+            "those only if your release builds the same parameters (the vLLM truth test checks it)"
+        )
+    return VLLM_RELEASES[key]
 
 
 @dataclass(frozen=True)
 class VllmOptions:
     """``pp_layer_partition``: as ``VLLM_PP_LAYER_PARTITION`` (layer count per stage).
-    ``params_dtype``: dtype of the local tensors (default: the checkpoint dtype)."""
+    ``params_dtype``: dtype of the local tensors (default: the checkpoint dtype).
+    ``vllm_version``: the release whose layout to follow (default: the installed vLLM,
+    else 0.33). ``all2all_backend``: vLLM's ``ParallelConfig.all2all_backend`` (default:
+    the release's default); with expert parallel it decides sequence-parallel MoE."""
 
     pp_layer_partition: tuple[int, ...] | None = None
     params_dtype: str | None = None
+    vllm_version: str | None = None
+    all2all_backend: str | None = None
+
+    @property
+    def release(self) -> VllmRelease:
+        return vllm_release(self.vllm_version)
+
+    def sequence_parallel_moe(self, par: InferParallel) -> bool:
+        """vLLM's ``ParallelConfig.use_sequence_parallel_moe`` for ``par``."""
+        rel = self.release
+        return (
+            rel.all2all_backend(self.all2all_backend) in rel.sequence_parallel_backends
+            and par.expert_parallel
+            and par.tp > 1
+            and par.engine_dp > 1
+        )
 
     @classmethod
     def from_env(cls) -> VllmOptions:
@@ -80,8 +191,12 @@ def vllm_padded_vocab(vocab: int) -> int:
     return -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
 
 
-def check_vllm_parallel(a: ArchConfig, par: InferParallel) -> None:
+def check_vllm_parallel(
+    a: ArchConfig, par: InferParallel, options: VllmOptions | None = None
+) -> None:
     """Raise ``ValueError`` naming the parameter and rule for an impossible combination."""
+    opts = options or VllmOptions()
+    vllm_release(opts.vllm_version)  # an unknown version fails here, before any layout
     s, nq, ng = par.tp, a.num_attention_heads, a.num_key_value_heads
     if nq % s:
         raise ValueError(f"tp={s} must divide num_attention_heads={nq} (vLLM's rule)")
@@ -114,7 +229,7 @@ def check_vllm_parallel(a: ArchConfig, par: InferParallel) -> None:
             f"{moe.expert_intermediate_size} (FusedMoE shards experts over engine_dp·tp ranks "
             "without expert parallel); use ep=engine_dp·tp or a smaller tp/engine_dp"
         )
-    if moe.shared_intermediate_size % s:
+    if moe.shared_intermediate_size % s and not opts.sequence_parallel_moe(par):
         raise ValueError(
             f"tp={s} must divide the shared-expert size {moe.shared_intermediate_size}"
         )
@@ -153,6 +268,9 @@ class _VllmRank:
         self.par = par
         self.opts = opts
         self.pos = vllm_position(par, rank)
+        self.release = opts.release
+        # Shared experts are built with disable_tp under sequence-parallel MoE.
+        self.shared_tp = 1 if opts.sequence_parallel_moe(par) else par.tp
         self.dtype = opts.params_dtype or self.a.dtype
         self.b = LayoutBuilder()
 
@@ -180,14 +298,18 @@ class _VllmRank:
         self.b.tensor(name, (n, self.a.hidden_size), self.dtype)
         self.b.rows(name, [(0, self.a.vocab_size, canonical, 0)], r * n, (r + 1) * n)
 
-    def dense_mlp(self, p: str, hf: str, ffn: int) -> None:
-        s, r, h = self.par.tp, self.pos.tp, self.a.hidden_size
+    def dense_mlp(self, p: str, hf: str, ffn: int, tp: int | None = None) -> None:
+        """``gate_up_proj``/``down_proj`` over ``tp`` ranks (default: the TP group)."""
+        s = self.par.tp if tp is None else tp
+        r, h = self.pos.tp % s, self.a.hidden_size
         n = ffn // s
         name = f"{p}.gate_up_proj.weight"
         self.b.tensor(name, (2 * n, h), self.dtype)
         self.b.rows(name, [(0, ffn, f"{hf}.gate_proj.weight", 0)], r * n, (r + 1) * n, 0)
         self.b.rows(name, [(0, ffn, f"{hf}.up_proj.weight", 0)], r * n, (r + 1) * n, n)
-        self.row(f"{p}.down_proj.weight", f"{hf}.down_proj.weight", h, ffn)
+        down = f"{p}.down_proj.weight"
+        self.b.tensor(down, (h, n), self.dtype)
+        self.b.piece(f"{hf}.down_proj.weight", Box((0, r * n), (h, n)), down, Box((0, 0), (h, n)))
 
     def qkv(self, p: str, suffix: str) -> None:
         a, s, r = self.a, self.par.tp, self.pos.tp
@@ -265,7 +387,8 @@ class _VllmRank:
             first, stop = 0, e_total
             shard, shard_rank = m_size, m_rank
         n_local, n = stop - first, fe // shard
-        w13, w2 = f"{p}.experts.w13_weight", f"{p}.experts.w2_weight"
+        module = f"{p}.{self.release.expert_module}"
+        w13, w2 = f"{module}.w13_weight", f"{module}.w2_weight"
         self.b.tensor(w13, (n_local, 2 * n, h), self.dtype)
         self.b.tensor(w2, (n_local, h, n), self.dtype)
         lo = shard_rank * n
@@ -288,14 +411,17 @@ class _VllmRank:
         moe = a.moe
         assert moe is not None
         self.replicated(f"{p}.gate.weight", (moe.num_experts, a.hidden_size))
-        if moe.router_bias:
+        if moe.router_bias and moe.topk_method == "noaux_tc":
             self.replicated(
                 f"{p}.gate.e_score_correction_bias", (moe.num_experts,), dtype="float32"
             )
         self.fused_moe(p)
         if moe.num_shared_experts:
             self.dense_mlp(
-                f"{p}.shared_experts", f"{p}.shared_experts", moe.shared_intermediate_size
+                f"{p}.shared_experts",
+                f"{p}.shared_experts",
+                moe.shared_intermediate_size,
+                self.shared_tp,
             )
 
     def build(self) -> None:
@@ -345,7 +471,7 @@ def vllm_layout(
 ) -> RankLayout:
     """The local tensors and canonical pieces of vLLM inference rank ``rank``."""
     opts = options or VllmOptions()
-    check_vllm_parallel(spec.arch, parallel)
+    check_vllm_parallel(spec.arch, parallel, opts)
     walker = _VllmRank(spec, parallel, rank, opts)
     walker.build()
     return RankLayout(

@@ -31,7 +31,11 @@ class MoeConfig:
     expert_intermediate_size: int
     sparse_layers: tuple[int, ...]  # decoder layer indices whose MLP is an MoE block
     num_shared_experts: int = 0  # DeepSeek: shared expert FFN = n_shared * expert size
-    router_bias: bool = False  # DeepSeek-V3 e_score_correction_bias
+    router_bias: bool = False  # DeepSeek-V3 e_score_correction_bias (in the checkpoint)
+    # config.json's ``topk_method`` as written (None when absent). transformers saves the
+    # correction bias unless it names another method; vLLM builds it only for an explicit
+    # "noaux_tc", so the two sides can differ for a config without the key.
+    topk_method: str | None = None
 
     @property
     def shared_intermediate_size(self) -> int:
@@ -176,6 +180,7 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
             sparse_layers=sparse,
             num_shared_experts=int(cfg.get("n_shared_experts") or 0),
             router_bias=cfg.get("topk_method", "noaux_tc") == "noaux_tc",
+            topk_method=cfg.get("topk_method"),
         )
         q_lora = cfg.get("q_lora_rank")
         common["mla"] = MlaConfig(

@@ -164,7 +164,9 @@ class VllmLayoutGenerator:
         self._pos = vllm_position(infer, rank)
         self._tp, self._tp_rank = infer.tp, self._pos.tp
         self._group = self._checked_group(tp_group)
-        self._layout = vllm_layout(spec, infer, rank, VllmOptions(params_dtype=_DTYPE_NAMES[dtype]))
+        options = VllmOptions(params_dtype=_DTYPE_NAMES[dtype])
+        self._layout = vllm_layout(spec, infer, rank, options)
+        self._expert_module = options.release.expert_module
         # The only storage the forward reads: refit writes into these tensors in place.
         self._tensors = {t.name: torch.zeros(t.shape, dtype=dtype) for t in self._layout.tensors}
 
@@ -289,7 +291,8 @@ class VllmLayoutGenerator:
         if self.config.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
-        w13, w2 = w[f"{m}.experts.w13_weight"], w[f"{m}.experts.w2_weight"]
+        experts = f"{m}.{self._expert_module}"
+        w13, w2 = w[f"{experts}.w13_weight"], w[f"{experts}.w2_weight"]
         out = torch.zeros_like(x)
         for j, e in enumerate(self._experts):
             tok, slot = (chosen == e).nonzero(as_tuple=True)

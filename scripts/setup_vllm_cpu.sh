@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Install vLLM's model classes into a CPU-torch virtual environment, for the vLLM truth
+# and worker-side tests (tests/test_vllm_truth.py, tests/test_vllm_worker.py).
+#
+#   scripts/setup_vllm_cpu.sh [VERSION] [VENV]      # defaults: 0.33.0 .venv-vllm
+#
+# The venv sees this machine's packages (--system-site-packages: the CPU torch, this
+# project, transformers); vLLM's wheel goes in with --no-deps, plus only its pure-Python
+# requirements. No CUDA torch, flashinfer, triton or other kernel package is installed:
+# vLLM's CUDA kernels do not load, its model classes and weight loaders do.
+# About 1 minute and 1 GB (the wheel is 336 MB). Idempotent.
+set -euo pipefail
+VERSION="${1:-0.33.0}"
+VENV="${2:-.venv-vllm}"
+PY="$VENV/bin/python"
+
+if [ -x "$PY" ] && [ "$("$PY" -c 'from importlib.metadata import version; print(version("vllm"))' 2>/dev/null)" = "$VERSION" ]; then
+    echo "vLLM $VERSION already in $VENV"
+    exit 0
+fi
+python3 -m venv --system-site-packages "$VENV"
+TORCH="$(python3 -c 'import torch; print(torch.__version__.split("+")[0])')"
+CONSTRAINTS="$(mktemp)"
+echo "torch==$TORCH" > "$CONSTRAINTS"
+PIP=("$PY" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS")
+# Leaf packages and the ones whose own requirements would pull torch or triton: no deps.
+"${PIP[@]}" --no-deps "vllm==$VERSION" "xgrammar==0.2.8" "apache-tvm-ffi==0.1.11" \
+    psutil cbor2 pybase64 cachetools msgspec uvloop prometheus_client \
+    partial-json-parser llguidance einops
+# Pure-Python requirements with their own (pure-Python) dependencies.
+"${PIP[@]}" aiohttp openai oss-harmony pillow fastapi pyzmq
+rm -f "$CONSTRAINTS"
+VLLM_TARGET_DEVICE=cpu "$PY" - <<'PYEOF'
+import vllm.model_executor.models.deepseek_v2, vllm.model_executor.models.qwen3_moe  # noqa
+import vllm
+print(f"vLLM {vllm.__version__} model classes import on CPU")
+PYEOF

@@ -1,0 +1,168 @@
+"""Build vLLM's own model classes on CPU, one rank at a time (runs where vLLM is installed).
+
+vLLM is installed from its wheel with ``--no-deps`` into a CPU-torch environment
+(``scripts/setup_vllm_cpu.sh``); its CUDA kernels do not load there, but its model
+classes construct. What cannot run on CPU is replaced by stand-ins:
+
+* ``vllm.distributed.parallel_state``'s group objects (``_WORLD, _TP, _PP, _DP, _EP,
+  _PCP, _DCP``) become :class:`StandInGroup` s that only know a size and a rank — the
+  model constructors read nothing else from them;
+* releases before 0.33 do not detect the CPU platform from ``VLLM_TARGET_DEVICE`` at run
+  time: the CPU platform is set explicitly.
+
+Everything else — ``VllmConfig``, the model registry, the layers and their
+``weight_loader`` s, ``load_weights`` — is vLLM's own code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import torch  # noqa: E402
+
+
+class _StandInDeviceGroup:
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+class StandInGroup:
+    """What vLLM's model constructors read from a ``GroupCoordinator``."""
+
+    def __init__(self, world_size: int, rank_in_group: int) -> None:
+        self.world_size = world_size
+        self.rank_in_group = rank_in_group
+        self.rank = rank_in_group
+        self.ranks = list(range(world_size))
+        self.local_rank = 0
+        self.first_rank, self.last_rank = 0, world_size - 1
+        self.is_first_rank = rank_in_group == 0
+        self.is_last_rank = rank_in_group == world_size - 1
+        self.device_group = _StandInDeviceGroup(world_size, rank_in_group)
+        self.cpu_group = self.device_group
+        self.device_communicator = None
+        self.use_device_communicator = False
+        self.unique_name = "stand-in"
+
+
+@dataclass(frozen=True)
+class EngineRank:
+    """One rank of one vLLM engine: its parallel sizes and coordinates."""
+
+    tp: int = 1
+    pp: int = 1
+    engine_dp: int = 1
+    expert_parallel: bool = False
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    all2all_backend: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineRank:
+        return cls(**d)
+
+
+def _use_cpu_platform() -> None:
+    import vllm.platforms as platforms
+
+    if getattr(platforms.current_platform, "device_name", None) != "cpu":
+        from vllm.platforms.cpu import CpuPlatform
+
+        platforms._current_platform = CpuPlatform()
+
+
+def _set_groups(r: EngineRank) -> None:
+    from vllm.distributed import parallel_state as ps
+
+    moe_size = r.tp * r.engine_dp
+    ps._WORLD = StandInGroup(
+        r.tp * r.pp * r.engine_dp, (r.dp_rank * r.pp + r.pp_rank) * r.tp + r.tp_rank
+    )
+    ps._TP = StandInGroup(r.tp, r.tp_rank)
+    ps._PP = StandInGroup(r.pp, r.pp_rank)
+    ps._DP = StandInGroup(r.engine_dp, r.dp_rank)
+    ps._EP = StandInGroup(moe_size, r.dp_rank * r.tp + r.tp_rank)
+    ps._PCP = StandInGroup(1, 0)
+    ps._DCP = StandInGroup(1, 0)
+
+
+def vllm_config(hf_config: dict[str, Any], r: EngineRank, dtype: str | None = None):
+    """vLLM's ``VllmConfig`` for a model directory holding ``hf_config`` as config.json."""
+    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
+
+    model_dir = tempfile.mkdtemp(prefix="vllm-cpu-model-")
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(hf_config, f)
+    model = ModelConfig(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        max_model_len=min(64, int(hf_config.get("max_position_embeddings", 64))),
+        enforce_eager=True,
+        dtype=dtype or "auto",
+    )
+    extra = {} if r.all2all_backend is None else {"all2all_backend": r.all2all_backend}
+    parallel = ParallelConfig(
+        tensor_parallel_size=r.tp,
+        pipeline_parallel_size=r.pp,
+        data_parallel_size=r.engine_dp,
+        data_parallel_rank=r.dp_rank,
+        enable_expert_parallel=r.expert_parallel,
+        distributed_executor_backend="mp",
+        **extra,
+    )
+    return VllmConfig(
+        model_config=model,
+        parallel_config=parallel,
+        device_config=DeviceConfig("cpu"),
+        load_config=LoadConfig(load_format="dummy"),
+    )
+
+
+def build_model(
+    hf_config: dict[str, Any], r: EngineRank, device: str = "meta", dtype: str | None = None
+) -> tuple[torch.nn.Module, Any]:
+    """vLLM's model class for ``hf_config`` as engine rank ``r`` builds it, on ``device``."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+
+    _use_cpu_platform()
+    config = vllm_config(hf_config, r, dtype)
+    _set_groups(r)
+    with set_current_vllm_config(config):
+        model_cls, _ = get_model_architecture(config.model_config)
+        with torch.device(device):
+            model = model_cls(vllm_config=config, prefix="")
+    return model, config
+
+
+def describe(model: torch.nn.Module) -> dict[str, list[Any]]:
+    return {
+        name: [list(p.shape), str(p.dtype).removeprefix("torch.")]
+        for name, p in model.named_parameters()
+    }
+
+
+def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    yield from load_file(path).items()
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
