@@ -142,10 +142,16 @@ def build_model(
     _use_cpu_platform()
     config = vllm_config(hf_config, r, dtype)
     _set_groups(r)
-    with set_current_vllm_config(config):
-        model_cls, _ = get_model_architecture(config.model_config)
-        with torch.device(device):
-            model = model_cls(vllm_config=config, prefix="")
+    # As vLLM's model loader does: parameters take the model dtype by default.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(config.model_config.dtype)
+    try:
+        with set_current_vllm_config(config):
+            model_cls, _ = get_model_architecture(config.model_config)
+            with torch.device(device):
+                model = model_cls(vllm_config=config, prefix="")
+    finally:
+        torch.set_default_dtype(previous)
     return model, config
 
 

@@ -2,9 +2,9 @@
 
     python tests/vllm_cpu_job.py JOB.json RESULT.json
 
-JOB: ``{"config": <HF config.json dict>, "builds": [{"id", "rank": EngineRank fields,
-"device": "meta"|"cpu", "dtype", "weights": <safetensors path or null>,
-"out": <safetensors path or null>}]}``. For each build, RESULT holds the
+JOB: ``{"configs": {key: <HF config.json dict>}, "builds": [{"id", "config": key,
+"rank": EngineRank fields, "device": "meta"|"cpu", "dtype", "weights": <safetensors
+path or null>, "out": <safetensors path or null>}]}``. For each build, RESULT holds the
 ``named_parameters()`` names, shapes and dtypes, vLLM's chosen model dtype and the
 build time; with ``weights`` the rank loads them through vLLM's own
 ``model.load_weights()`` and writes its parameters to ``out``.
@@ -26,7 +26,8 @@ def main(job_path: str, result_path: str) -> None:
     for b in job["builds"]:
         t0 = time.perf_counter()
         rank = vllm_cpu.EngineRank.from_dict(b["rank"])
-        model, config = vllm_cpu.build_model(job["config"], rank, b["device"], b.get("dtype"))
+        hf_config = job["configs"][b["config"]]
+        model, config = vllm_cpu.build_model(hf_config, rank, b["device"], b.get("dtype"))
         entry: dict[str, object] = {
             "params": vllm_cpu.describe(model),
             "model_dtype": str(config.model_config.dtype).removeprefix("torch."),
@@ -37,9 +38,7 @@ def main(job_path: str, result_path: str) -> None:
 
             loaded = model.load_weights(vllm_cpu.checkpoint_tensors(b["weights"]))
             entry["loaded"] = sorted(loaded) if loaded is not None else None
-            save_file(
-                {n: p.detach().contiguous() for n, p in model.named_parameters()}, b["out"]
-            )
+            save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, b["out"])
         entry["build_s"] = round(time.perf_counter() - t0, 3)
         results["builds"][b["id"]] = entry  # type: ignore[index]
     with open(result_path, "w") as f:

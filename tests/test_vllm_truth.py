@@ -1,0 +1,332 @@
+"""The vLLM layout provider against vLLM's own model classes (vLLM installed on CPU).
+
+For every case, vLLM's model class is built for each engine rank (meta device) and
+its ``named_parameters()`` — names, shapes, dtypes — must equal the provider's local
+tensors exactly. For the content cases the ranks are built with real float32
+storage and loaded through vLLM's own ``model.load_weights()`` from random
+checkpoint tensors: every provider piece must then hold exactly the canonical slice
+it claims, and every padding box zeros. Two negative controls show both checks fail
+when a provider rule is broken.
+
+vLLM runs in its own processes under the Python of ``scripts/setup_vllm_cpu.sh``;
+without it the tests skip and say how to install it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Any
+
+import pytest
+import torch
+import vllm_env
+from hf_models import TINY_CONFIGS
+
+from nemo_refit_reshard.layouts import VLLM_RELEASES, RankLayout, VllmOptions, vllm_layout
+from nemo_refit_reshard.layouts.vllm import vllm_position
+from nemo_refit_reshard.spec import InferParallel, ModelSpec, spec_from_hf_config
+
+_SKIP = vllm_env.skip_reason()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+
+_HF_CLASSES = {
+    "llama": "LlamaConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "deepseek_v3": "DeepseekV3Config",
+}
+
+
+def hf_config(family: str, **overrides: Any) -> dict[str, Any]:
+    """A full config.json dict (transformers' defaults filled in, ``model_type`` set)."""
+    import transformers
+
+    kwargs = {k: v for k, v in TINY_CONFIGS[family].items() if k != "architectures"}
+    kwargs.update(overrides)
+    cfg = getattr(transformers, _HF_CLASSES[family])(**kwargs).to_dict()
+    cfg["architectures"] = TINY_CONFIGS[family]["architectures"]
+    return cfg
+
+
+_DS = dict(topk_method="noaux_tc")
+# Kimi-K2's shape ratios (DeepseekV3ForCausalLM, one dense layer, one expert group,
+# more experts than ranks and not a multiple of them), scaled down.
+_KIMI = dict(
+    topk_method="noaux_tc",
+    n_routed_experts=12,
+    num_experts_per_tok=4,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    num_hidden_layers=3,
+)
+MODELS: dict[str, dict[str, Any]] = {
+    "llama": hf_config("llama", num_attention_heads=8, num_key_value_heads=2),
+    "qwen2": hf_config("qwen2", num_attention_heads=8, num_key_value_heads=2),
+    "qwen3": hf_config("qwen3", num_hidden_layers=3),
+    "qwen3_moe": hf_config("qwen3_moe"),
+    "qwen3_moe_e6": hf_config("qwen3_moe", num_experts=6),
+    "deepseek_v3": hf_config("deepseek_v3", **_DS),
+    "deepseek_v3_no_topk_method": hf_config("deepseek_v3"),
+    "deepseek_v3_no_q_lora": hf_config("deepseek_v3", q_lora_rank=None, **_DS),
+    "kimi_k2": hf_config("deepseek_v3", **_KIMI),
+}
+
+P = InferParallel
+# (model, parallelism, all2all backend or None for vLLM's default)
+CASES: list[tuple[str, InferParallel, str | None]] = [
+    ("llama", P(), None),
+    ("llama", P(tp=2), None),
+    ("llama", P(tp=4), None),  # 2 KV heads over 4 ranks: each replicated twice
+    ("llama", P(tp=2, pp=2), None),
+    ("qwen2", P(tp=4), None),  # qkv biases, KV replication
+    ("qwen2", P(pp=2), None),
+    ("qwen3", P(tp=2, pp=2), None),  # tied: the last stage builds embed_tokens too
+    ("qwen3", P(tp=4), None),
+    ("qwen3_moe", P(tp=2), None),
+    ("qwen3_moe", P(tp=2, engine_dp=2), None),  # experts sliced over 4 moe ranks
+    ("qwen3_moe", P(tp=2, engine_dp=2, ep=4), None),
+    ("qwen3_moe", P(tp=2, pp=2, ep=2), None),
+    ("qwen3_moe_e6", P(engine_dp=4, ep=4), None),  # 6 experts over 4: 2, 2, 1, 1
+    ("deepseek_v3", P(tp=2), None),
+    ("deepseek_v3", P(tp=2, engine_dp=2), None),
+    ("deepseek_v3", P(tp=2, engine_dp=2, ep=4), None),  # sequence-parallel MoE
+    ("deepseek_v3", P(tp=2, pp=3, engine_dp=2, ep=4), None),
+    ("deepseek_v3", P(tp=2, engine_dp=2, ep=4), "flashinfer_nvlink_two_sided"),  # not SP
+    ("deepseek_v3", P(engine_dp=2, ep=2), None),  # tp=1: not SP
+    ("deepseek_v3_no_topk_method", P(tp=2), None),
+    ("deepseek_v3_no_q_lora", P(tp=4), None),
+    ("kimi_k2", P(tp=4, engine_dp=2, ep=8), None),  # 12 experts over 8 ranks
+]
+# Built with real storage and loaded through vLLM's load_weights().
+CONTENT_CASES: list[tuple[str, InferParallel, str | None]] = [
+    ("llama", P(tp=4), None),
+    ("qwen2", P(tp=2), None),
+    ("qwen3", P(tp=2, pp=2), None),
+    ("qwen3_moe", P(tp=2, engine_dp=2), None),
+    ("qwen3_moe_e6", P(engine_dp=4, ep=4), None),
+    ("deepseek_v3", P(tp=2, engine_dp=2, ep=4), None),
+    ("deepseek_v3_no_q_lora", P(tp=2, pp=2), None),
+    ("deepseek_v3", P(tp=2), None),  # shared experts sharded over TP
+    ("kimi_k2", P(tp=4, engine_dp=2, ep=8), None),
+    ("qwen3_moe", P(tp=2, pp=2, ep=2), None),
+]
+
+
+def case_id(case: tuple[str, InferParallel, str | None]) -> str:
+    model, par, backend = case
+    return f"{model}-{par}" + (f"-{backend}" if backend else "")
+
+
+def engine_ranks(par: InferParallel) -> list[int]:
+    """One engine's ranks (independent engines are identical)."""
+    return list(range(par.engine_world_size))
+
+
+def rank_fields(par: InferParallel, rank: int, backend: str | None) -> dict[str, Any]:
+    pos = vllm_position(par, rank)
+    return dict(
+        tp=par.tp,
+        pp=par.pp,
+        engine_dp=par.engine_dp,
+        expert_parallel=par.expert_parallel,
+        tp_rank=pos.tp,
+        pp_rank=pos.pp,
+        dp_rank=pos.edp,
+        all2all_backend=backend,
+    )
+
+
+@functools.cache
+def spec_of(model: str) -> ModelSpec:
+    return spec_from_hf_config(MODELS[model], name=model)
+
+
+def checkpoint(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random float32 checkpoint tensors, every element distinct in practice."""
+    g = torch.Generator().manual_seed(seed)
+    return {t.name: torch.randn(t.shape, generator=g) for t in spec}
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every case's builds, in two vLLM processes running side by side (meta / content)."""
+    work = tmp_path_factory.mktemp("vllm-truth")
+    meta_job: dict[str, Any] = {"configs": MODELS, "builds": []}
+    for case in CASES:
+        model, par, backend = case
+        for rank in engine_ranks(par):
+            meta_job["builds"].append(
+                dict(
+                    id=f"{case_id(case)}/{rank}",
+                    config=model,
+                    rank=rank_fields(par, rank, backend),
+                    device="meta",
+                )
+            )
+    content_job: dict[str, Any] = {"configs": MODELS, "builds": []}
+    for model in sorted({c[0] for c in CONTENT_CASES}):
+        from safetensors.torch import save_file
+
+        save_file(checkpoint(spec_of(model)), str(work / f"{model}.safetensors"))
+    for case in CONTENT_CASES:
+        model, par, backend = case
+        for rank in engine_ranks(par):
+            bid = f"{case_id(case)}/{rank}"
+            content_job["builds"].append(
+                dict(
+                    id=bid,
+                    config=model,
+                    rank=rank_fields(par, rank, backend),
+                    device="cpu",
+                    dtype="float32",
+                    weights=str(work / f"{model}.safetensors"),
+                    out=str(work / f"{bid.replace('/', '_')}.safetensors"),
+                )
+            )
+    procs = {}
+    for name, job in (("meta", meta_job), ("content", content_job)):
+        d = work / name
+        d.mkdir()
+        (d / "job.json").write_text(json.dumps(job))
+        procs[name] = (vllm_env.start("vllm_cpu_job.py", str(d / "job.json"), str(d / "r.json")), d)
+    out: dict[str, Any] = {}
+    for name, (proc, d) in procs.items():
+        vllm_env.finish(proc, f"vLLM {name} builds")
+        out[name] = json.loads((d / "r.json").read_text())
+    out["work"] = work
+    return out
+
+
+def provider_layout(
+    model: str, par: InferParallel, rank: int, backend: str | None, dtype: str, version: str
+) -> RankLayout:
+    opts = VllmOptions(params_dtype=dtype, vllm_version=version, all2all_backend=backend)
+    return vllm_layout(spec_of(model), par, rank, opts)
+
+
+def name_shape_mismatches(layout: RankLayout, live: dict[str, list[Any]]) -> list[str]:
+    """Differences between the provider's tensors and vLLM's ``named_parameters()``."""
+    ours = {t.name: [list(t.shape), t.dtype] for t in layout.tensors}
+    out = [f"only in vLLM: {n} {live[n]}" for n in sorted(set(live) - set(ours))]
+    out += [f"only in the provider: {n} {ours[n]}" for n in sorted(set(ours) - set(live))]
+    out += [
+        f"{n}: vLLM {live[n]}, provider {ours[n]}"
+        for n in sorted(set(ours) & set(live))
+        if ours[n] != live[n]
+    ]
+    return out
+
+
+def content_mismatches(
+    layout: RankLayout, loaded: dict[str, torch.Tensor], canonical: dict[str, torch.Tensor]
+) -> list[str]:
+    """Pieces whose local box does not hold their canonical box after vLLM's loader."""
+    out = []
+    for t in layout.tensors:
+        local = loaded[t.name]
+        for p in t.pieces:
+            want = canonical[p.canonical][p.canonical_box.slices()].reshape(p.local_box.sizes)
+            if not torch.equal(local[p.local_box.slices()], want.to(local.dtype)):
+                out.append(f"{t.name}{list(p.local_box.slices())} != {p.canonical}")
+        for box in t.padding:
+            if local[box.slices()].count_nonzero():
+                out.append(f"{t.name}: padding {box} is not zero")
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_provider_matches_vllm_parameters(
+    case: tuple[str, InferParallel, str | None], vllm_runs: dict[str, Any]
+) -> None:
+    model, par, backend = case
+    result = vllm_runs["meta"]
+    for rank in engine_ranks(par):
+        build = result["builds"][f"{case_id(case)}/{rank}"]
+        lay = provider_layout(
+            model, par, rank, backend, build["model_dtype"], result["vllm_version"]
+        )
+        assert name_shape_mismatches(lay, build["params"]) == [], f"rank {rank}"
+
+
+def test_sequence_parallel_moe_is_what_vllm_decided(vllm_runs: dict[str, Any]) -> None:
+    """The provider's sequence-parallel rule agrees with vLLM's ParallelConfig."""
+    result = vllm_runs["meta"]
+    for case in CASES:
+        model, par, backend = case
+        build = result["builds"][f"{case_id(case)}/0"]
+        opts = VllmOptions(vllm_version=result["vllm_version"], all2all_backend=backend)
+        assert opts.sequence_parallel_moe(par) == build["sequence_parallel_moe"], case_id(case)
+
+
+@pytest.mark.parametrize("case", CONTENT_CASES, ids=case_id)
+def test_provider_pieces_hold_what_vllm_loaded(
+    case: tuple[str, InferParallel, str | None], vllm_runs: dict[str, Any]
+) -> None:
+    from safetensors.torch import load_file
+
+    model, par, backend = case
+    canonical = checkpoint(spec_of(model))
+    result = vllm_runs["content"]
+    for rank in engine_ranks(par):
+        bid = f"{case_id(case)}/{rank}"
+        build = result["builds"][bid]
+        loaded = load_file(str(vllm_runs["work"] / f"{bid.replace('/', '_')}.safetensors"))
+        lay = provider_layout(model, par, rank, backend, "float32", result["vllm_version"])
+        assert name_shape_mismatches(lay, build["params"]) == []
+        assert content_mismatches(lay, loaded, canonical) == [], f"rank {rank}"
+
+
+def test_broken_rules_are_caught(
+    vllm_runs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Negative controls: each check fails when one provider rule is broken."""
+    result = vllm_runs["meta"]
+    version = result["vllm_version"]
+    key = ".".join(version.split(".")[:2])
+    # 1. Shared experts sharded over TP under sequence-parallel MoE (the old rule).
+    case = ("deepseek_v3", P(tp=2, engine_dp=2, ep=4), None)
+    no_sp = dataclasses.replace(VLLM_RELEASES[key], sequence_parallel_backends=frozenset())
+    monkeypatch.setitem(VLLM_RELEASES, key, no_sp)
+    build = result["builds"][f"{case_id(case)}/0"]
+    lay = provider_layout("deepseek_v3", case[1], 0, None, build["model_dtype"], version)
+    diffs = name_shape_mismatches(lay, build["params"])
+    assert any("shared_experts.gate_up_proj" in d for d in diffs), diffs
+    monkeypatch.undo()
+    # 2. The pre-0.24 expert module name.
+    case = ("qwen3_moe", P(tp=2), None)
+    build = result["builds"][f"{case_id(case)}/0"]
+    lay = provider_layout("qwen3_moe", case[1], 0, None, build["model_dtype"], "0.11")
+    diffs = name_shape_mismatches(lay, build["params"])
+    assert "only in vLLM: model.layers.0.mlp.experts.routed_experts.w13_weight" in " ".join(
+        diffs
+    ), diffs
+    # 3. Content: K and V heads swapped inside qkv_proj.
+    from safetensors.torch import load_file
+
+    case = ("llama", P(tp=4), None)
+    bid = f"{case_id(case)}/1"
+    loaded = load_file(str(vllm_runs["work"] / f"{bid.replace('/', '_')}.safetensors"))
+    lay = provider_layout(
+        "llama", case[1], 1, None, "float32", vllm_runs["content"]["vllm_version"]
+    )
+    swapped = []
+    for t in lay.tensors:
+        pieces = tuple(
+            dataclasses.replace(
+                p,
+                canonical=p.canonical.replace("k_proj", "@")
+                .replace("v_proj", "k_proj")
+                .replace("@", "v_proj"),
+            )
+            for p in t.pieces
+        )
+        swapped.append(dataclasses.replace(t, pieces=pieces))
+    broken = dataclasses.replace(lay, tensors=tuple(swapped))
+    diffs = content_mismatches(broken, loaded, checkpoint(spec_of("llama")))
+    assert len(diffs) == 2 * 2 and all("qkv_proj" in d for d in diffs), diffs

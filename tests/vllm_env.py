@@ -1,0 +1,77 @@
+"""Where the CPU vLLM install lives, and running a program under it.
+
+The vLLM tests run vLLM in its own processes, with the Python of the environment
+``scripts/setup_vllm_cpu.sh`` made (``.venv-vllm``, or ``$NRR_VLLM_PYTHON``): vLLM
+changes process-wide state on import (logging, torch custom ops, platform), which
+the rest of the suite should not see.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = REPO / "tests"
+SETUP_HINT = "run scripts/setup_vllm_cpu.sh (about 1 minute) to install vLLM for these tests"
+
+
+def vllm_python() -> str | None:
+    """The interpreter with vLLM installed, or None."""
+    explicit = os.environ.get("NRR_VLLM_PYTHON")
+    if explicit:
+        return explicit
+    venv = REPO / ".venv-vllm" / "bin" / "python"
+    return str(venv) if venv.exists() else None
+
+
+def skip_reason() -> str | None:
+    python = vllm_python()
+    if python is None:
+        return f"vLLM is not installed for the CPU tests: {SETUP_HINT}"
+    probe = subprocess.run(
+        [python, "-c", "from importlib.metadata import version; print(version('vllm'))"],
+        capture_output=True,
+        text=True,
+    )
+    if probe.returncode != 0:
+        return f"{python} has no vLLM: {SETUP_HINT}"
+    return None
+
+
+def vllm_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["VLLM_TARGET_DEVICE"] = "cpu"
+    env["VLLM_LOGGING_LEVEL"] = "ERROR"
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
+def start(script: str, *args: str) -> subprocess.Popen[str]:
+    """Start ``tests/<script>`` under vLLM's Python (stdout/stderr captured)."""
+    python = vllm_python()
+    assert python is not None, SETUP_HINT
+    return subprocess.Popen(
+        [python, str(TESTS / script), *args],
+        env=vllm_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen[str], what: str) -> None:
+    out, _ = proc.communicate()
+    if proc.returncode != 0:
+        raise AssertionError(f"{what} failed (exit {proc.returncode}):\n{out[-6000:]}")
+
+
+def run_job(job: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    """Run one ``vllm_cpu_job.py`` job and return its result."""
+    job_path, result_path = workdir / "job.json", workdir / "result.json"
+    job_path.write_text(json.dumps(job))
+    finish(start("vllm_cpu_job.py", str(job_path), str(result_path)), "vLLM CPU job")
+    return json.loads(result_path.read_text())
