@@ -1,0 +1,39 @@
+"""Refit inside real vLLM engines (worker side) and reading a vLLM engine's configuration.
+
+Importing this package does not import vLLM; the worker functions do, inside vLLM's
+worker processes.
+"""
+
+from .config import (
+    IN_PLACE_MOE_BACKENDS,
+    EngineLayout,
+    UnsupportedVllmOption,
+    check_supported,
+    engine_layout,
+)
+from .worker import (
+    ReshardWorkerExtension,
+    check_moe_backends,
+    refit_check_plan,
+    refit_close,
+    refit_describe,
+    refit_join,
+    refit_load_plan,
+    refit_step,
+)
+
+__all__ = [
+    "IN_PLACE_MOE_BACKENDS",
+    "EngineLayout",
+    "ReshardWorkerExtension",
+    "UnsupportedVllmOption",
+    "check_moe_backends",
+    "check_supported",
+    "engine_layout",
+    "refit_check_plan",
+    "refit_close",
+    "refit_describe",
+    "refit_join",
+    "refit_load_plan",
+    "refit_step",
+]

@@ -1,0 +1,259 @@
+"""Refit inside vLLM's workers: plain functions for ``collective_rpc`` and an extension class.
+
+Every function takes vLLM's worker as its first argument, as
+``LLM.collective_rpc(fn, args=...)`` / ``AsyncLLM.collective_rpc(fn, args=...)``
+call it; :class:`ReshardWorkerExtension` exposes the same operations as methods
+for ``worker_extension_cls`` (then ``collective_rpc("refit_join", args=...)``).
+Each vLLM worker of an engine runs them, in this order::
+
+    refit_describe(worker)                        -> this rank's live parameters
+    refit_join(worker, endpoint_json, first_rank) -> joins the refit group
+    refit_load_plan(worker, plan)                 -> checks and compiles its plan slice
+    refit_step(worker)                            -> one refit, in place; timing
+    refit_close(worker)
+
+Parameters are written **in place**: their storage never moves, so CUDA graphs
+captured by vLLM stay valid. With the gloo transport and parameters on a GPU, the
+worker stages through host memory: it receives into pinned host mirrors and copies
+them into the parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ...engine.program import check_live_tensors
+from ...plan.overlap import PlanError
+from ...plan.plan import RefitPlan
+from ...plan.rank_plan import RankPlan, load_plan_json
+from ..worker import RefitEndpoint, RefitWorker, describe_tensors
+from .config import IN_PLACE_MOE_BACKENDS, EngineLayout, UnsupportedVllmOption, engine_layout
+
+_STATE = "_nemo_refit_reshard"
+
+
+@dataclass
+class _WorkerState:
+    layout: EngineLayout
+    engine_rank: int
+    params: dict[str, torch.Tensor]
+    refit: RefitWorker | None = None
+    mirrors: dict[str, torch.Tensor] = field(default_factory=dict)
+    steps: int = 0
+
+
+def _model(worker: Any) -> torch.nn.Module:
+    runner = worker.model_runner
+    return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def engine_rank(worker: Any) -> int:
+    """This worker's rank inside its engine: ``(edp·pp + pp_rank)·tp + tp_rank``."""
+    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+
+    par = worker.vllm_config.parallel_config
+    edp = int(getattr(par, "data_parallel_rank", 0) or 0)
+    pp, tp = int(par.pipeline_parallel_size), int(par.tensor_parallel_size)
+    return (edp * pp + get_pp_group().rank_in_group) * tp + get_tensor_model_parallel_rank()
+
+
+def check_moe_backends(model: torch.nn.Module) -> None:
+    """Refuse MoE layers whose backend re-lays the weights after loading."""
+    bad = []
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        backend = getattr(method, "unquantized_backend", None)
+        if backend is None:
+            continue
+        label = getattr(backend, "name", str(backend))
+        if label not in IN_PLACE_MOE_BACKENDS:
+            bad.append(f"{name}: {label}")
+    if bad:
+        raise UnsupportedVllmOption(
+            "MoE backends that re-lay w13/w2 after loading cannot be refit in place: "
+            + ", ".join(bad[:4])
+            + (f" (+{len(bad) - 4} more)" if len(bad) > 4 else "")
+            + f"; supported: {sorted(IN_PLACE_MOE_BACKENDS)} (select one with vLLM's MoE "
+            "backend setting)"
+        )
+
+
+def _state(worker: Any) -> _WorkerState:
+    state = getattr(worker, _STATE, None)
+    if state is None:
+        model = _model(worker)
+        check_moe_backends(model)
+        state = _WorkerState(
+            layout=engine_layout(worker.vllm_config, _vllm_version()),
+            engine_rank=engine_rank(worker),
+            params=dict(model.named_parameters()),
+        )
+        setattr(worker, _STATE, state)
+    return state
+
+
+def refit_describe(worker: Any) -> dict[str, Any]:
+    """This rank's live parameters and where it sits, for the driver to check the plan."""
+    s = _state(worker)
+    first = next(iter(s.params.values()))
+    return {
+        "vllm_version": s.layout.vllm_version,
+        "parallel": str(s.layout.parallel),
+        "engine_rank": s.engine_rank,
+        "device": str(first.device),
+        "all2all_backend": s.layout.options.all2all_backend,
+        "tensors": describe_tensors(s.params),
+    }
+
+
+def refit_join(worker: Any, endpoint_json: str, first_rank: int) -> int:
+    """Join the refit group as rank ``first_rank + engine rank``; returns that rank.
+
+    ``endpoint_json`` is a :class:`RefitEndpoint` whose ``group_rank`` is ignored:
+    every worker of the engine receives the same arguments from ``collective_rpc``.
+    """
+    s = _state(worker)
+    base = RefitEndpoint.from_json(endpoint_json)
+    endpoint = replace(base, group_rank=first_rank + s.engine_rank)
+    device = next(iter(s.params.values())).device
+    tensors: dict[str, torch.Tensor] = s.params
+    if endpoint.transport == "gloo" and device.type != "cpu":
+        # Host staging: gloo moves CPU tensors only. Mirrors start as copies so that
+        # elements no piece writes (vocabulary padding) keep vLLM's values.
+        s.mirrors = {
+            n: p.detach().to("cpu").pin_memory() if torch.cuda.is_available() else p.cpu()
+            for n, p in s.params.items()
+        }
+        tensors = s.mirrors
+    s.refit = RefitWorker(endpoint, tensors)
+    s.refit.join()
+    return endpoint.group_rank
+
+
+def _read_plan(plan: str, group_rank: int) -> str:
+    """JSON text, or a path (``{rank}`` is replaced by this worker's refit rank)."""
+    text = plan.strip()
+    if text.startswith("{"):
+        return plan
+    path = plan.format(rank=group_rank)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"refit plan file {path!r} does not exist on this worker")
+    with open(path) as f:
+        return f.read()
+
+
+def refit_check_plan(worker: Any, plan: str, group_rank: int) -> RefitPlan | RankPlan:
+    """Check, on this worker alone, that the plan for refit rank ``group_rank`` writes
+    exactly the live parameters, with their shapes, dtypes and device; a mismatch is a
+    ``PlanError`` naming the tensors and the vLLM version. Returns the loaded plan."""
+    s = _state(worker)
+    loaded = load_plan_json(_read_plan(plan, group_rank))
+    expected = loaded.expected_tensors(group_rank)
+    where = f"vLLM {s.layout.vllm_version} rank {s.engine_rank} of {s.layout.parallel}"
+    hint = (
+        f"build the plan with VllmOptions(vllm_version={s.layout.vllm_version!r}, "
+        f"all2all_backend={s.layout.options.all2all_backend!r}) and this engine's parallelism"
+    )
+    problems = [
+        f"{n}: live, but the plan does not write it" for n in sorted(set(s.params) - set(expected))
+    ]
+    try:
+        check_live_tensors(expected, s.params, None, where)
+    except PlanError as err:
+        problems += str(err).split("\n  ")[1:]
+    if problems:
+        shown = "\n  ".join(problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise PlanError(f"{where}: live parameters do not match the plan:\n  {shown}{more}\n{hint}")
+    return loaded
+
+
+def refit_load_plan(worker: Any, plan: str) -> int:
+    """Check the plan against the live parameters (:func:`refit_check_plan`) and compile
+    this rank's program. Collective over the refit group: every rank calls it. ``plan``
+    is JSON text or a path, where ``{rank}`` stands for this worker's refit rank (ship
+    each worker its slice). Returns the number of parameters the plan writes."""
+    s = _state(worker)
+    if s.refit is None:
+        raise RuntimeError("call refit_join before refit_load_plan")
+    rank = s.refit.endpoint.group_rank
+    loaded = refit_check_plan(worker, plan, rank)
+    s.refit.load_plan(loaded)
+    return len(loaded.expected_tensors(rank))
+
+
+def refit_step(worker: Any) -> dict[str, float]:
+    """One refit (collective), writing the parameters in place; this rank's timing.
+
+    The caller must have paused generation on this engine (no forward pass may run
+    while weights change) and should reset the prefix cache afterwards.
+    """
+    s = _state(worker)
+    if s.refit is None or s.refit.refitter is None:
+        raise RuntimeError("call refit_join and refit_load_plan before refit_step")
+    t0 = time.perf_counter()
+    timing = s.refit.refit()
+    staging = 0.0
+    if s.mirrors:
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            for name, mirror in s.mirrors.items():
+                s.params[name].copy_(mirror, non_blocking=True)
+        torch.cuda.synchronize()
+        staging = time.perf_counter() - t1
+    s.steps += 1
+    return {
+        "group_rank": float(s.refit.endpoint.group_rank),
+        "seconds": time.perf_counter() - t0,
+        "exchange_seconds": timing.exchange_seconds,
+        "host_seconds": timing.host_seconds,
+        "staging_seconds": staging,
+    }
+
+
+def refit_close(worker: Any) -> None:
+    s = getattr(worker, _STATE, None)
+    if s is not None and s.refit is not None:
+        s.refit.close()
+        s.refit = None
+
+
+class ReshardWorkerExtension:
+    """vLLM ``worker_extension_cls``: ``LLM(..., worker_extension_cls=
+    "nemo_refit_reshard.integrations.vllm.ReshardWorkerExtension")``, then
+    ``llm.collective_rpc("refit_join", args=(endpoint_json, first_rank))`` etc."""
+
+    def refit_describe(self) -> dict[str, Any]:
+        return refit_describe(self)
+
+    def refit_join(self, endpoint_json: str, first_rank: int) -> int:
+        return refit_join(self, endpoint_json, first_rank)
+
+    def refit_check_plan(self, plan: str, group_rank: int) -> None:
+        refit_check_plan(self, plan, group_rank)
+
+    def refit_load_plan(self, plan: str) -> int:
+        return refit_load_plan(self, plan)
+
+    def refit_step(self) -> dict[str, float]:
+        return refit_step(self)
+
+    def refit_close(self) -> None:
+        refit_close(self)
+
+
+def describe_json(worker: Any) -> str:
+    """:func:`refit_describe` as JSON text (for RPC layers that want strings)."""
+    return json.dumps(refit_describe(worker))

@@ -1,0 +1,204 @@
+"""The vLLM worker side (``integrations/vllm``) refitting vLLM's own model classes on CPU.
+
+Training ranks (Megatron-layout float32 shards, this project's Python) and vLLM
+generation ranks (vLLM's model classes with real float32 storage, vLLM's Python)
+join one gloo refit group. Each vLLM rank runs the worker operations through vLLM's
+own ``run_method`` — as ``worker_extension_cls`` methods or as ``collective_rpc``
+callables — and after every step compares each parameter with what vLLM's own
+``load_weights`` makes of that step's checkpoint (``tests/vllm_refit_rank.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import vllm_env
+from safetensors.torch import save_file
+from test_vllm_truth import MODELS, rank_fields
+
+from nemo_refit_reshard.integrations.spawn import _free_port
+from nemo_refit_reshard.integrations.worker import RefitEndpoint
+from nemo_refit_reshard.layouts import MegatronOptions, VllmOptions, megatron_layout, vllm_layouts
+from nemo_refit_reshard.plan import plan_refit
+from nemo_refit_reshard.plan.rank_plan import rank_plan
+from nemo_refit_reshard.spec import InferParallel, ModelSpec, TrainParallel, spec_from_hf_config
+
+_SKIP = vllm_env.skip_reason()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+
+
+def installed_version() -> str:
+    python = vllm_env.vllm_python()
+    assert python is not None
+    out = subprocess.run(
+        [python, "-c", "from importlib.metadata import version; print(version('vllm'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.strip()
+
+
+def write_checkpoints(spec: ModelSpec, work: Path, steps: int) -> list[str]:
+    """The start-up checkpoint, then one per refit step."""
+    paths = []
+    for step in range(-1, steps):
+        g = torch.Generator().manual_seed(100 + step)
+        path = work / f"step{step}.safetensors"
+        save_file({t.name: torch.randn(t.shape, generator=g) for t in spec}, str(path))
+        paths.append(str(path))
+    return paths
+
+
+def write_plan(
+    spec: ModelSpec, train: TrainParallel, infer: InferParallel, work: Path, version: str
+) -> str:
+    """Rank slices ``plan.rank{r}.json``; returns the path template."""
+    sources = [
+        megatron_layout(spec, train, r, MegatronOptions(params_dtype="float32"))
+        for r in range(train.world_size)
+    ]
+    opts = VllmOptions(params_dtype="float32", vllm_version=version)
+    plan = plan_refit(spec, sources, vllm_layouts(spec, infer, opts), bucket_mb=1)
+    for r in range(train.world_size + infer.world_size):
+        (work / f"plan.rank{r}.json").write_text(rank_plan(plan, r).to_json())
+    return str(work / "plan.rank{rank}.json")
+
+
+def run_refit(
+    model: str, train: TrainParallel, infer: InferParallel, work: Path, steps: int = 2
+) -> list[dict[str, Any]]:
+    cfg = MODELS[model]
+    spec = spec_from_hf_config(cfg, name=model)
+    initial, *checkpoints = write_checkpoints(spec, work, steps)
+    plan = write_plan(spec, train, infer, work, installed_version())
+    s, world = train.world_size, train.world_size + infer.world_size
+    endpoint = RefitEndpoint("127.0.0.1", _free_port(), world, 0, "gloo", timeout_s=300)
+    procs = []
+    for r in range(s):
+        path = work / f"train{r}.json"
+        path.write_text(
+            json.dumps(
+                dict(
+                    config=cfg,
+                    train=str(train),
+                    rank=r,
+                    endpoint=dataclasses.replace(endpoint, group_rank=r).to_json(),
+                    plan=plan,
+                    checkpoints=checkpoints,
+                )
+            )
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(vllm_env.TESTS / "train_refit_rank.py"), str(path)],
+                env=vllm_env.vllm_env(),
+            )
+        )
+    results = []
+    for engine in range(infer.dp):
+        for local in range(infer.engine_world_size):
+            d = engine * infer.engine_world_size + local
+            path, out = work / f"vllm{d}.json", work / f"vllm{d}.out.json"
+            path.write_text(
+                json.dumps(
+                    dict(
+                        config=cfg,
+                        rank=rank_fields(infer, local, None),
+                        endpoint=endpoint.to_json(),
+                        first_rank=s + engine * infer.engine_world_size,
+                        plan=plan,
+                        initial=initial,
+                        checkpoints=checkpoints,
+                        route="extension" if engine % 2 == 0 else "function",
+                        mode="refit",
+                    )
+                )
+            )
+            procs.append(vllm_env.start("vllm_refit_rank.py", str(path), str(out)))
+            results.append(out)
+    for p in procs:
+        if isinstance(p.stdout, type(None)):
+            assert p.wait() == 0, "a training rank failed"
+        else:
+            vllm_env.finish(p, "a vLLM rank")
+    return [json.loads(r.read_text()) for r in results]
+
+
+def _check(results: list[dict[str, Any]], steps: int, first: int) -> None:
+    for d, r in enumerate(results):
+        assert r["ok"], r.get("traceback")
+        assert r["group_rank"] == first + d
+        assert r["written"] == r["params"] == len(r["described"]["tensors"])
+        assert [len(s["differ"]) for s in r["steps"]] == [0] * steps, r["steps"]
+        assert [len(s["moved"]) for s in r["steps"]] == [0] * steps
+        assert all(s["timing"]["seconds"] > 0 for s in r["steps"])
+
+
+def test_refit_two_engines_qwen3_moe(tmp_path: Path) -> None:
+    """Two tp=2 engines: one through the extension class, one through plain callables."""
+    results = run_refit("qwen3_moe", TrainParallel(tp=2), InferParallel(tp=2, dp=2), tmp_path)
+    _check(results, 2, first=2)
+    assert results[0]["described"]["vllm_version"] == installed_version()
+    assert results[1]["described"]["parallel"] == "tp=2,pp=1,dp=1,engine_dp=1,ep=1"
+
+
+def test_refit_deepseek_sequence_parallel_moe(tmp_path: Path) -> None:
+    """DeepSeek-V3 with EP over tp=2 x engine_dp=2: shared experts whole on every rank."""
+    infer = InferParallel(tp=2, engine_dp=2, ep=4)
+    results = run_refit("deepseek_v3", TrainParallel(tp=2), infer, tmp_path)
+    _check(results, 2, first=2)
+    shared = "model.layers.1.mlp.shared_experts.gate_up_proj.weight"
+    assert [r["described"]["tensors"][shared][0] for r in results] == [[32, 32]] * 4
+
+
+def _single(tmp_path: Path, mode: str, plan: str, first_rank: int = 2) -> dict[str, Any]:
+    path, out = tmp_path / "vllm.json", tmp_path / "vllm.out.json"
+    path.write_text(
+        json.dumps(
+            dict(
+                config=MODELS["qwen3_moe"],
+                rank=rank_fields(InferParallel(tp=2), 0, None),
+                endpoint="",
+                first_rank=first_rank,
+                plan=plan,
+                checkpoints=[],
+                route="function",
+                mode=mode,
+            )
+        )
+    )
+    vllm_env.finish(vllm_env.start("vllm_refit_rank.py", str(path), str(out)), "vLLM rank")
+    return json.loads(out.read_text())
+
+
+def test_plan_for_another_vllm_release_is_refused(tmp_path: Path) -> None:
+    spec = spec_from_hf_config(MODELS["qwen3_moe"], name="qwen3_moe")
+    plan = write_plan(spec, TrainParallel(tp=2), InferParallel(tp=2), tmp_path, "0.11")
+    r = _single(tmp_path, "wrong_plan", plan)
+    version = installed_version()
+    assert r["error"].startswith(
+        f"PlanError: vLLM {version} rank 0 of tp=2,pp=1,dp=1,engine_dp=1,ep=1: live parameters "
+        "do not match the plan:\n  model.layers.0.mlp.experts.routed_experts.w13_weight: live, "
+        "but the plan does not write it"
+    ), r["error"]
+    assert "model.layers.0.mlp.experts.w13_weight: missing" in r["error"]
+    assert r["error"].endswith(
+        f"build the plan with VllmOptions(vllm_version='{version}', "
+        "all2all_backend='allgather_reducescatter') and this engine's parallelism"
+    )
+
+
+def test_moe_backend_that_relays_weights_is_refused(tmp_path: Path) -> None:
+    r = _single(tmp_path, "flashinfer_backend", "")
+    assert r["error"].startswith(
+        "UnsupportedVllmOption: MoE backends that re-lay w13/w2 after loading cannot be refit "
+        "in place: model.layers.0.mlp.experts.routed_experts: FLASHINFER_CUTLASS"
+    ), r["error"]
