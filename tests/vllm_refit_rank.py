@@ -3,8 +3,8 @@
     python tests/vllm_refit_rank.py SPEC.json RESULT.json
 
 SPEC: ``{"config", "rank": EngineRank fields, "endpoint", "first_rank", "plan",
-"initial": the start-up checkpoint, "checkpoints": [one safetensors path per step], "route": "extension"|"function",
-"mode": "refit"|"wrong_plan"|"flashinfer_backend"}``.
+"initial": the start-up checkpoint, "checkpoints": [one safetensors path per step],
+"route": "extension"|"function", "mode": "refit"|"wrong_plan"|"flashinfer_backend"}``.
 
 The model is vLLM's own class, built on CPU with real float32 storage. vLLM's worker
 process cannot start without its kernels, so a stand-in worker object carries the
