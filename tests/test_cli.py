@@ -113,6 +113,23 @@ def test_layout_errors_exit_2(capsys) -> None:
     assert "error: tp=3 must divide num_attention_heads=32" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "version, expert", [("0.33.0", "experts.routed_experts"), ("0.11.0", "experts")]
+)
+def test_layout_follows_the_vllm_version(version: str, expert: str, capsys) -> None:
+    argv = ["layout", "--framework", "vllm", "--model", "small-qwen3-moe", "--parallel", "tp=2"]
+    assert main([*argv, "--vllm-version", version, "--json"]) == 0
+    names = {t["name"] for t in json.loads(capsys.readouterr().out)["tensors"]}
+    assert f"model.layers.0.mlp.{expert}.w13_weight" in names
+
+
+def test_layout_unknown_vllm_version_exits_2(capsys) -> None:
+    argv = ["layout", "--framework", "vllm", "--model", "small-qwen3", "--vllm-version", "0.9.2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: vLLM 0.9.2 is not a release whose parameter layout this provider knows" in err
+
+
 def test_models_lists_presets(capsys) -> None:
     assert main(["models"]) == 0
     out = capsys.readouterr().out

@@ -124,11 +124,17 @@ def run_refit(
             )
             procs.append(vllm_env.start("vllm_refit_rank.py", str(path), str(out)))
             results.append(out)
-    for p in procs:
-        if isinstance(p.stdout, type(None)):
-            assert p.wait() == 0, "a training rank failed"
-        else:
-            vllm_env.finish(p, "a vLLM rank")
+    try:
+        for p in procs:
+            if p.stdout is None:
+                assert p.wait() == 0, "a training rank failed"
+            else:
+                vllm_env.finish(p, "a vLLM rank")
+    finally:  # one failed rank must not leave the others waiting for their timeout
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     return [json.loads(r.read_text()) for r in results]
 
 

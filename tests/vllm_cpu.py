@@ -132,6 +132,17 @@ def vllm_config(hf_config: dict[str, Any], r: EngineRank, dtype: str | None = No
     )
 
 
+def _forget_pp_missing_layers() -> None:
+    """vLLM caches each model's pipeline-missing layers by ``id(model)``: one model per
+    process there, many here, and a new model can reuse a freed one's id (then its
+    ``load_weights`` skips the wrong layers)."""
+    from vllm.model_executor.models import utils
+
+    cache = getattr(utils, "_model_to_pp_missing_layer_names", None)
+    if cache is not None:
+        cache.clear()
+
+
 def build_model(
     hf_config: dict[str, Any], r: EngineRank, device: str = "meta", dtype: str | None = None
 ) -> tuple[torch.nn.Module, Any]:
@@ -140,6 +151,7 @@ def build_model(
     from vllm.model_executor.model_loader.utils import get_model_architecture
 
     _use_cpu_platform()
+    _forget_pp_missing_layers()
     config = vllm_config(hf_config, r, dtype)
     _set_groups(r)
     # As vLLM's model loader does: parameters take the model dtype by default.

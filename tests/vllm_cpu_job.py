@@ -24,6 +24,7 @@ def main(job_path: str, result_path: str) -> None:
         job = json.load(f)
     results: dict[str, object] = {"vllm_version": vllm_cpu.vllm_version(), "builds": {}}
     for b in job["builds"]:
+        print(f"build {b['id']}", flush=True)  # names the build in a failure's output
         t0 = time.perf_counter()
         rank = vllm_cpu.EngineRank.from_dict(b["rank"])
         hf_config = job["configs"][b["config"]]
