@@ -1,4 +1,4 @@
-"""Where the CPU vLLM install lives, and running a program under it.
+"""Where the CPU vLLM (and veRL) installs live, and running a program under them.
 
 The vLLM tests run vLLM in its own processes, with the Python of the environment
 ``scripts/setup_vllm_cpu.sh`` made (``.venv-vllm``, or ``$NRR_VLLM_PYTHON``): vLLM
@@ -42,6 +42,32 @@ def skip_reason() -> str | None:
     return None
 
 
+VERL_SETUP_HINT = (
+    "run scripts/setup_verl_cpu.sh (about 2-3 minutes) to install veRL for these tests"
+)
+
+
+def verl_python() -> str | None:
+    """The interpreter with veRL installed (``.venv-verl`` or ``$NRR_VERL_PYTHON``), or None."""
+    explicit = os.environ.get("NRR_VERL_PYTHON")
+    if explicit:
+        return explicit
+    venv = REPO / ".venv-verl" / "bin" / "python"
+    return str(venv) if venv.exists() else None
+
+
+def verl_skip_reason() -> str | None:
+    python = verl_python()
+    if python is None:
+        return f"veRL is not installed for the CPU tests: {VERL_SETUP_HINT}"
+    probe = subprocess.run(
+        [python, "-c", "import verl.checkpoint_engine"], capture_output=True, text=True
+    )
+    if probe.returncode != 0:
+        return f"{python} cannot import verl.checkpoint_engine: {VERL_SETUP_HINT}"
+    return None
+
+
 def vllm_env() -> dict[str, str]:
     env = dict(os.environ)
     env["VLLM_TARGET_DEVICE"] = "cpu"
@@ -50,9 +76,9 @@ def vllm_env() -> dict[str, str]:
     return env
 
 
-def start(script: str, *args: str) -> subprocess.Popen[str]:
-    """Start ``tests/<script>`` under vLLM's Python (stdout/stderr captured)."""
-    python = vllm_python()
+def start(script: str, *args: str, python: str | None = None) -> subprocess.Popen[str]:
+    """Start ``tests/<script>`` under vLLM's Python, or ``python`` (output captured)."""
+    python = python or vllm_python()
     assert python is not None, SETUP_HINT
     return subprocess.Popen(
         [python, str(TESTS / script), *args],

@@ -1,0 +1,81 @@
+"""The veRL engine's planning and rebuilding, framework-neutral (no veRL needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_refit_reshard.engine.materialize import empty_like_layout
+from nemo_refit_reshard.engine.simulate import simulate_plan
+from nemo_refit_reshard.integrations.verl import (
+    ReshardEngineConfig,
+    build_verl_plan,
+    canonical_tensors,
+)
+from nemo_refit_reshard.layouts import VllmOptions, vllm_layouts
+from nemo_refit_reshard.spec import load_model_spec
+
+
+def config(**kwargs: object) -> ReshardEngineConfig:
+    return ReshardEngineConfig.from_engine_kwargs(
+        {"model": "small-qwen3-moe", **kwargs}, bucket_size=1 << 20
+    )
+
+
+def test_bucket_defaults_to_verl_setting() -> None:
+    assert config().bucket_mb == 1.0
+    assert config(bucket_mb=8).bucket_mb == 8
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"model": "m", "tp": 2}, "engine_kwargs.reshard has unknown key(s) ['tp']; known: "),
+        ({"infer": "tp=2"}, "checkpoint_engine.engine_kwargs.reshard.model is required"),
+        ({"model": "m", "transport": "nccl"}, "reshard.transport='nccl'; choose from"),
+    ],
+)
+def test_bad_engine_kwargs(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        ReshardEngineConfig.from_engine_kwargs(kwargs, 1 << 20)
+    assert message in str(err.value)
+
+
+def test_rollout_world_must_be_whole_replicas() -> None:
+    with pytest.raises(ValueError, match=r"6 rollout workers are not a whole number of replicas"):
+        build_verl_plan(config(infer="tp=4"), 2, 6)
+    with pytest.raises(ValueError, match=r"give one replica's parallelism without dp"):
+        build_verl_plan(config(infer="tp=2,dp=2"), 2, 4)
+
+
+def test_unknown_model_fails_at_planning() -> None:
+    with pytest.raises(ValueError, match=r"unknown model 'no-such-model'"):
+        build_verl_plan(config(model="no-such-model"), 2, 2)
+
+
+def test_every_rollout_gpu_rebuilds_exactly_its_shard() -> None:
+    """Sources hold every tensor whole; each rollout GPU receives its vLLM shard only and
+    rebuilds full-shape tensors whose pieces hold the canonical values."""
+    cfg = config(infer="tp=2", train_dtype="float32", infer_dtype="float32")
+    vp = build_verl_plan(cfg, 3, 4)
+    spec = load_model_spec("small-qwen3-moe")
+    g = torch.Generator().manual_seed(0)
+    canonical = {t.name: torch.randn(t.shape, generator=g) for t in spec}
+    dst_layouts = vllm_layouts(spec, vp.infer, VllmOptions(params_dtype="float32"))
+    destinations = [empty_like_layout(lay, fill=0.0) for lay in dst_layouts]
+    simulate_plan(vp.plan, [canonical] * 3, destinations)
+    shapes = {t.name: t.shape for t in spec}
+    for d, lay in enumerate(dst_layouts):
+        rebuilt = {
+            n: t.clone() for n, t in canonical_tensors(vp.slices[3 + d], destinations[d], shapes)
+        }
+        assert set(rebuilt) == {p.canonical for p in lay.pieces()}
+        for p in lay.pieces():
+            box = p.canonical_box.slices()
+            assert torch.equal(rebuilt[p.canonical][box], canonical[p.canonical][box])
+    # Minimum bytes: every rollout GPU's shard once; all three actor ranks send.
+    shard = sum(t.numel for lay in dst_layouts for t in lay.tensors) * 4
+    assert vp.bytes == shard
+    assert all(any(m.src == a for m in vp.slices[a].messages) for a in range(3))
+    # Actor ranks keep only what they send.
+    assert sum(len(s.tensors) for s in vp.slices[:3]) < 3 * len(spec.tensors)
