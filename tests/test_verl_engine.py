@@ -123,3 +123,34 @@ def test_dead_rollout_worker_fails_the_update_by_name(tmp_path: Path) -> None:
     assert "error" not in first
     assert "RolloutWorker" in second["error"] and "died" in second["error"].lower(), second
     assert second["seconds"] < 60
+
+
+def test_example_overrides_compose_with_verls_config(tmp_path: Path) -> None:
+    """examples/verl/run_grpo_megatron_reshard.sh's overrides, composed by veRL's own Hydra
+    config (``--cfg job`` prints it without training), select this engine."""
+    import os
+    import subprocess
+
+    import yaml
+
+    python = vllm_env.verl_python()
+    assert python is not None
+    env = dict(vllm_env.vllm_env(), PATH=f"{Path(python).parent}{os.pathsep}{os.environ['PATH']}")
+    script = vllm_env.REPO / "examples" / "verl" / "run_grpo_megatron_reshard.sh"
+    out = subprocess.run(
+        ["bash", str(script), "--cfg", "job"],
+        env=dict(env, MODEL_PATH=str(model_dir(tmp_path)), ROLLOUT_TP="2"),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    cfg = yaml.safe_load(out.stdout)
+    engine = cfg["actor_rollout_ref"]["rollout"]["checkpoint_engine"]
+    assert engine["backend"] == "reshard"
+    assert engine["custom_backend_module"] == "nemo_refit_reshard.integrations.verl"
+    kwargs = engine["engine_kwargs"]["reshard"]
+    config = ReshardEngineConfig.from_engine_kwargs(kwargs, 2048 << 20)
+    assert (config.infer, config.transport, config.bucket_mb) == ("tp=2", "cupy-nccl", 2048)
+    assert cfg["trainer"]["v1"]["trainer_mode"] == "separate_async"
+    assert cfg["actor_rollout_ref"]["hybrid_engine"] is False
