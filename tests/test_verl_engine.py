@@ -57,39 +57,50 @@ def drive(tmp: Path, **spec: Any) -> dict[str, Any]:
     return out
 
 
-def test_reshard_through_verl_manager(tmp_path: Path) -> None:
-    """2 actor ranks -> 2 replicas of tp=2, 3 updates: every rollout GPU gets exactly its
-    shard's elements, sent by both actor ranks, bf16 on the wire from fp32 actors."""
-    model = model_dir(tmp_path)
-    kwargs = {"model": str(model), "infer": "tp=2", "timeout_s": 300}
+def updates(tmp: Path, mode: str, steps: int = 3) -> tuple[list[dict[str, Any]], Any]:
+    """2 actor ranks -> 2 replicas of tp=2; every rollout GPU's yields checked each step."""
+    work = tmp / mode
+    work.mkdir()
+    model = model_dir(work)
+    kwargs = {"model": str(model), "infer": "tp=2", "timeout_s": 300, "mode": mode}
     out = drive(
-        tmp_path,
+        work,
         actors=2,
         infer="tp=2",
         replicas=2,
-        steps=3,
-        checkpoints=checkpoints(model, 3),
+        steps=steps,
+        checkpoints=checkpoints(model, steps),
         engine_kwargs=kwargs,
     )
     plan = build_verl_plan(ReshardEngineConfig.from_engine_kwargs(kwargs, 1 << 20), 2, 4)
-    assert len(out["steps"]) == 3
+    assert len(out["steps"]) == steps
     for step in out["steps"]:
         assert "error" not in step, step
         for check in step["checks"]:
             assert check["wrong"] == check["extra"] == check["missing"] == [], check
             assert check["yielded"] > 0
-        m = step["metrics"]
-        # veRL merges the actor ranks' metrics (the last rank's values win): per-rank
-        # figures, so compare with that rank's planned share.
-        assert m["reshard/plan"] == plan.plan.fingerprint[:16]
-        assert 0 < m["reshard/bytes_sent"] < plan.bytes
-    # Minimum bytes: each rollout GPU's shard (bf16), padding excluded; a broadcast of every
-    # full tensor to every GPU (veRL's nccl engine) moves 1.98x as much here.
+        assert step["metrics"]["reshard/plan"] == plan.plan.fingerprint[:16]
+    return out["steps"], plan
+
+
+def received(step: dict[str, Any]) -> int:
+    return sum(c["bytes_received"] for c in step["checks"])
+
+
+def test_reshard_through_verl_manager(tmp_path: Path) -> None:
+    """Three updates with new weights each: every rollout GPU yields exactly its shard's
+    canonical values (bf16 on the wire from fp32 actors) and receives only those bytes;
+    the gather-broadcast baseline through the same manager delivers the same values
+    with every full tensor sent to every GPU."""
+    steps, plan = updates(tmp_path, "reshard")
     spec = spec_from_hf_config(MODELS["qwen3_moe"])
     shards = vllm_layouts(spec, InferParallel(tp=2, dp=2))
-    assert plan.bytes == 2 * sum(p.canonical_box.numel for lay in shards for p in lay.pieces())
+    needed = 2 * sum(p.canonical_box.numel for lay in shards for p in lay.pieces())
+    assert [received(s) for s in steps] == [needed] * 3 == [plan.bytes] * 3
+    base_steps, _ = updates(tmp_path, "broadcast", steps=2)
+    assert [received(s) for s in base_steps] == [plan.broadcast_bytes] * 2
     assert plan.broadcast_bytes == 4 * 2 * sum(t.numel for t in spec)
-    assert round(plan.broadcast_bytes / plan.bytes, 2) == 1.98
+    assert round(plan.broadcast_bytes / needed, 2) == 1.98
 
 
 def test_config_error_fails_first_update_before_any_transfer(tmp_path: Path) -> None:

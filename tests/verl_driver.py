@@ -113,6 +113,7 @@ class RolloutWorker(CheckpointEngineWorker):
             "extra": sorted(set(got) - expected),
             "missing": sorted(expected - set(got)),
             "yielded": len(got),
+            "bytes_received": engine.bytes_received,
         }
 
 

@@ -29,10 +29,19 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 
 from ...engine.program import TORCH_DTYPES
 from ...integrations.worker import RefitEndpoint, RefitWorker
+from ...plan.baseline import BroadcastPlan
 from ...plan.overlap import PlanError
 from ...plan.rank_plan import RankPlan
 from ...spec import load_model_spec
-from .plans import ReshardEngineConfig, VerlPlan, build_verl_plan, canonical_tensors
+from .plans import (
+    ReshardEngineConfig,
+    VerlPlan,
+    broadcast_bytes,
+    broadcast_tensors,
+    build_broadcast_plan,
+    build_verl_plan,
+    canonical_tensors,
+)
 
 _PLANS: dict[tuple[str, int, int], VerlPlan] = {}  # driver side: built once per setup
 
@@ -65,6 +74,8 @@ class ReshardCheckpointEngine(CheckpointEngine):
         self.slice: RankPlan | None = None
         self.tensors: dict[str, torch.Tensor] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.baseline: BroadcastPlan | None = None  # mode "broadcast" only
+        self.bytes_sent = self.bytes_received = 0  # per update, this rank
         self.steps = 0
 
     # -- setup (every update; the group and program are made once) -------------------
@@ -120,21 +131,32 @@ class ReshardCheckpointEngine(CheckpointEngine):
                     "engine keeps one group for the whole run"
                 )
             return
-        self.slice = RankPlan.from_json(plan)
+        self.slice = rp = RankPlan.from_json(plan)
         device = (
             torch.device("cuda", torch.cuda.current_device())
-            if (self.config.transport == "cupy-nccl")
+            if self.config.transport == "cupy-nccl"
             else torch.device("cpu")
         )
-        self.tensors = {
-            name: torch.zeros(shape, dtype=TORCH_DTYPES[dtype], device=device)
-            for name, (shape, dtype) in self.slice.tensors.items()
-        }
         spec = load_model_spec(self.config.model)
         self.shapes = {t.name: t.shape for t in spec}
+        me, actor = rp.group_rank, rp.group_rank < rp.num_sources
+        wanted = rp.tensors
+        if self.config.mode == "broadcast":
+            self.baseline = build_broadcast_plan(self.config, rp.num_sources, rp.num_destinations)
+            if actor:
+                dtype = self.config.train_dtype or spec.arch.dtype
+                wanted = broadcast_tensors(self.baseline, me, self.shapes, dtype)
+            self.bytes_sent, self.bytes_received = broadcast_bytes(self.baseline, me)
+        else:
+            self.bytes_sent = sum(m.nbytes for m in rp.messages if m.src == me)
+            self.bytes_received = sum(m.nbytes for m in rp.messages if m.dst == me)
+        self.tensors = {
+            name: torch.zeros(shape, dtype=TORCH_DTYPES[dtype], device=device)
+            for name, (shape, dtype) in wanted.items()
+        }
         self.worker = RefitWorker(ep, self.tensors, device)
         self.worker.join()
-        self.worker.load_plan(self.slice)
+        self.worker.load_plan(rp, self.config.mode, self.baseline)
 
     def finalize(self) -> None:
         """Keeps the group and buffers: the next update replays the same plan."""
@@ -169,10 +191,8 @@ class ReshardCheckpointEngine(CheckpointEngine):
         t0 = time.perf_counter()
         timing = await asyncio.get_running_loop().run_in_executor(None, self.worker.refit)
         self.steps += 1
-        me = self.slice.group_rank
-        sent = sum(m.nbytes for m in self.slice.messages if m.src == me)
         return {
-            "reshard/bytes_sent": float(sent),
+            "reshard/bytes_sent": float(self.bytes_sent),
             "reshard/seconds": time.perf_counter() - t0,
             "reshard/exchange_seconds": timing.exchange_seconds,
             "reshard/plan": self.slice.fingerprint[:16],

@@ -27,10 +27,13 @@ from ...engine.program import TORCH_DTYPES
 from ...layouts import Replicate, VllmOptions, dtensor_layout, vllm_layouts
 from ...layouts.base import Box, RankLayout
 from ...plan import plan_refit
+from ...plan.baseline import BroadcastPlan, plan_broadcast
 from ...plan.plan import RefitPlan
 from ...plan.rank_plan import RankPlan, rank_plan
 from ...spec import InferParallel, ModelSpec, load_model_spec
 from ..worker import TRANSPORTS
+
+MODES = ("reshard", "broadcast")
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class ReshardEngineConfig:
     timeout_s: float = 600.0
     bucket_mb: float | None = None
     host: str | None = None
+    mode: str = "reshard"  # or "broadcast": the gather-broadcast baseline, for comparison
 
     @classmethod
     def from_engine_kwargs(cls, kwargs: Mapping[str, Any], bucket_size: int) -> ReshardEngineConfig:
@@ -74,6 +78,10 @@ class ReshardEngineConfig:
             raise ValueError(
                 f"checkpoint_engine.engine_kwargs.reshard.transport={config.transport!r}; "
                 f"choose from {TRANSPORTS}"
+            )
+        if config.mode not in MODES:
+            raise ValueError(
+                f"checkpoint_engine.engine_kwargs.reshard.mode={config.mode!r}; choose from {MODES}"
             )
         if config.bucket_mb is None:
             config = dataclasses.replace(config, bucket_mb=bucket_size / 2**20)
@@ -132,13 +140,53 @@ def _sent_only(slice_: RankPlan) -> RankPlan:
     )
 
 
-def build_verl_plan(config: ReshardEngineConfig, actor_world: int, rollout_world: int) -> VerlPlan:
-    """Plan once (on veRL's driver): every config error surfaces here, before any transfer."""
+def _layouts(
+    config: ReshardEngineConfig, actor_world: int, rollout_world: int
+) -> tuple[ModelSpec, InferParallel, list[RankLayout], list[RankLayout]]:
     spec = load_model_spec(config.model)
     infer = rollout_parallel(config, rollout_world)
     sources = [_replicated(spec, actor_world, r, config.train_dtype) for r in range(actor_world)]
     opts = VllmOptions(params_dtype=config.infer_dtype, vllm_version=config.vllm_version)
-    destinations = vllm_layouts(spec, infer, opts)
+    return spec, infer, sources, vllm_layouts(spec, infer, opts)
+
+
+def build_broadcast_plan(
+    config: ReshardEngineConfig, actor_world: int, rollout_world: int
+) -> BroadcastPlan:
+    """The gather-broadcast baseline over the same layouts (every worker builds it: it is
+    deterministic). With every actor rank holding every tensor, actor rank 0 roots them
+    all and sends each full tensor to every rollout GPU that needs part of it — what
+    veRL's ``nccl`` engine does."""
+    spec, _, sources, destinations = _layouts(config, actor_world, rollout_world)
+    return plan_broadcast(spec, sources, destinations, bucket_mb=config.bucket_mb or 512)
+
+
+def broadcast_tensors(
+    bp: BroadcastPlan, group_rank: int, shapes: Mapping[str, tuple[int, ...]], dtype: str
+) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Source tensors an actor rank needs for the baseline: those it gathers from."""
+    names = {
+        name
+        for steps in bp.rounds
+        for st in steps
+        for holder, name, _, _ in st.gathers
+        if holder == group_rank
+    }
+    return {n: (tuple(shapes[n]), dtype) for n in names}
+
+
+def broadcast_bytes(bp: BroadcastPlan, group_rank: int) -> tuple[int, int]:
+    """Bytes ``group_rank`` sends and receives in the baseline (its gathers are local)."""
+    d = group_rank - bp.num_sources
+    rounds = [st for steps in bp.rounds for st in steps]
+    sent = sum(st.nbytes * len(st.readers) for st in rounds if st.root == group_rank)
+    received = sum(st.nbytes for st in rounds if any(r == d for r, _ in st.readers))
+    return sent, received
+
+
+def build_verl_plan(config: ReshardEngineConfig, actor_world: int, rollout_world: int) -> VerlPlan:
+    """Plan once (on veRL's driver): every config error surfaces here, before any transfer."""
+    spec, infer, sources, destinations = _layouts(config, actor_world, rollout_world)
     plan = plan_refit(spec, sources, destinations, bucket_mb=config.bucket_mb or 512)
     slices = [rank_plan(plan, r) for r in range(actor_world + rollout_world)]
     slices[:actor_world] = [_sent_only(s) for s in slices[:actor_world]]
