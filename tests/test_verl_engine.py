@@ -19,7 +19,7 @@ import vllm_env
 from safetensors.torch import save_file
 from test_vllm_truth import MODELS
 
-from nemo_refit_reshard.integrations.verl import ReshardEngineConfig, build_verl_plan
+from nemo_refit_reshard.integrations.full_tensors import ReshardEngineConfig, plan_full_tensors
 from nemo_refit_reshard.layouts import vllm_layouts
 from nemo_refit_reshard.spec import InferParallel, spec_from_hf_config
 
@@ -72,7 +72,7 @@ def updates(tmp: Path, mode: str, steps: int = 3) -> tuple[list[dict[str, Any]],
         checkpoints=checkpoints(model, steps),
         engine_kwargs=kwargs,
     )
-    plan = build_verl_plan(ReshardEngineConfig.from_engine_kwargs(kwargs, 1 << 20), 2, 4)
+    plan = plan_full_tensors(ReshardEngineConfig.from_engine_kwargs(kwargs, 1 << 20), 2, 4)
     assert len(out["steps"]) == steps
     for step in out["steps"]:
         assert "error" not in step, step

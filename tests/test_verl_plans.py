@@ -7,10 +7,10 @@ import torch
 
 from nemo_refit_reshard.engine.materialize import empty_like_layout
 from nemo_refit_reshard.engine.simulate import simulate_plan
-from nemo_refit_reshard.integrations.verl import (
+from nemo_refit_reshard.integrations.full_tensors import (
     ReshardEngineConfig,
-    build_verl_plan,
     canonical_tensors,
+    plan_full_tensors,
 )
 from nemo_refit_reshard.layouts import VllmOptions, vllm_layouts
 from nemo_refit_reshard.spec import load_model_spec
@@ -43,21 +43,21 @@ def test_bad_engine_kwargs(kwargs: dict[str, object], message: str) -> None:
 
 def test_rollout_world_must_be_whole_replicas() -> None:
     with pytest.raises(ValueError, match=r"6 rollout workers are not a whole number of replicas"):
-        build_verl_plan(config(infer="tp=4"), 2, 6)
+        plan_full_tensors(config(infer="tp=4"), 2, 6)
     with pytest.raises(ValueError, match=r"give one replica's parallelism without dp"):
-        build_verl_plan(config(infer="tp=2,dp=2"), 2, 4)
+        plan_full_tensors(config(infer="tp=2,dp=2"), 2, 4)
 
 
 def test_unknown_model_fails_at_planning() -> None:
     with pytest.raises(ValueError, match=r"unknown model 'no-such-model'"):
-        build_verl_plan(config(model="no-such-model"), 2, 2)
+        plan_full_tensors(config(model="no-such-model"), 2, 2)
 
 
 def test_every_rollout_gpu_rebuilds_exactly_its_shard() -> None:
     """Sources hold every tensor whole; each rollout GPU receives its vLLM shard only and
     rebuilds full-shape tensors whose pieces hold the canonical values."""
     cfg = config(infer="tp=2", train_dtype="float32", infer_dtype="float32")
-    vp = build_verl_plan(cfg, 3, 4)
+    vp = plan_full_tensors(cfg, 3, 4)
     spec = load_model_spec("small-qwen3-moe")
     g = torch.Generator().manual_seed(0)
     canonical = {t.name: torch.randn(t.shape, generator=g) for t in spec}

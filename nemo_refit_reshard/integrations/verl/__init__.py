@@ -4,14 +4,14 @@
 nemo_refit_reshard.integrations.verl`` imports this package in veRL's driver, actor
 workers and checkpoint-engine workers; importing it registers the backend
 ``reshard``. Without veRL installed only the framework-neutral planning
-(:mod:`.plans`) is available.
+(:mod:`nemo_refit_reshard.integrations.full_tensors`) is available.
 """
 
 from importlib.util import find_spec
 
-from .plans import ReshardEngineConfig, VerlPlan, build_verl_plan, canonical_tensors
+from ..full_tensors import FullTensorPlan, ReshardEngineConfig, canonical_tensors, plan_full_tensors
 
-__all__ = ["ReshardEngineConfig", "VerlPlan", "build_verl_plan", "canonical_tensors"]
+__all__ = ["ReshardEngineConfig", "FullTensorPlan", "plan_full_tensors", "canonical_tensors"]
 
 if find_spec("verl") is not None:  # an installed but broken veRL raises here, loudly
     from .engine import ReshardCheckpointEngine

@@ -33,17 +33,17 @@ from ...plan.baseline import BroadcastPlan
 from ...plan.overlap import PlanError
 from ...plan.rank_plan import RankPlan
 from ...spec import load_model_spec
-from .plans import (
+from ..full_tensors import (
+    FullTensorPlan,
     ReshardEngineConfig,
-    VerlPlan,
     broadcast_bytes,
     broadcast_tensors,
     build_broadcast_plan,
-    build_verl_plan,
     canonical_tensors,
+    plan_full_tensors,
 )
 
-_PLANS: dict[tuple[str, int, int], VerlPlan] = {}  # driver side: built once per setup
+_PLANS: dict[tuple[str, int, int], FullTensorPlan] = {}  # driver side: built once per setup
 
 
 def _free_port(host: str) -> int:
@@ -106,7 +106,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
         (text,) = configs
         key = (text, a, r)
         if key not in _PLANS:
-            _PLANS[key] = build_verl_plan(ReshardEngineConfig(**json.loads(text)), a, r)
+            _PLANS[key] = plan_full_tensors(ReshardEngineConfig(**json.loads(text)), a, r)
         plan = _PLANS[key]
         config = ReshardEngineConfig(**json.loads(text))
         host, port = masters[0]

@@ -1,8 +1,9 @@
-"""The veRL checkpoint engine's plan, framework-neutral (no veRL import).
+"""Plans for checkpoint engines that are handed full tensors (veRL's, NeMo RL's).
 
-veRL hands every actor rank the *full* HF tensors (FSDP ``full_tensor()``,
-Megatron-Bridge ``export_hf_weights``) and expects every rollout GPU's engine to
-yield named tensors for vLLM's ``load_weights``. The plan therefore has:
+veRL and NeMo RL's checkpoint-engine route hand every training rank the *full* HF
+tensors (FSDP ``full_tensor()``, Megatron-Bridge ``export_hf_weights``) and expect
+every rollout GPU's engine to yield named tensors for vLLM's ``load_weights``. The
+plan therefore has:
 
 * sources: ``A`` actor ranks, each holding every canonical tensor whole — replicas of
   one another, so the planner spreads the sending over all of them;
@@ -23,22 +24,23 @@ from typing import Any
 
 import torch
 
-from ...engine.program import TORCH_DTYPES
-from ...layouts import Replicate, VllmOptions, dtensor_layout, vllm_layouts
-from ...layouts.base import Box, RankLayout
-from ...plan import plan_refit
-from ...plan.baseline import BroadcastPlan, plan_broadcast
-from ...plan.plan import RefitPlan
-from ...plan.rank_plan import RankPlan, rank_plan
-from ...spec import InferParallel, ModelSpec, load_model_spec
-from ..worker import TRANSPORTS
+from ..engine.program import TORCH_DTYPES
+from ..layouts import Replicate, VllmOptions, dtensor_layout, vllm_layouts
+from ..layouts.base import Box, RankLayout
+from ..plan import plan_refit
+from ..plan.baseline import BroadcastPlan, plan_broadcast
+from ..plan.plan import RefitPlan
+from ..plan.rank_plan import RankPlan, rank_plan
+from ..spec import InferParallel, ModelSpec, load_model_spec
+from .worker import TRANSPORTS
 
 MODES = ("reshard", "broadcast")
 
 
 @dataclass(frozen=True)
 class ReshardEngineConfig:
-    """``actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.reshard``.
+    """The engine's settings (veRL: ``checkpoint_engine.engine_kwargs.reshard``; NeMo RL:
+    ``policy.generation.refit_cfg["<module>:<Class>"]``).
 
     ``model``: HF model directory (or its config.json, or a preset name).
     ``infer``: one rollout replica's vLLM parallelism, ``tp=,pp=,engine_dp=,ep=``; the
@@ -60,29 +62,27 @@ class ReshardEngineConfig:
     mode: str = "reshard"  # or "broadcast": the gather-broadcast baseline, for comparison
 
     @classmethod
-    def from_engine_kwargs(cls, kwargs: Mapping[str, Any], bucket_size: int) -> ReshardEngineConfig:
+    def from_engine_kwargs(
+        cls,
+        kwargs: Mapping[str, Any],
+        bucket_size: int,
+        where: str = "checkpoint_engine.engine_kwargs.reshard",
+    ) -> ReshardEngineConfig:
+        """``where`` names the settings' place in the framework's config, for errors."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise ValueError(
-                f"checkpoint_engine.engine_kwargs.reshard has unknown key(s) {unknown}; "
-                f"known: {sorted(known)}"
-            )
+            raise ValueError(f"{where} has unknown key(s) {unknown}; known: {sorted(known)}")
         if "model" not in kwargs:
             raise ValueError(
-                "checkpoint_engine.engine_kwargs.reshard.model is required: the HF model path "
-                "(e.g. ${actor_rollout_ref.model.path}) or a preset name"
+                f"{where}.model is required: the HF model path (the policy's model) or a "
+                "preset name"
             )
         config = cls(**kwargs)
         if config.transport not in TRANSPORTS:
-            raise ValueError(
-                f"checkpoint_engine.engine_kwargs.reshard.transport={config.transport!r}; "
-                f"choose from {TRANSPORTS}"
-            )
+            raise ValueError(f"{where}.transport={config.transport!r}; choose from {TRANSPORTS}")
         if config.mode not in MODES:
-            raise ValueError(
-                f"checkpoint_engine.engine_kwargs.reshard.mode={config.mode!r}; choose from {MODES}"
-            )
+            raise ValueError(f"{where}.mode={config.mode!r}; choose from {MODES}")
         if config.bucket_mb is None:
             config = dataclasses.replace(config, bucket_mb=bucket_size / 2**20)
         return config
@@ -92,7 +92,7 @@ class ReshardEngineConfig:
 
 
 @dataclass(frozen=True)
-class VerlPlan:
+class FullTensorPlan:
     """The plan for ``A`` actor ranks and ``R`` rollout GPUs, and each rank's slice."""
 
     plan: RefitPlan
@@ -118,14 +118,14 @@ def rollout_parallel(config: ReshardEngineConfig, rollout_world: int) -> InferPa
     one = InferParallel.parse(config.infer)
     if one.dp != 1:
         raise ValueError(
-            f"engine_kwargs.reshard.infer={config.infer!r}: give one replica's parallelism "
+            f"infer={config.infer!r}: give one replica's parallelism "
             "without dp; the number of replicas follows from the rollout workers"
         )
     if rollout_world % one.engine_world_size:
         raise ValueError(
             f"{rollout_world} rollout workers are not a whole number of replicas of "
-            f"infer={config.infer!r} ({one.engine_world_size} GPUs each); set engine_kwargs."
-            "reshard.infer to the rollout's tensor/pipeline/data parallel sizes"
+            f"infer={config.infer!r} ({one.engine_world_size} GPUs each); set the engine's "
+            "infer to the rollout's tensor/pipeline/data parallel sizes"
         )
     return dataclasses.replace(one, dp=rollout_world // one.engine_world_size)
 
@@ -184,7 +184,9 @@ def broadcast_bytes(bp: BroadcastPlan, group_rank: int) -> tuple[int, int]:
     return sent, received
 
 
-def build_verl_plan(config: ReshardEngineConfig, actor_world: int, rollout_world: int) -> VerlPlan:
+def plan_full_tensors(
+    config: ReshardEngineConfig, actor_world: int, rollout_world: int
+) -> FullTensorPlan:
     """Plan once (on veRL's driver): every config error surfaces here, before any transfer."""
     spec, infer, sources, destinations = _layouts(config, actor_world, rollout_world)
     plan = plan_refit(spec, sources, destinations, bucket_mb=config.bucket_mb or 512)
@@ -193,7 +195,7 @@ def build_verl_plan(config: ReshardEngineConfig, actor_world: int, rollout_world
     dtype = config.infer_dtype or spec.arch.dtype
     item = torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
     per_gpu = sum(t.numel for t in spec) * item
-    return VerlPlan(plan, infer, tuple(slices), broadcast_bytes=rollout_world * per_gpu)
+    return FullTensorPlan(plan, infer, tuple(slices), broadcast_bytes=rollout_world * per_gpu)
 
 
 def canonical_tensors(
