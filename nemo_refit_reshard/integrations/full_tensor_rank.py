@@ -1,0 +1,168 @@
+"""One rank of a checkpoint engine that is handed full tensors (veRL's, NeMo RL's).
+
+Framework-neutral: the veRL and NeMo RL engines are thin wrappers that map their
+framework's calls onto :class:`FullTensorRank`:
+
+* :meth:`join` — allocate this rank's buffers from its plan slice, join the refit
+  group, compile (once per run);
+* :meth:`send` (training side) — drain the framework's full-tensor iterator (it is
+  collective: every rank must consume it), keep the tensors this rank sends, replay;
+* :meth:`receive` (rollout side) — replay into this GPU's vLLM shard, then yield,
+  per canonical tensor it holds a piece of, a full-shape tensor carrying exactly
+  the received elements (vLLM's loader reads no others for this rank).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ..engine.program import TORCH_DTYPES
+from ..plan.baseline import BroadcastPlan
+from ..plan.overlap import PlanError
+from ..plan.rank_plan import RankPlan
+from ..spec import load_model_spec
+from .full_tensors import (
+    ReshardEngineConfig,
+    broadcast_bytes,
+    broadcast_tensors,
+    build_broadcast_plan,
+    canonical_tensors,
+)
+from .worker import RefitEndpoint, RefitWorker
+
+
+def free_address(host: str) -> tuple[str, int]:
+    """``(host, port)`` with a port free on ``host`` now (the refit group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return host, int(s.getsockname()[1])
+
+
+def check_same_settings(metadata: Iterable[Mapping[str, Any]], where: str) -> str:
+    """The one settings text every worker reported, or an error naming the disagreement."""
+    configs = {m["config"] for m in metadata}
+    if len(configs) != 1:
+        raise ValueError(
+            f"{where} differs between training and rollout workers ({len(configs)} "
+            "variants); give every worker the same settings"
+        )
+    return next(iter(configs))
+
+
+class FullTensorRank:
+    """A training or rollout rank of a full-tensor checkpoint engine."""
+
+    def __init__(self, config: ReshardEngineConfig) -> None:
+        self.config = config
+        self.settings = json.dumps(config.as_dict(), sort_keys=True)
+        self.worker: RefitWorker | None = None
+        self.slice: RankPlan | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.baseline: BroadcastPlan | None = None  # mode "broadcast" only
+        self.bytes_sent = self.bytes_received = 0  # per refit, this rank
+        self.steps = 0
+
+    @property
+    def joined(self) -> bool:
+        return self.worker is not None
+
+    def join(self, endpoint: RefitEndpoint, slice_: RankPlan) -> None:
+        """Allocate, rendezvous and compile (collective over the refit group)."""
+        if self.worker is not None:
+            if self.worker.endpoint != endpoint:
+                raise PlanError(
+                    f"refit group changed from {self.worker.endpoint} to {endpoint}; the "
+                    "reshard engine keeps one group for the whole run"
+                )
+            return
+        self.slice = rp = slice_
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.config.transport == "cupy-nccl"
+            else torch.device("cpu")
+        )
+        spec = load_model_spec(self.config.model)
+        self.shapes = {t.name: t.shape for t in spec}
+        me = rp.group_rank
+        wanted = rp.tensors
+        if self.config.mode == "broadcast":
+            self.baseline = build_broadcast_plan(self.config, rp.num_sources, rp.num_destinations)
+            if me < rp.num_sources:
+                dtype = self.config.train_dtype or spec.arch.dtype
+                wanted = broadcast_tensors(self.baseline, me, self.shapes, dtype)
+            self.bytes_sent, self.bytes_received = broadcast_bytes(self.baseline, me)
+        else:
+            self.bytes_sent = sum(m.nbytes for m in rp.messages if m.src == me)
+            self.bytes_received = sum(m.nbytes for m in rp.messages if m.dst == me)
+        self.tensors = {
+            name: torch.zeros(shape, dtype=TORCH_DTYPES[dtype], device=device)
+            for name, (shape, dtype) in wanted.items()
+        }
+        self.worker = RefitWorker(endpoint, self.tensors, device)
+        self.worker.join()
+        self.worker.load_plan(rp, self.config.mode, self.baseline)
+
+    def _ready(self) -> tuple[RefitWorker, RankPlan]:
+        if self.worker is None or self.slice is None:
+            raise RuntimeError("the refit group is not joined on this rank yet")
+        return self.worker, self.slice
+
+    def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        """Training side: :meth:`take` then :meth:`replay_send`."""
+        self.take(weights)
+        return self.replay_send()
+
+    def take(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Drain ``weights`` (in the caller's thread: the framework's iterator may run
+        collectives) and keep the tensors this rank sends."""
+        self._ready()
+        filled: set[str] = set()
+        with torch.no_grad():
+            for name, tensor in weights:  # drain: the iterator is collective
+                if name not in self.shapes:
+                    raise PlanError(
+                        f"the trainer yielded {name!r}, which {self.config.model!r} has not; "
+                        "is the engine's model the policy's model?"
+                    )
+                buf = self.tensors.get(name)
+                if buf is not None:
+                    buf.copy_(tensor.reshape(buf.shape))
+                    filled.add(name)
+        missing = sorted(set(self.tensors) - filled)
+        if missing:
+            raise PlanError(
+                f"the trainer did not yield {len(missing)} tensor(s) this rank sends, e.g. "
+                f"{missing[:4]}; refusing to send stale weights"
+            )
+
+    def replay_send(self) -> dict[str, Any]:
+        """Replay this training rank's program (blocking); its metrics."""
+        worker, rp = self._ready()
+        t0 = time.perf_counter()
+        timing = worker.refit()
+        self.steps += 1
+        return {
+            "reshard/bytes_sent": float(self.bytes_sent),
+            "reshard/seconds": time.perf_counter() - t0,
+            "reshard/exchange_seconds": timing.exchange_seconds,
+            "reshard/plan": rp.fingerprint[:16],
+        }
+
+    def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Rollout side: replay (blocking), then the rebuilt canonical tensors."""
+        worker, rp = self._ready()
+        worker.refit()
+        self.steps += 1
+        return canonical_tensors(rp, self.tensors, self.shapes)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
