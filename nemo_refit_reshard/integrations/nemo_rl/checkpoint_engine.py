@@ -1,0 +1,110 @@
+"""Drop-in NeMo RL checkpoint engine: ``refit_transport: "<this module>:ReshardCheckpointEngine"``.
+
+NeMo RL's checkpoint-engine route (``policy.generation.refit_transport`` naming a
+``module:ClassName``) creates one engine in every policy worker and in every vLLM
+worker. Its ``CheckpointEngineWeightSynchronizer`` calls ``prepare`` on all, then
+``init_policy_process_group`` / ``init_rollout_process_group`` with every worker's
+metadata (policy ranks first, sorted), and each refit ``send_weights`` (the policy's
+full HF tensors, every rank iterating all of them) with
+``receive_weight_batches`` (each batch goes to vLLM's ``load_weights``).
+
+Every worker builds the same plan from the same settings (deterministic; the
+fingerprints are compared before the first refit) and joins our refit group — a
+gloo or CuPy NCCL group of its own at policy rank 0's address. Each vLLM rank
+receives only the elements of its shard; what reaches ``load_weights`` writes
+exactly those elements.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, Generator
+from typing import Any
+
+import torch
+from nemo_rl.utils.checkpoint_engines.base import CheckpointEngine
+
+from ..full_tensor_rank import FullTensorRank, check_same_settings, free_address
+from ..full_tensors import FullTensorPlan, ReshardEngineConfig, plan_full_tensors
+from ..worker import RefitEndpoint
+
+ENGINE = "nemo_refit_reshard.integrations.nemo_rl:ReshardCheckpointEngine"
+WHERE = f'policy.generation.refit_cfg["{ENGINE}"]'
+_PLANS: dict[tuple[str, int, int], FullTensorPlan] = {}  # per process: built once
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+    except Exception:  # not inside Ray: a local run
+        return "127.0.0.1"
+
+
+class ReshardCheckpointEngine(CheckpointEngine):
+    """NeMo RL checkpoint engine moving each vLLM rank's shard only."""
+
+    shard_expert_weights = False
+
+    def __init__(
+        self, bucket_size: int, release_after_refit: bool = False, **engine_kwargs: Any
+    ) -> None:
+        self.rank = FullTensorRank(
+            ReshardEngineConfig.from_engine_kwargs(engine_kwargs, bucket_size, WHERE)
+        )
+        self.config = self.rank.config
+        self.release_after_refit = release_after_refit
+        self.address: tuple[str, int] | None = None
+        self.last_metrics: dict[str, Any] = {}
+
+    def prepare(self) -> dict[str, Any]:
+        # Every worker offers an address; policy rank 0's is used (metadata[0]).
+        if self.address is None:
+            self.address = free_address(self.config.host or _node_ip())
+        return {"address": list(self.address), "config": self.rank.settings}
+
+    def _join(self, group_rank: int, train: int, rollout: int, metadata: list[Any]) -> None:
+        if len(metadata) != train + rollout:
+            raise ValueError(
+                f"expected metadata from {train} policy + {rollout} rollout workers, got "
+                f"{len(metadata)}"
+            )
+        text = check_same_settings(metadata, WHERE)
+        key = (text, train, rollout)
+        if key not in _PLANS:
+            _PLANS[key] = plan_full_tensors(ReshardEngineConfig(**json.loads(text)), train, rollout)
+        host, port = metadata[0]["address"]
+        endpoint = RefitEndpoint(
+            host, port, train + rollout, group_rank, self.config.transport, self.config.timeout_s
+        )
+        self.rank.join(endpoint, _PLANS[key].slices[group_rank])
+
+    def init_policy_process_group(
+        self, *, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list
+    ) -> None:
+        self._join(worker_rank, train_world_size, rollout_world_size, metadata)
+
+    def init_rollout_process_group(
+        self, *, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list
+    ) -> None:
+        self._join(train_world_size + rollout_rank, train_world_size, rollout_world_size, metadata)
+
+    def finalize(self) -> None:
+        """Keeps the group for the next refit, unless ``release_after_refit``."""
+        if self.release_after_refit:
+            self.rank.close()
+            self.address = None
+
+    async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
+        self.rank.take(weights)  # in NeMo RL's thread: the export runs collectives
+        loop = asyncio.get_running_loop()
+        self.last_metrics = await loop.run_in_executor(None, self.rank.replay_send)
+
+    async def receive_weight_batches(self) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
+        tensors = await asyncio.get_running_loop().run_in_executor(None, self.rank.receive)
+        # One tensor per batch: the rebuilt tensors share scratch buffers, and NeMo RL
+        # loads each batch before asking for the next.
+        for name, tensor in tensors:
+            yield [(name, tensor)]
