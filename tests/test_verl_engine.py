@@ -24,6 +24,7 @@ from nemo_refit_reshard.layouts import vllm_layouts
 from nemo_refit_reshard.spec import InferParallel, spec_from_hf_config
 
 _SKIP = vllm_env.verl_skip_reason()
+LOCAL = {"host": "127.0.0.1"}  # the refit group's rendezvous stays on loopback
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
 
 
@@ -62,7 +63,7 @@ def updates(tmp: Path, mode: str, steps: int = 3) -> tuple[list[dict[str, Any]],
     work = tmp / mode
     work.mkdir()
     model = model_dir(work)
-    kwargs = {"model": str(model), "infer": "tp=2", "timeout_s": 300, "mode": mode}
+    kwargs = {"model": str(model), "infer": "tp=2", "timeout_s": 300, "mode": mode, **LOCAL}
     out = drive(
         work,
         actors=2,
@@ -112,7 +113,7 @@ def test_config_error_fails_first_update_before_any_transfer(tmp_path: Path) -> 
         replicas=1,
         steps=1,
         checkpoints=checkpoints(model, 1),
-        engine_kwargs={"model": str(model), "infer": "tp=3", "timeout_s": 300},
+        engine_kwargs={"model": str(model), "infer": "tp=3", "timeout_s": 300, **LOCAL},
     )
     (step,) = out["steps"]
     assert "tp=3 must divide num_attention_heads=4 (vLLM's rule)" in step["error"], step
@@ -127,7 +128,7 @@ def test_dead_rollout_worker_fails_the_update_by_name(tmp_path: Path) -> None:
         replicas=1,
         steps=2,
         checkpoints=checkpoints(model, 2),
-        engine_kwargs={"model": str(model), "infer": "tp=2", "timeout_s": 60},
+        engine_kwargs={"model": str(model), "infer": "tp=2", "timeout_s": 60, **LOCAL},
         kill_rollout_before_step=1,
     )
     first, second = out["steps"]

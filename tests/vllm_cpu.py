@@ -76,7 +76,9 @@ class EngineRank:
         return cls(**d)
 
 
-def _use_cpu_platform() -> None:
+def use_cpu_platform() -> None:
+    """Releases before 0.33 do not detect the CPU platform at run time. Call before
+    anything imports ``current_platform`` (vLLM's modules bind it on import)."""
     import vllm.platforms as platforms
 
     if getattr(platforms.current_platform, "device_name", None) != "cpu":
@@ -150,7 +152,7 @@ def build_model(
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import get_model_architecture
 
-    _use_cpu_platform()
+    use_cpu_platform()
     _forget_pp_missing_layers()
     config = vllm_config(hf_config, r, dtype)
     _set_groups(r)

@@ -68,6 +68,36 @@ def verl_skip_reason() -> str | None:
     return None
 
 
+NEMO_RL_SETUP_HINT = (
+    "run scripts/setup_nemo_rl_cpu.sh <NeMo RL clone or git URL> (about 1 minute) to install "
+    "NeMo RL for these tests; NeMo RL is not on the package index"
+)
+
+
+def nemo_rl_python() -> str | None:
+    """The interpreter with NeMo RL and vLLM 0.25.1 (``.venv-nemo-rl`` or
+    ``$NRR_NEMO_RL_PYTHON``), or None."""
+    explicit = os.environ.get("NRR_NEMO_RL_PYTHON")
+    if explicit:
+        return explicit
+    venv = REPO / ".venv-nemo-rl" / "bin" / "python"
+    return str(venv) if venv.exists() else None
+
+
+def nemo_rl_skip_reason() -> str | None:
+    python = nemo_rl_python()
+    if python is None:
+        return f"NeMo RL is not installed for the CPU tests: {NEMO_RL_SETUP_HINT}"
+    probe = subprocess.run(
+        [python, "-c", "import nemo_rl.utils.checkpoint_engines.base"],
+        capture_output=True,
+        text=True,
+    )
+    if probe.returncode != 0:
+        return f"{python} cannot import NeMo RL: {NEMO_RL_SETUP_HINT}"
+    return None
+
+
 def vllm_env() -> dict[str, str]:
     env = dict(os.environ)
     env["VLLM_TARGET_DEVICE"] = "cpu"

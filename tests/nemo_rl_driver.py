@@ -1,0 +1,228 @@
+"""Drive the drop-in NeMo RL engine through NeMo RL's real classes on CPU (NeMo RL's Python).
+
+    python tests/nemo_rl_driver.py SPEC.json RESULT.json
+
+SPEC: ``{"config": <HF config>, "policy": T, "tp": vLLM tp, "engines": n, "steps": k,
+"checkpoints": [safetensors per step], "engine_kwargs": {...}}``.
+
+Real NeMo RL: ``CheckpointEngineWeightSynchronizer`` (the driver's refit; metadata
+ordering, rank prefixes), ``PolicyCheckpointEngineMixin`` +
+``MegatronCheckpointEngineSendMixin`` (policy workers), ``VllmCheckpointEngineRpcMixin``
+(the generation worker forwarding to ``llm.collective_rpc``) and
+``VllmInternalWorkerExtensionWithCheckpointEngine`` (inside each vLLM worker, loading
+through vLLM 0.25.1's own ``load_weights`` into vLLM's own model classes on CPU).
+Ray actors stand for NeMo RL's worker groups and vLLM's worker processes. Stand-ins:
+the Megatron export (a policy worker yields each step's full HF tensors, as
+``_iter_params_with_optional_kv_scales`` would), the vLLM ``Worker`` object (model
+runner and config), ``llm.collective_rpc`` (one Ray call per vLLM worker, dispatched by
+vLLM's own ``run_method``), and CUDA calls (NVTX ranges, stream synchronisation).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from types import SimpleNamespace
+from typing import Any
+
+import ray
+import torch
+
+ENGINE = "nemo_refit_reshard.integrations.nemo_rl:ReshardCheckpointEngine"
+
+
+def _cpu_stand_ins() -> None:
+    """CUDA-only calls NeMo RL makes around a refit, as no-ops on a CPU-only torch."""
+    torch.cuda.nvtx.range_push = lambda *_: None  # type: ignore[assignment]
+    torch.cuda.nvtx.range_pop = lambda *_: None  # type: ignore[assignment]
+    torch.cuda.current_stream = lambda *_: SimpleNamespace(synchronize=lambda: None)  # type: ignore
+
+
+@ray.remote
+class PolicyWorker:
+    def __init__(self, rank: int, checkpoints: list[str]) -> None:
+        _cpu_stand_ins()
+        from nemo_rl.models.policy.workers.checkpoint_engine import (
+            MegatronCheckpointEngineSendMixin,
+            PolicyCheckpointEngineMixin,
+        )
+
+        class Worker(MegatronCheckpointEngineSendMixin, PolicyCheckpointEngineMixin):
+            def __init__(self, rank: int, checkpoints: list[str]) -> None:
+                self.rank, self.checkpoints, self.step = rank, checkpoints, 0
+
+            def _iter_params_with_optional_kv_scales(self, kv_scales=None):
+                from safetensors.torch import load_file
+
+                yield from load_file(self.checkpoints[self.step]).items()
+
+        self.worker = Worker(rank, checkpoints)
+
+    def set_step(self, step: int) -> None:
+        self.worker.step = step
+
+    async def checkpoint_engine_rpc(self, checkpoint_method: str, method_kwargs=None):
+        return await self.worker.checkpoint_engine_rpc(checkpoint_method, method_kwargs)
+
+
+@ray.remote
+class VllmWorkerProcess:
+    """One vLLM worker process: vLLM's model class on CPU with NeMo RL's extension."""
+
+    def __init__(self, config: dict, tp: int, tp_rank: int, port: int) -> None:
+        os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+        _cpu_stand_ins()
+        import torch.distributed as dist
+        import vllm_cpu
+
+        vllm_cpu.use_cpu_platform()  # before NeMo RL's vllm_backend imports vLLM's layers
+        from nemo_rl.models.generation.vllm.vllm_backend import (
+            VllmInternalWorkerExtensionWithCheckpointEngine as Extension,
+        )
+
+        # vLLM's own world (NeMo RL reads torch.distributed's rank and size).
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=tp_rank, world_size=tp
+        )
+        self.config, self.rank = config, vllm_cpu.EngineRank(tp=tp, tp_rank=tp_rank)
+        model, vllm_config = vllm_cpu.build_model(config, self.rank, "cpu", "float32")
+
+        class Worker(Extension):  # as vLLM adds worker_extension_cls to its Worker
+            pass
+
+        self.worker = Worker()
+        self.worker.model_runner = SimpleNamespace(
+            model=model, vllm_config=vllm_config, model_config=vllm_config.model_config
+        )
+        self.model = model
+
+    def run(self, method: str, args: tuple) -> Any:
+        from vllm.v1.serial_utils import run_method
+
+        return run_method(self.worker, method, args, {})
+
+    def compare(self, checkpoint: str) -> list[str]:
+        """Parameters that differ from vLLM's own load of ``checkpoint``."""
+        import vllm_cpu
+
+        truth, _ = vllm_cpu.build_model(self.config, self.rank, "cpu", "float32")
+        truth.load_weights(vllm_cpu.checkpoint_tensors(checkpoint))
+        want = dict(truth.named_parameters())
+        return [n for n, p in self.model.named_parameters() if not torch.equal(p, want[n])]
+
+
+@ray.remote
+class GenerationWorker:
+    """NeMo RL's generation worker for one vLLM engine (its rank 0 receives the calls)."""
+
+    def __init__(self, processes: list) -> None:
+        from nemo_rl.models.generation.vllm.checkpoint_engine import VllmCheckpointEngineRpcMixin
+
+        class Llm:
+            def collective_rpc(self, method: str, args: tuple = ()) -> list:
+                return ray.get([p.run.remote(method, tuple(args)) for p in processes])
+
+        class Worker(VllmCheckpointEngineRpcMixin):
+            llm = Llm()
+
+        self.worker = Worker()
+
+    def checkpoint_engine_rpc(self, checkpoint_method: str, method_args=()) -> Any:
+        return self.worker.checkpoint_engine_rpc(checkpoint_method, method_args)
+
+
+class WorkerGroup:
+    """NeMo RL's ``RayWorkerGroup`` calls the synchronizer makes."""
+
+    def __init__(self, actors: list, workers: int) -> None:
+        self.actors, self.workers = actors, list(range(workers))
+
+    def run_all_workers_single_data(self, method: str, run_rank_0_only_axes=None, **kwargs):
+        return [getattr(a, method).remote(**kwargs) for a in self.actors]
+
+    def run_all_workers_multiple_data(
+        self, method: str, run_rank_0_only_axes=None, common_kwargs=None, **kwargs
+    ):
+        return [
+            getattr(a, method).remote(
+                **(common_kwargs or {}), **{k: v[i] for k, v in kwargs.items()}
+            )
+            for i, a in enumerate(self.actors)
+        ]
+
+
+def main(spec_path: str, result_path: str) -> None:
+    sys.path.insert(0, os.path.dirname(__file__))
+    spec = json.load(open(spec_path))
+    result: dict[str, Any] = {}
+    try:
+        ray.init(num_cpus=16, include_dashboard=False)
+        from nemo_rl.weight_sync.checkpoint_engine_weight_synchronizer import (
+            CheckpointEngineWeightSynchronizer,
+        )
+
+        from nemo_refit_reshard.integrations.spawn import _free_port
+
+        env = {"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path), "VLLM_TARGET_DEVICE": "cpu"}}
+        policy = [
+            PolicyWorker.options(runtime_env=env).remote(r, spec["checkpoints"])
+            for r in range(spec["policy"])
+        ]
+        tp, engines = spec["tp"], spec["engines"]
+        processes = [
+            [
+                VllmWorkerProcess.options(runtime_env=env).remote(spec["config"], tp, r, port)
+                for r in range(tp)
+            ]
+            for port in [_free_port() for _ in range(engines)]
+        ]
+        generation = [GenerationWorker.options(runtime_env=env).remote(p) for p in processes]
+        sync = CheckpointEngineWeightSynchronizer(
+            _policy=SimpleNamespace(
+                worker_group=WorkerGroup(policy, len(policy)), prepare_refit_info=lambda: None
+            ),
+            _generation=SimpleNamespace(
+                worker_group=WorkerGroup(generation, tp * engines),
+                cfg={"vllm_cfg": {"async_engine": False}},
+                dp_size=engines,
+                prepare_refit_info=lambda _info: None,
+            ),
+            _checkpoint_engine_config={
+                "backend": ENGINE,
+                "update_weights_bucket_memory_ratio": 0.05,
+                "engine_kwargs": {ENGINE: {**spec["engine_kwargs"], "release_after_refit": False}},
+            },
+            _bucket_size_bytes=1 << 20,
+        )
+        sync.init_communicator()
+        steps = []
+        for step in range(spec["steps"]):
+            ray.get([p.set_step.remote(step) for p in policy])
+            t0 = time.perf_counter()
+            stale_before = sync.is_stale
+            sync.sync_weights()
+            differ = ray.get(
+                [p.compare.remote(spec["checkpoints"][step]) for ps in processes for p in ps]
+            )
+            steps.append(
+                {
+                    "seconds": time.perf_counter() - t0,
+                    "stale_before": stale_before,
+                    "stale_after": sync.is_stale,
+                    "differ": differ,
+                }
+            )
+        result = {"steps": steps}
+    except BaseException as err:
+        result = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+    finally:
+        with open(result_path, "w") as f:
+            json.dump(result, f, default=str)
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,86 @@
+"""The drop-in NeMo RL checkpoint engine through NeMo RL's real classes on CPU.
+
+``tests/nemo_rl_driver.py`` runs under the Python of ``scripts/setup_nemo_rl_cpu.sh``
+(NeMo RL at its pinned commit, vLLM 0.25.1 — NeMo RL's pin — and transformers < 5.9):
+NeMo RL's ``CheckpointEngineWeightSynchronizer`` drives policy workers with its real
+policy-side mixins and vLLM workers with its real vLLM extension, which loads what the
+engine yields through vLLM's own ``load_weights`` into vLLM's own model classes. NeMo
+RL is not on the package index, so CI (no source at hand) skips these; docs/nemo_rl.md
+says where they ran.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import vllm_env
+from safetensors.torch import save_file
+from test_vllm_truth import MODELS
+
+from nemo_refit_reshard.spec import spec_from_hf_config
+
+_SKIP = vllm_env.nemo_rl_skip_reason()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+
+
+def drive(tmp: Path, model: str, tp: int, engines: int, steps: int, **kwargs: Any) -> dict:
+    cfg = MODELS[model]
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    spec = spec_from_hf_config(cfg)
+    checkpoints = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(900 + step)
+        path = tmp / f"step{step}.safetensors"
+        save_file({t.name: torch.randn(t.shape, generator=g) for t in spec}, str(path))
+        checkpoints.append(str(path))
+    engine_kwargs = {
+        "model": str(tmp),
+        "infer": f"tp={tp}",
+        "train_dtype": "float32",
+        "infer_dtype": "float32",
+        "host": "127.0.0.1",  # the refit group's rendezvous stays on loopback
+        "timeout_s": 300,
+        **kwargs,
+    }
+    spec_path, result = tmp / "spec.json", tmp / "result.json"
+    spec_path.write_text(
+        json.dumps(
+            dict(
+                config=cfg,
+                policy=2,
+                tp=tp,
+                engines=engines,
+                steps=steps,
+                checkpoints=checkpoints,
+                engine_kwargs=engine_kwargs,
+            )
+        )
+    )
+    proc = vllm_env.start(
+        "nemo_rl_driver.py", str(spec_path), str(result), python=vllm_env.nemo_rl_python()
+    )
+    vllm_env.finish(proc, "NeMo RL driver")
+    return json.loads(result.read_text())
+
+
+def test_refit_through_nemo_rl_synchronizer(tmp_path: Path) -> None:
+    """2 policy ranks -> 2 vLLM engines of tp=2, two refits with new weights: every vLLM
+    parameter equals vLLM's own load of that step's checkpoint; stale until it is."""
+    out = drive(tmp_path, "qwen3_moe", tp=2, engines=2, steps=2)
+    assert "error" not in out, out.get("traceback")
+    first, second = out["steps"]
+    assert (first["stale_before"], first["stale_after"]) == (True, False)
+    assert second["stale_after"] is False
+    for step in out["steps"]:
+        assert step["differ"] == [[]] * 4, step
+
+
+def test_unknown_setting_is_named(tmp_path: Path) -> None:
+    out = drive(tmp_path, "qwen3_moe", tp=2, engines=1, steps=1, tp_size=2)
+    where = 'policy.generation.refit_cfg["nemo_refit_reshard.integrations.nemo_rl:'
+    assert where in out["error"], out["error"]
+    assert "ReshardCheckpointEngine\"] has unknown key(s) ['tp_size']" in out["error"]
