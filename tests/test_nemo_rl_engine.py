@@ -84,3 +84,39 @@ def test_unknown_setting_is_named(tmp_path: Path) -> None:
     where = 'policy.generation.refit_cfg["nemo_refit_reshard.integrations.nemo_rl:'
     assert where in out["error"], out["error"]
     assert "ReshardCheckpointEngine\"] has unknown key(s) ['tp_size']" in out["error"]
+
+
+def test_overlay_loads_through_nemo_rl_config(tmp_path: Path) -> None:
+    """configs/nemo_rl's overlay, next to NeMo RL's own configs, through NeMo RL's loader
+    and its checkpoint-engine config translation, gives settings this engine accepts."""
+    overlay = vllm_env.REPO / "configs" / "nemo_rl" / "grpo_math_8B_megatron_reshard_engine.yaml"
+    probe = f"""
+import json, pathlib, shutil, sys
+import nemo_rl
+from omegaconf import OmegaConf
+from nemo_rl.utils.config import load_config, register_omegaconf_resolvers
+from nemo_rl.weight_sync.checkpoint_engine_config import checkpoint_engine_refit_config
+configs = pathlib.Path(nemo_rl.__file__).parent.parent / "examples" / "configs"
+work = pathlib.Path({str(tmp_path)!r}) / "configs"
+shutil.copytree(configs, work)
+shutil.copy({str(overlay)!r}, work)
+register_omegaconf_resolvers()  # as examples/run_grpo.py does
+cfg = OmegaConf.to_container(load_config(work / {overlay.name!r}), resolve=True)
+print(json.dumps(checkpoint_engine_refit_config(cfg["policy"]["generation"])))
+"""
+    import subprocess
+
+    python = vllm_env.nemo_rl_python()
+    assert python is not None
+    out = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    engine_cfg = json.loads(out.stdout.strip().splitlines()[-1])
+    from nemo_refit_reshard.integrations.full_tensors import ReshardEngineConfig
+
+    key = "nemo_refit_reshard.integrations.nemo_rl:ReshardCheckpointEngine"
+    assert engine_cfg["backend"] == key
+    kwargs = dict(engine_cfg["engine_kwargs"][key])
+    assert kwargs.pop("release_after_refit") is False
+    config = ReshardEngineConfig.from_engine_kwargs(kwargs, 1 << 20)
+    assert (config.infer, config.transport) == ("tp=1,pp=1", "cupy-nccl")
+    assert config.model == "meta-llama/Llama-3.1-8B-Instruct"

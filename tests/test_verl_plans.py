@@ -79,3 +79,15 @@ def test_every_rollout_gpu_rebuilds_exactly_its_shard() -> None:
     assert all(any(m.src == a for m in vp.slices[a].messages) for a in range(3))
     # Actor ranks keep only what they send.
     assert sum(len(s.tensors) for s in vp.slices[:3]) < 3 * len(spec.tensors)
+
+
+def test_engine_model_as_hf_repo_id_says_why_it_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nemo_refit_reshard.integrations.full_tensors import engine_spec
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError) as err:
+        engine_spec("no-such-org/no-such-model")
+    text = str(err.value)
+    assert text.startswith("unknown model 'no-such-org/no-such-model': not a preset")
+    assert "; as a HuggingFace repo id: " in text
+    assert engine_spec("small-qwen3").name == "small-qwen3"

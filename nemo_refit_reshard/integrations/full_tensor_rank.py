@@ -26,13 +26,13 @@ from ..engine.program import TORCH_DTYPES
 from ..plan.baseline import BroadcastPlan
 from ..plan.overlap import PlanError
 from ..plan.rank_plan import RankPlan
-from ..spec import load_model_spec
 from .full_tensors import (
     ReshardEngineConfig,
     broadcast_bytes,
     broadcast_tensors,
     build_broadcast_plan,
     canonical_tensors,
+    engine_spec,
 )
 from .worker import RefitEndpoint, RefitWorker
 
@@ -88,7 +88,7 @@ class FullTensorRank:
             if self.config.transport == "cupy-nccl"
             else torch.device("cpu")
         )
-        spec = load_model_spec(self.config.model)
+        spec = engine_spec(self.config.model)
         self.shapes = {t.name: t.shape for t in spec}
         me = rp.group_rank
         wanted = rp.tensors

@@ -140,10 +140,28 @@ def _sent_only(slice_: RankPlan) -> RankPlan:
     )
 
 
+def engine_spec(model: str) -> ModelSpec:
+    """The model the engine plans for: a preset, a ``config.json`` path or folder, or a
+    HuggingFace repo id (its ``config.json`` through the local HuggingFace cache, as the
+    framework itself loaded the model)."""
+    try:
+        return load_model_spec(model)
+    except ValueError as err:
+        if model.count("/") != 1 or model.startswith((".", "/")):
+            raise
+        try:
+            from huggingface_hub import hf_hub_download
+
+            path = hf_hub_download(model, "config.json")
+        except Exception as hub_err:
+            raise ValueError(f"{err}; as a HuggingFace repo id: {hub_err}") from None
+        return load_model_spec(path)
+
+
 def _layouts(
     config: ReshardEngineConfig, actor_world: int, rollout_world: int
 ) -> tuple[ModelSpec, InferParallel, list[RankLayout], list[RankLayout]]:
-    spec = load_model_spec(config.model)
+    spec = engine_spec(config.model)
     infer = rollout_parallel(config, rollout_world)
     sources = [_replicated(spec, actor_world, r, config.train_dtype) for r in range(actor_world)]
     opts = VllmOptions(params_dtype=config.infer_dtype, vllm_version=config.vllm_version)
