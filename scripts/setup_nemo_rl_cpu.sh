@@ -16,30 +16,37 @@ VENV="${2:-.venv-nemo-rl}"
 COMMIT="${NEMO_RL_COMMIT:-7ea279abfbeb698b092856d0dab61e7cf39bc909}"
 HERE="$(cd "$(dirname "$0")" && pwd)"
 
-if [ ! -d "$SRC" ]; then
-    DEST="$(mktemp -d)/nemo-rl"
-    git clone -q "$SRC" "$DEST"
-    SRC="$DEST"
-fi
-if [ -d "$SRC/.git" ]; then
-    git -C "$SRC" checkout -q "$COMMIT"
+bash "$HERE/setup_vllm_cpu.sh" 0.25.1 "$VENV"
+# The editable install points at a checkout of the pinned commit that lives with the
+# venv; the given clone is left as it is.
+is_git() { [ -d "$1/.git" ] || [ "$(git -C "$1" rev-parse --is-bare-repository 2>/dev/null)" = true ]; }
+if [ ! -d "$SRC" ] || is_git "$SRC"; then
+    CHECKOUT="$VENV/src/nemo-rl"
+    rm -rf "$CHECKOUT"
+    git clone -q "$SRC" "$CHECKOUT"
+    git -C "$CHECKOUT" checkout -q "$COMMIT" || {
+        echo "commit $COMMIT is not in $SRC: fetch it there, or set NEMO_RL_COMMIT" >&2
+        exit 1
+    }
+    SRC="$CHECKOUT"
 elif [ -n "${NEMO_RL_COMMIT:-}" ]; then
     echo "$SRC is not a git checkout: cannot check out $COMMIT" >&2
     exit 1
+else
+    echo "note: $SRC is not a git checkout; using it as it is (expected: NeMo RL $COMMIT)"
 fi
-bash "$HERE/setup_vllm_cpu.sh" 0.25.1 "$VENV"
 PY="$VENV/bin/python"
 TORCH="$(python3 -c 'import torch; print(torch.__version__.split("+")[0])')"
 CONSTRAINTS="$(mktemp)"
 LOG="$(mktemp)"
+trap 'rm -f "$CONSTRAINTS" "$LOG"' EXIT
 echo "torch==$TORCH" > "$CONSTRAINTS"
 PIP=("$PY" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS")
 quiet() { "$@" >"$LOG" 2>&1 || { cat "$LOG"; exit 1; }; }
 quiet "${PIP[@]}" "transformers>=5.5,<5.9" accelerate pillow pyzmq nvidia-ml-py uvicorn fastapi
 # Editable: NeMo RL's wheel lists only its top-level package.
 quiet "${PIP[@]}" --no-deps --ignore-requires-python -e "$SRC"
-rm -f "$CONSTRAINTS" "$LOG"
-VLLM_TARGET_DEVICE=cpu VLLM_LOGGING_LEVEL=ERROR "$PY" - 2>/dev/null <<'PYEOF'
+VLLM_TARGET_DEVICE=cpu VLLM_LOGGING_LEVEL=ERROR quiet "$PY" - <<'PYEOF'
 from nemo_rl.models.generation.vllm.vllm_backend import (  # noqa: F401
     VllmInternalWorkerExtensionWithCheckpointEngine,
 )
@@ -47,5 +54,5 @@ from nemo_rl.models.policy.workers.checkpoint_engine import PolicyCheckpointEngi
 from nemo_rl.weight_sync.checkpoint_engine_weight_synchronizer import (  # noqa: F401
     CheckpointEngineWeightSynchronizer,
 )
-print("NeMo RL checkpoint-engine classes import on CPU")
 PYEOF
+echo "NeMo RL checkpoint-engine classes import on CPU"

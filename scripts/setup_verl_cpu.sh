@@ -21,8 +21,8 @@ python3 -m venv --system-site-packages "$VENV"
 TORCH="$(python3 -c 'import torch; print(torch.__version__.split("+")[0])')"
 CONSTRAINTS="$(mktemp)"
 LOG="$(mktemp)"
+trap 'rm -f "$CONSTRAINTS" "$LOG"' EXIT
 echo "torch==$TORCH" > "$CONSTRAINTS"
 "$PY" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" \
     "verl==$VERSION" uvicorn fastapi pyzmq cachetools >"$LOG" 2>&1 || { cat "$LOG"; exit 1; }
-rm -f "$CONSTRAINTS" "$LOG"
 "$PY" -c "import verl.checkpoint_engine, verl; print(f'veRL {verl.__version__} checkpoint engines import on CPU')"

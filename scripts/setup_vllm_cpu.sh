@@ -21,9 +21,10 @@ fi
 python3 -m venv --system-site-packages "$VENV"
 TORCH="$(python3 -c 'import torch; print(torch.__version__.split("+")[0])')"
 CONSTRAINTS="$(mktemp)"
+LOG="$(mktemp)"
+trap 'rm -f "$CONSTRAINTS" "$LOG"' EXIT
 echo "torch==$TORCH" > "$CONSTRAINTS"
 PIP=("$PY" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS")
-LOG="$(mktemp)"
 # pip warns that vLLM's declared requirements (CUDA torch, kernels) are not met: that is
 # the point. Its output is shown only when an install fails.
 quiet() { "$@" >"$LOG" 2>&1 || { cat "$LOG"; exit 1; }; }
@@ -33,9 +34,8 @@ quiet "${PIP[@]}" --no-deps "vllm==$VERSION" "xgrammar==0.2.8" "apache-tvm-ffi==
     partial-json-parser llguidance einops
 # Pure-Python requirements with their own (pure-Python) dependencies.
 quiet "${PIP[@]}" aiohttp openai oss-harmony pillow fastapi pyzmq
-rm -f "$CONSTRAINTS" "$LOG"
-VLLM_TARGET_DEVICE=cpu VLLM_LOGGING_LEVEL=ERROR "$PY" - 2>/dev/null <<'PYEOF'
+VLLM_TARGET_DEVICE=cpu VLLM_LOGGING_LEVEL=ERROR quiet "$PY" - <<'PYEOF'
 import vllm.model_executor.models.deepseek_v2, vllm.model_executor.models.qwen3_moe  # noqa
 import vllm
-print(f"vLLM {vllm.__version__} model classes import on CPU")
 PYEOF
+echo "vLLM $VERSION model classes import on CPU"

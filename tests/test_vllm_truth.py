@@ -119,6 +119,35 @@ CONTENT_CASES: list[tuple[str, InferParallel, str | None]] = [
 ]
 
 
+_VERSION = vllm_env.installed_vllm_version()
+
+
+def _mla_builds_on_cpu() -> bool:
+    """0.33's CPU platform has an MLA attention backend; 0.24/0.25's refuse MLA on CPU."""
+    if _VERSION is None:
+        return True
+    major, minor = (int(x) for x in _VERSION.split(".")[:2])
+    return (major, minor) >= (0, 33)
+
+
+def _is_mla(case: tuple[str, InferParallel, str | None]) -> bool:
+    return MODELS[case[0]]["architectures"][0] == "DeepseekV3ForCausalLM"
+
+
+def runnable(cases: list[tuple[str, InferParallel, str | None]]) -> list[Any]:
+    out = []
+    for case in cases:
+        if _is_mla(case) and not _mla_builds_on_cpu():
+            reason = (
+                f"vLLM {_VERSION}'s CPU platform has no MLA attention backend, so its "
+                "DeepSeek classes do not build here; this release's MLA rules rest on its source"
+            )
+            out.append(pytest.param(case, id=case_id(case), marks=pytest.mark.skip(reason=reason)))
+        else:
+            out.append(pytest.param(case, id=case_id(case)))
+    return out
+
+
 def case_id(case: tuple[str, InferParallel, str | None]) -> str:
     model, par, backend = case
     return f"{model}-{par}" + (f"-{backend}" if backend else "")
@@ -159,7 +188,7 @@ def vllm_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every case's builds, in two vLLM processes running side by side (meta / content)."""
     work = tmp_path_factory.mktemp("vllm-truth")
     meta_job: dict[str, Any] = {"configs": MODELS, "builds": []}
-    for case in CASES:
+    for case in [c for c in CASES if _mla_builds_on_cpu() or not _is_mla(c)]:
         model, par, backend = case
         for rank in engine_ranks(par):
             meta_job["builds"].append(
@@ -175,7 +204,7 @@ def vllm_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         from safetensors.torch import save_file
 
         save_file(checkpoint(spec_of(model)), str(work / f"{model}.safetensors"))
-    for case in CONTENT_CASES:
+    for case in [c for c in CONTENT_CASES if _mla_builds_on_cpu() or not _is_mla(c)]:
         model, par, backend = case
         for rank in engine_ranks(par):
             bid = f"{case_id(case)}/{rank}"
@@ -238,7 +267,7 @@ def content_mismatches(
     return out
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", runnable(CASES))
 def test_provider_matches_vllm_parameters(
     case: tuple[str, InferParallel, str | None], vllm_runs: dict[str, Any]
 ) -> None:
@@ -257,12 +286,14 @@ def test_sequence_parallel_moe_is_what_vllm_decided(vllm_runs: dict[str, Any]) -
     result = vllm_runs["meta"]
     for case in CASES:
         model, par, backend = case
-        build = result["builds"][f"{case_id(case)}/0"]
+        build = result["builds"].get(f"{case_id(case)}/0")
+        if build is None:  # not buildable with this release on CPU (see runnable)
+            continue
         opts = VllmOptions(vllm_version=result["vllm_version"], all2all_backend=backend)
         assert opts.sequence_parallel_moe(par) == build["sequence_parallel_moe"], case_id(case)
 
 
-@pytest.mark.parametrize("case", CONTENT_CASES, ids=case_id)
+@pytest.mark.parametrize("case", runnable(CONTENT_CASES))
 def test_provider_pieces_hold_what_vllm_loaded(
     case: tuple[str, InferParallel, str | None], vllm_runs: dict[str, Any]
 ) -> None:
@@ -288,14 +319,15 @@ def test_broken_rules_are_caught(
     version = result["vllm_version"]
     key = ".".join(version.split(".")[:2])
     # 1. Shared experts sharded over TP under sequence-parallel MoE (the old rule).
-    case = ("deepseek_v3", P(tp=2, engine_dp=2, ep=4), None)
-    no_sp = dataclasses.replace(VLLM_RELEASES[key], sequence_parallel_backends=frozenset())
-    monkeypatch.setitem(VLLM_RELEASES, key, no_sp)
-    build = result["builds"][f"{case_id(case)}/0"]
-    lay = provider_layout("deepseek_v3", case[1], 0, None, build["model_dtype"], version)
-    diffs = name_shape_mismatches(lay, build["params"])
-    assert any("shared_experts.gate_up_proj" in d for d in diffs), diffs
-    monkeypatch.undo()
+    if _mla_builds_on_cpu():
+        case = ("deepseek_v3", P(tp=2, engine_dp=2, ep=4), None)
+        no_sp = dataclasses.replace(VLLM_RELEASES[key], sequence_parallel_backends=frozenset())
+        monkeypatch.setitem(VLLM_RELEASES, key, no_sp)
+        build = result["builds"][f"{case_id(case)}/0"]
+        lay = provider_layout("deepseek_v3", case[1], 0, None, build["model_dtype"], version)
+        diffs = name_shape_mismatches(lay, build["params"])
+        assert any("shared_experts.gate_up_proj" in d for d in diffs), diffs
+        monkeypatch.undo()
     # 2. The pre-0.24 expert module name.
     case = ("qwen3_moe", P(tp=2), None)
     build = result["builds"][f"{case_id(case)}/0"]

@@ -154,6 +154,8 @@ def build_model(
 
     use_cpu_platform()
     _forget_pp_missing_layers()
+    if device == "meta" and not meta_builds():
+        device = "cpu"  # older releases read tensor values while building (small models)
     config = vllm_config(hf_config, r, dtype)
     _set_groups(r)
     # As vLLM's model loader does: parameters take the model dtype by default.
@@ -180,6 +182,13 @@ def checkpoint_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
     yield from load_file(path).items()
+
+
+def meta_builds() -> bool:
+    """Whether this release's model classes build on the meta device (0.33 does; 0.24 and
+    0.25 call ``Tensor.item()`` while building FusedMoE)."""
+    major, minor = (int(x) for x in vllm_version().split(".")[:2])
+    return (major, minor) >= (0, 33)
 
 
 def vllm_version() -> str:

@@ -28,6 +28,19 @@ def vllm_python() -> str | None:
     return str(venv) if venv.exists() else None
 
 
+def installed_vllm_version() -> str | None:
+    """The vLLM version of :func:`vllm_python`, or None."""
+    python = vllm_python()
+    if python is None:
+        return None
+    probe = subprocess.run(
+        [python, "-c", "from importlib.metadata import version; print(version('vllm'))"],
+        capture_output=True,
+        text=True,
+    )
+    return probe.stdout.strip() if probe.returncode == 0 else None
+
+
 def skip_reason() -> str | None:
     python = vllm_python()
     if python is None:

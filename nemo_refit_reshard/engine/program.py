@@ -76,6 +76,19 @@ def check_live_tensors(
     who: str,
 ) -> None:
     """Raise ``PlanError`` listing every live tensor that differs from the plan."""
+    problems = live_tensor_problems(expected, tensors, device)
+    if problems:
+        shown = "\n  ".join(problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise PlanError(f"{who}: live tensors do not match the plan:\n  {shown}{more}")
+
+
+def live_tensor_problems(
+    expected: Mapping[str, tuple[tuple[int, ...], str]],
+    tensors: Mapping[str, torch.Tensor],
+    device: torch.device | None,
+) -> list[str]:
+    """One line per planned tensor that is missing or differs in shape, dtype or device."""
     problems = []
     for name, (shape, dtype) in sorted(expected.items()):
         t = tensors.get(name)
@@ -88,10 +101,7 @@ def check_live_tensors(
             problems.append(f"{name}: dtype {t.dtype}, the plan expects {dtype}")
         if device is not None and t.device.type != device.type:
             problems.append(f"{name}: on {t.device}, the transport needs {device.type}")
-    if problems:
-        shown = "\n  ".join(problems[:20])
-        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        raise PlanError(f"{who}: live tensors do not match the plan:\n  {shown}{more}")
+    return problems
 
 
 ALIGN = 16  # message starts in staging; keeps every dtype view legal

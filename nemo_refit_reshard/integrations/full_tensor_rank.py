@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..engine.program import TORCH_DTYPES
+from ..layouts.vllm import installed_vllm_version
 from ..plan.baseline import BroadcastPlan
 from ..plan.overlap import PlanError
 from ..plan.rank_plan import RankPlan
@@ -55,6 +56,28 @@ def check_same_settings(metadata: Iterable[Mapping[str, Any]], where: str) -> st
     return next(iter(configs))
 
 
+def planning_settings(text: str, rollout_metadata: Iterable[Mapping[str, Any]]) -> str:
+    """The settings to plan with: unless ``vllm_version`` is set, the vLLM version the
+    rollout workers run (training workers may not have vLLM at all, or another one)."""
+    settings = json.loads(text)
+    if settings.get("vllm_version"):
+        return text
+    versions = {m.get("vllm") for m in rollout_metadata} - {None}
+    if len(versions) > 1:
+        raise ValueError(
+            f"rollout workers run different vLLM versions {sorted(versions)}; run one, or set "
+            "the engine's vllm_version"
+        )
+    if versions:
+        settings["vllm_version"] = versions.pop()
+    return json.dumps(settings, sort_keys=True)
+
+
+def worker_metadata(rank: FullTensorRank, **extra: Any) -> dict[str, Any]:
+    """What every worker reports in ``prepare()``: its settings and its vLLM version."""
+    return {"config": rank.settings, "vllm": installed_vllm_version(), **extra}
+
+
 class FullTensorRank:
     """A training or rollout rank of a full-tensor checkpoint engine."""
 
@@ -73,8 +96,10 @@ class FullTensorRank:
     def joined(self) -> bool:
         return self.worker is not None
 
-    def join(self, endpoint: RefitEndpoint, slice_: RankPlan) -> None:
-        """Allocate, rendezvous and compile (collective over the refit group)."""
+    def join(self, endpoint: RefitEndpoint, slice_: RankPlan, settings: str | None = None) -> None:
+        """Allocate, rendezvous and compile (collective over the refit group). ``settings``:
+        the settings the plan was built with (:func:`planning_settings`), if they differ
+        from this worker's own."""
         if self.worker is not None:
             if self.worker.endpoint != endpoint:
                 raise PlanError(
@@ -82,6 +107,8 @@ class FullTensorRank:
                     "reshard engine keeps one group for the whole run"
                 )
             return
+        if settings is not None:
+            self.config = ReshardEngineConfig(**json.loads(settings))
         self.slice = rp = slice_
         device = (
             torch.device("cuda", torch.cuda.current_device())
@@ -105,9 +132,14 @@ class FullTensorRank:
             name: torch.zeros(shape, dtype=TORCH_DTYPES[dtype], device=device)
             for name, (shape, dtype) in wanted.items()
         }
-        self.worker = RefitWorker(endpoint, self.tensors, device)
-        self.worker.join()
-        self.worker.load_plan(rp, self.config.mode, self.baseline)
+        worker = RefitWorker(endpoint, self.tensors, device)
+        try:
+            worker.join()
+            worker.load_plan(rp, self.config.mode, self.baseline)
+        except BaseException:
+            worker.close()  # a later join starts afresh instead of reusing a half-made group
+            raise
+        self.worker = worker
 
     def _ready(self) -> tuple[RefitWorker, RankPlan]:
         if self.worker is None or self.slice is None:
@@ -133,7 +165,12 @@ class FullTensorRank:
                     )
                 buf = self.tensors.get(name)
                 if buf is not None:
-                    buf.copy_(tensor.reshape(buf.shape))
+                    if tuple(tensor.shape) != tuple(buf.shape):
+                        raise PlanError(
+                            f"the trainer yielded {name!r} with shape {list(tensor.shape)}; "
+                            f"the plan expects {list(buf.shape)}"
+                        )
+                    buf.copy_(tensor)
                     filled.add(name)
         missing = sorted(set(self.tensors) - filled)
         if missing:
@@ -163,6 +200,8 @@ class FullTensorRank:
         return canonical_tensors(rp, self.tensors, self.shapes)
 
     def close(self) -> None:
+        """Leave the group and free the buffers (a later :meth:`join` makes them anew)."""
         if self.worker is not None:
             self.worker.close()
             self.worker = None
+        self.tensors, self.slice, self.baseline = {}, None, None

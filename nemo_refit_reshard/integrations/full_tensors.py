@@ -220,9 +220,10 @@ def canonical_tensors(
     slice_: RankPlan, local: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """For a rollout rank: each canonical tensor it received a piece of, full-shape, with
-    the received values at their canonical boxes (other elements are zero; vLLM's loader
-    never reads them for this rank). One scratch tensor per shape and dtype is reused:
-    the consumer copies each tensor before asking for the next, as veRL's does."""
+    the received values at their canonical boxes. Other elements are unspecified (zeros,
+    or a previous tensor's values): vLLM's loader never reads them for this rank. One
+    scratch tensor per shape and dtype is reused: the consumer must copy or load each
+    tensor before asking for the next, as veRL's and NeMo RL's do."""
     boxes: dict[str, list[tuple[Box, str, Box]]] = {}
     me = slice_.group_rank
     for m in slice_.messages:

@@ -25,7 +25,13 @@ from typing import Any
 import torch
 from nemo_rl.utils.checkpoint_engines.base import CheckpointEngine
 
-from ..full_tensor_rank import FullTensorRank, check_same_settings, free_address
+from ..full_tensor_rank import (
+    FullTensorRank,
+    check_same_settings,
+    free_address,
+    planning_settings,
+    worker_metadata,
+)
 from ..full_tensors import FullTensorPlan, ReshardEngineConfig, plan_full_tensors
 from ..worker import RefitEndpoint
 
@@ -37,10 +43,9 @@ _PLANS: dict[tuple[str, int, int], FullTensorPlan] = {}  # per process: built on
 def _node_ip() -> str:
     try:
         import ray
-
-        return str(ray.util.get_node_ip_address())
-    except Exception:  # not inside Ray: a local run
+    except ImportError:  # no Ray: a local run
         return "127.0.0.1"
+    return str(ray.util.get_node_ip_address())
 
 
 class ReshardCheckpointEngine(CheckpointEngine):
@@ -63,7 +68,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
         # Every worker offers an address; policy rank 0's is used (metadata[0]).
         if self.address is None:
             self.address = free_address(self.config.host or _node_ip())
-        return {"address": list(self.address), "config": self.rank.settings}
+        return worker_metadata(self.rank, address=list(self.address))
 
     def _join(self, group_rank: int, train: int, rollout: int, metadata: list[Any]) -> None:
         if len(metadata) != train + rollout:
@@ -71,7 +76,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
                 f"expected metadata from {train} policy + {rollout} rollout workers, got "
                 f"{len(metadata)}"
             )
-        text = check_same_settings(metadata, WHERE)
+        text = planning_settings(check_same_settings(metadata, WHERE), metadata[train:])
         key = (text, train, rollout)
         if key not in _PLANS:
             _PLANS[key] = plan_full_tensors(ReshardEngineConfig(**json.loads(text)), train, rollout)
@@ -79,7 +84,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
         endpoint = RefitEndpoint(
             host, port, train + rollout, group_rank, self.config.transport, self.config.timeout_s
         )
-        self.rank.join(endpoint, _PLANS[key].slices[group_rank])
+        self.rank.join(endpoint, _PLANS[key].slices[group_rank], text)
 
     def init_policy_process_group(
         self, *, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list

@@ -23,21 +23,27 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from ...plan.rank_plan import RankPlan
-from ..full_tensor_rank import FullTensorRank, check_same_settings, free_address
-from ..full_tensors import FullTensorPlan, ReshardEngineConfig, plan_full_tensors
+from ..full_tensor_rank import (
+    FullTensorRank,
+    check_same_settings,
+    free_address,
+    planning_settings,
+    worker_metadata,
+)
+from ..full_tensors import ReshardEngineConfig, plan_full_tensors
 from ..worker import RefitEndpoint
 
 WHERE = "checkpoint_engine.engine_kwargs.reshard"
-_PLANS: dict[tuple[str, int, int], FullTensorPlan] = {}  # driver side: built once per setup
+# Driver side, per (settings, actor ranks, rollout ranks): every rank's plan slice as JSON.
+_PLANS: dict[tuple[str, int, int], list[str]] = {}
 
 
 def _node_ip() -> str:
     try:
         import ray
-
-        return str(ray.util.get_node_ip_address())
-    except Exception:  # not inside Ray: a local run
+    except ImportError:  # no Ray: a local run
         return "127.0.0.1"
+    return str(ray.util.get_node_ip_address())
 
 
 @CheckpointEngineRegistry.register("reshard")
@@ -61,25 +67,26 @@ class ReshardCheckpointEngine(CheckpointEngine):
     def prepare(self) -> dict[str, Any]:
         if self.is_master and self.address is None:
             self.address = free_address(self.config.host or _node_ip())
-        return {
-            "master": self.is_master,
-            "address": list(self.address) if self.address else None,
-            "config": self.rank.settings,
-        }
+        return worker_metadata(
+            self.rank,
+            master=self.is_master,
+            address=list(self.address) if self.address else None,
+        )
 
     @classmethod
     def build_topology(
         cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list
     ) -> tuple[dict[str, list], dict[str, list]]:
         a, r = actor_wg_world_size, rollout_world_size
-        text = check_same_settings(metadata, WHERE)
+        text = planning_settings(check_same_settings(metadata, WHERE), metadata[a:])
         masters = [m["address"] for m in metadata[:a] if m["master"]]
         if len(masters) != 1:
             raise ValueError(f"expected one master actor rank, found {len(masters)}")
         config = ReshardEngineConfig(**json.loads(text))
         key = (text, a, r)
-        if key not in _PLANS:
-            _PLANS[key] = plan_full_tensors(config, a, r)
+        if key not in _PLANS:  # the first update plans; later ones reuse the slices
+            plan = plan_full_tensors(config, a, r)
+            _PLANS[key] = [s.to_json() for s in plan.slices]
         host, port = masters[0]
 
         def endpoints(ranks: Iterable[int]) -> list[str]:
@@ -88,13 +95,20 @@ class ReshardCheckpointEngine(CheckpointEngine):
                 for g in ranks
             ]
 
-        slices = [s.to_json() for s in _PLANS[key].slices]
-        actor = {"endpoint": endpoints(range(a)), "plan": slices[:a]}
-        rollout = {"endpoint": endpoints(range(a, a + r)), "plan": slices[a:]}
+        slices = _PLANS[key]
+        actor = {"endpoint": endpoints(range(a)), "plan": slices[:a], "settings": [text] * a}
+        rollout = {
+            "endpoint": endpoints(range(a, a + r)),
+            "plan": slices[a:],
+            "settings": [text] * r,
+        }
         return actor, rollout
 
-    def init_process_group(self, endpoint: str, plan: str) -> None:
-        self.rank.join(RefitEndpoint.from_json(endpoint), RankPlan.from_json(plan))
+    def init_process_group(self, endpoint: str, plan: str, settings: str) -> None:
+        if self.rank.joined:  # the group and program are made once per run
+            self.rank.join(RefitEndpoint.from_json(endpoint), self.rank.slice)  # type: ignore[arg-type]
+            return
+        self.rank.join(RefitEndpoint.from_json(endpoint), RankPlan.from_json(plan), settings)
 
     def finalize(self) -> None:
         """Keeps the group and buffers: the next update replays the same plan."""

@@ -1,6 +1,6 @@
 """Read a live vLLM engine's configuration into our layout terms, refusing what we do not model.
 
-``engine_layout(vllm_config, model_spec)`` gives the :class:`InferParallel` of one
+``engine_layout(vllm_config, vllm_version)`` gives the :class:`InferParallel` of one
 engine and the :class:`VllmOptions` the layout provider needs. Options that change
 which parameters a rank holds, or their contents after loading, and that the
 provider does not model are refused with an error naming the option — a wrong plan

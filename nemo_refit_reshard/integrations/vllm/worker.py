@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ...engine.program import check_live_tensors
+from ...engine.program import live_tensor_problems
 from ...plan.overlap import PlanError
 from ...plan.plan import RefitPlan
 from ...plan.rank_plan import RankPlan, load_plan_json
@@ -125,6 +125,7 @@ def refit_join(worker: Any, endpoint_json: str, first_rank: int) -> int:
     every worker of the engine receives the same arguments from ``collective_rpc``.
     """
     s = _state(worker)
+    refit_close(worker)  # joining again replaces the previous membership
     base = RefitEndpoint.from_json(endpoint_json)
     endpoint = replace(base, group_rank=first_rank + s.engine_rank)
     device = next(iter(s.params.values())).device
@@ -156,8 +157,9 @@ def _read_plan(plan: str, group_rank: int) -> str:
 
 def refit_check_plan(worker: Any, plan: str, group_rank: int) -> RefitPlan | RankPlan:
     """Check, on this worker alone, that the plan for refit rank ``group_rank`` writes
-    exactly the live parameters, with their shapes, dtypes and device; a mismatch is a
-    ``PlanError`` naming the tensors and the vLLM version. Returns the loaded plan."""
+    exactly the live parameters, with their shapes and dtypes (the transport checks the
+    device when the plan is loaded); a mismatch is a ``PlanError`` naming the tensors
+    and the vLLM version. Returns the loaded plan."""
     s = _state(worker)
     loaded = load_plan_json(_read_plan(plan, group_rank))
     expected = loaded.expected_tensors(group_rank)
@@ -169,10 +171,7 @@ def refit_check_plan(worker: Any, plan: str, group_rank: int) -> RefitPlan | Ran
     problems = [
         f"{n}: live, but the plan does not write it" for n in sorted(set(s.params) - set(expected))
     ]
-    try:
-        check_live_tensors(expected, s.params, None, where)
-    except PlanError as err:
-        problems += str(err).split("\n  ")[1:]
+    problems += live_tensor_problems(expected, s.params, None)
     if problems:
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
@@ -225,9 +224,11 @@ def refit_step(worker: Any) -> dict[str, float]:
 
 def refit_close(worker: Any) -> None:
     s = getattr(worker, _STATE, None)
-    if s is not None and s.refit is not None:
-        s.refit.close()
-        s.refit = None
+    if s is not None:
+        if s.refit is not None:
+            s.refit.close()
+            s.refit = None
+        s.mirrors = {}
 
 
 class ReshardWorkerExtension:
