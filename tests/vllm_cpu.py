@@ -149,10 +149,10 @@ def build_model(
     hf_config: dict[str, Any], r: EngineRank, device: str = "meta", dtype: str | None = None
 ) -> tuple[torch.nn.Module, Any]:
     """vLLM's model class for ``hf_config`` as engine rank ``r`` builds it, on ``device``."""
+    use_cpu_platform()  # first: vLLM's modules bind the platform when imported
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import get_model_architecture
 
-    use_cpu_platform()
     _forget_pp_missing_layers()
     if device == "meta" and not meta_builds():
         device = "cpu"  # older releases read tensor values while building (small models)
