@@ -35,14 +35,8 @@ elif [ -n "${NEMO_RL_COMMIT:-}" ]; then
 else
     echo "note: $SRC is not a git checkout; using it as it is (expected: NeMo RL $COMMIT)"
 fi
-PY="$VENV/bin/python"
-TORCH="$(python3 -c 'import torch; print(torch.__version__.split("+")[0])')"
-CONSTRAINTS="$(mktemp)"
-LOG="$(mktemp)"
-trap 'rm -f "$CONSTRAINTS" "$LOG"' EXIT
-echo "torch==$TORCH" > "$CONSTRAINTS"
-PIP=("$PY" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS")
-quiet() { "$@" >"$LOG" 2>&1 || { cat "$LOG"; exit 1; }; }
+source "$HERE/venv_lib.sh"
+make_venv "$VENV"
 quiet "${PIP[@]}" "transformers>=5.5,<5.9" accelerate pillow pyzmq nvidia-ml-py uvicorn fastapi
 # Editable: NeMo RL's wheel lists only its top-level package.
 quiet "${PIP[@]}" --no-deps --ignore-requires-python -e "$SRC"

@@ -11,18 +11,13 @@
 set -euo pipefail
 VERSION="${1:-0.9.1}"
 VENV="${2:-.venv-verl}"
-PY="$VENV/bin/python"
+source "$(dirname "$0")/venv_lib.sh"
 
-if [ -x "$PY" ] && [ "$("$PY" -c 'from importlib.metadata import version; print(version("verl"))' 2>/dev/null)" = "$VERSION" ]; then
+if [ "$(installed "$VENV/bin/python" verl)" = "$VERSION" ]; then
     echo "veRL $VERSION already in $VENV"
     exit 0
 fi
-python3 -m venv --system-site-packages "$VENV"
-TORCH="$(python3 -c 'import torch; print(torch.__version__.split("+")[0])')"
-CONSTRAINTS="$(mktemp)"
-LOG="$(mktemp)"
-trap 'rm -f "$CONSTRAINTS" "$LOG"' EXIT
-echo "torch==$TORCH" > "$CONSTRAINTS"
-"$PY" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" \
-    "verl==$VERSION" uvicorn fastapi pyzmq cachetools >"$LOG" 2>&1 || { cat "$LOG"; exit 1; }
-"$PY" -c "import verl.checkpoint_engine, verl; print(f'veRL {verl.__version__} checkpoint engines import on CPU')"
+make_venv "$VENV"
+quiet "${PIP[@]}" "verl==$VERSION" uvicorn fastapi pyzmq cachetools
+quiet "$PY" -c "import verl.checkpoint_engine"
+echo "veRL $VERSION checkpoint engines import on CPU"

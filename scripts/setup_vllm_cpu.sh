@@ -12,22 +12,15 @@
 set -euo pipefail
 VERSION="${1:-0.33.0}"
 VENV="${2:-.venv-vllm}"
-PY="$VENV/bin/python"
+source "$(dirname "$0")/venv_lib.sh"
 
-if [ -x "$PY" ] && [ "$("$PY" -c 'from importlib.metadata import version; print(version("vllm"))' 2>/dev/null)" = "$VERSION" ]; then
+if [ "$(installed "$VENV/bin/python" vllm)" = "$VERSION" ]; then
     echo "vLLM $VERSION already in $VENV"
     exit 0
 fi
-python3 -m venv --system-site-packages "$VENV"
-TORCH="$(python3 -c 'import torch; print(torch.__version__.split("+")[0])')"
-CONSTRAINTS="$(mktemp)"
-LOG="$(mktemp)"
-trap 'rm -f "$CONSTRAINTS" "$LOG"' EXIT
-echo "torch==$TORCH" > "$CONSTRAINTS"
-PIP=("$PY" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS")
+make_venv "$VENV"
 # pip warns that vLLM's declared requirements (CUDA torch, kernels) are not met: that is
 # the point. Its output is shown only when an install fails.
-quiet() { "$@" >"$LOG" 2>&1 || { cat "$LOG"; exit 1; }; }
 # Leaf packages and the ones whose own requirements would pull torch or triton: no deps.
 quiet "${PIP[@]}" --no-deps "vllm==$VERSION" "xgrammar==0.2.8" "apache-tvm-ffi==0.1.11" \
     psutil cbor2 pybase64 cachetools msgspec uvloop prometheus_client \

@@ -19,13 +19,29 @@ TESTS = REPO / "tests"
 SETUP_HINT = "run scripts/setup_vllm_cpu.sh (about 1 minute) to install vLLM for these tests"
 
 
-def vllm_python() -> str | None:
-    """The interpreter with vLLM installed, or None."""
-    explicit = os.environ.get("NRR_VLLM_PYTHON")
+def _venv_python(env_var: str, venv: str) -> str | None:
+    """``$env_var``, else ``<repo>/<venv>/bin/python`` if it exists, else None."""
+    explicit = os.environ.get(env_var)
     if explicit:
         return explicit
-    venv = REPO / ".venv-vllm" / "bin" / "python"
-    return str(venv) if venv.exists() else None
+    path = REPO / venv / "bin" / "python"
+    return str(path) if path.exists() else None
+
+
+def _missing(python: str | None, what: str, probe: str, hint: str) -> str | None:
+    """Why ``python`` cannot run ``probe`` (a skip reason), or None when it can."""
+    if python is None:
+        return f"{what} is not installed for the CPU tests: {hint}"
+    try:
+        done = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+    except OSError as err:
+        return f"{python} cannot run ({err}): {hint}"
+    return None if done.returncode == 0 else f"{python} cannot import {what}: {hint}"
+
+
+def vllm_python() -> str | None:
+    """The interpreter with vLLM installed (``.venv-vllm`` or ``$NRR_VLLM_PYTHON``)."""
+    return _venv_python("NRR_VLLM_PYTHON", ".venv-vllm")
 
 
 def installed_vllm_version() -> str | None:
@@ -42,17 +58,8 @@ def installed_vllm_version() -> str | None:
 
 
 def skip_reason() -> str | None:
-    python = vllm_python()
-    if python is None:
-        return f"vLLM is not installed for the CPU tests: {SETUP_HINT}"
-    probe = subprocess.run(
-        [python, "-c", "from importlib.metadata import version; print(version('vllm'))"],
-        capture_output=True,
-        text=True,
-    )
-    if probe.returncode != 0:
-        return f"{python} has no vLLM: {SETUP_HINT}"
-    return None
+    probe = "from importlib.metadata import version; version('vllm')"  # fast: no import
+    return _missing(vllm_python(), "vLLM", probe, SETUP_HINT)
 
 
 VERL_SETUP_HINT = (
@@ -61,24 +68,12 @@ VERL_SETUP_HINT = (
 
 
 def verl_python() -> str | None:
-    """The interpreter with veRL installed (``.venv-verl`` or ``$NRR_VERL_PYTHON``), or None."""
-    explicit = os.environ.get("NRR_VERL_PYTHON")
-    if explicit:
-        return explicit
-    venv = REPO / ".venv-verl" / "bin" / "python"
-    return str(venv) if venv.exists() else None
+    """The interpreter with veRL installed (``.venv-verl`` or ``$NRR_VERL_PYTHON``)."""
+    return _venv_python("NRR_VERL_PYTHON", ".venv-verl")
 
 
 def verl_skip_reason() -> str | None:
-    python = verl_python()
-    if python is None:
-        return f"veRL is not installed for the CPU tests: {VERL_SETUP_HINT}"
-    probe = subprocess.run(
-        [python, "-c", "import verl.checkpoint_engine"], capture_output=True, text=True
-    )
-    if probe.returncode != 0:
-        return f"{python} cannot import verl.checkpoint_engine: {VERL_SETUP_HINT}"
-    return None
+    return _missing(verl_python(), "veRL", "import verl.checkpoint_engine", VERL_SETUP_HINT)
 
 
 NEMO_RL_SETUP_HINT = (
@@ -89,26 +84,13 @@ NEMO_RL_SETUP_HINT = (
 
 def nemo_rl_python() -> str | None:
     """The interpreter with NeMo RL and vLLM 0.25.1 (``.venv-nemo-rl`` or
-    ``$NRR_NEMO_RL_PYTHON``), or None."""
-    explicit = os.environ.get("NRR_NEMO_RL_PYTHON")
-    if explicit:
-        return explicit
-    venv = REPO / ".venv-nemo-rl" / "bin" / "python"
-    return str(venv) if venv.exists() else None
+    ``$NRR_NEMO_RL_PYTHON``)."""
+    return _venv_python("NRR_NEMO_RL_PYTHON", ".venv-nemo-rl")
 
 
 def nemo_rl_skip_reason() -> str | None:
-    python = nemo_rl_python()
-    if python is None:
-        return f"NeMo RL is not installed for the CPU tests: {NEMO_RL_SETUP_HINT}"
-    probe = subprocess.run(
-        [python, "-c", "import nemo_rl.utils.checkpoint_engines.base"],
-        capture_output=True,
-        text=True,
-    )
-    if probe.returncode != 0:
-        return f"{python} cannot import NeMo RL: {NEMO_RL_SETUP_HINT}"
-    return None
+    probe = "import nemo_rl.utils.checkpoint_engines.base"
+    return _missing(nemo_rl_python(), "NeMo RL", probe, NEMO_RL_SETUP_HINT)
 
 
 def vllm_env() -> dict[str, str]:
