@@ -180,9 +180,35 @@ def _run_case(rank: int, case: dict[str, Any], payload: dict[str, Any]) -> dict[
             parts = [torch.empty_like(local) for _ in range(par.tp)]
             dist.all_gather(parts, local, group=group)
             out[key] = torch.cat(parts, dim=-1)[..., : arch.vocab_size]
+    out["wrapped"] = _through_wrappers(chunks, params, layout)
     dist.barrier()
     ps.destroy_model_parallel()
     return out
+
+
+def _through_wrappers(chunks: list, params: dict, layout: Any) -> dict[str, Any]:
+    """The live tensors as a framework holds the model — each chunk in Megatron's own
+    ``Float16Module`` (which keeps it as ``.module``, like DDP) — by layout name."""
+    import copy
+
+    from megatron.core.transformer.module import Float16Module
+
+    from nemo_refit_reshard.integrations.megatron_live import match_layout, megatron_live_tensors
+    from nemo_refit_reshard.plan.overlap import PlanError
+
+    wrapped = []
+    for chunk in chunks:
+        cfg = copy.copy(chunk.config)
+        cfg.bf16 = True  # converts the parameters in place: the same Parameter objects
+        wrapped.append(Float16Module(cfg, chunk))
+    live = megatron_live_tensors(wrapped)
+    same = live.keys() == params.keys() and all(live[n] is params[n] for n in params)
+    try:
+        matched = sorted(match_layout(live, layout))
+        error = None
+    except PlanError as err:
+        matched, error = [], str(err)
+    return {"same_tensors": same, "matched": matched, "error": error}
 
 
 def _worker(rank: int, tmp: str) -> None:
@@ -270,6 +296,18 @@ def test_names_shapes_and_position(truth, name: str) -> None:
 def test_sharded_state_dict_placement(truth, name: str) -> None:
     payloads, results = truth
     mc.assert_placement(name, _layouts(name, payloads), results)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_live_tensors_through_framework_wrappers(truth, name: str) -> None:
+    """Wrapped chunks give the very same tensors, under exactly the layout's names."""
+    payloads, results = truth
+    layouts = _layouts(name, payloads)
+    for rank in range(WORLD):
+        got = results[rank][name]["wrapped"]
+        assert got["same_tensors"], (name, rank)
+        assert got["error"] is None, got["error"]
+        assert got["matched"] == sorted(t.name for t in layouts[rank].tensors)
 
 
 @pytest.mark.parametrize("name", FORWARD)

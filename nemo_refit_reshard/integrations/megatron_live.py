@@ -1,0 +1,61 @@
+"""A Megatron training worker's live tensors under the Megatron layout's names.
+
+Frameworks hold Megatron-core models wrapped (``DistributedDataParallel``,
+``Float16Module``: each keeps the model as ``.module``) and, with virtual pipeline
+stages, as a list of chunks. The layout provider names tensors as an unwrapped
+``GPTModel``'s ``state_dict`` does — ``decoder.layers.{i}...`` per stage, prefixed
+``model{c}.`` for chunk ``c`` when there are several — and counts persistent
+buffers the refit must write too (the MoE router's ``expert_bias``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ..layouts.base import RankLayout
+from ..plan.overlap import PlanError
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The innermost ``.module`` of wrapper modules (DDP, Float16Module, ...)."""
+    while isinstance(getattr(module, "module", None), torch.nn.Module):
+        module = module.module
+    return module
+
+
+def megatron_live_tensors(
+    model: torch.nn.Module | Sequence[torch.nn.Module],
+) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers (not ``_extra_state``) by layout name; the
+    tensors themselves, so a refit writes the live storage."""
+    chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
+    out: dict[str, torch.Tensor] = {}
+    for c, chunk in enumerate(chunks):
+        prefix = f"model{c}." if len(chunks) > 1 else ""
+        for name, value in unwrap(chunk).state_dict(keep_vars=True).items():
+            if not name.endswith("_extra_state"):
+                out[prefix + name] = value
+    return out
+
+
+def match_layout(live: Mapping[str, torch.Tensor], layout: RankLayout) -> dict[str, torch.Tensor]:
+    """The live tensors the layout names; a ``PlanError`` lists every name the layout has
+    and the model lacks, and every live parameter the layout does not cover."""
+    wanted = {t.name for t in layout.tensors}
+    missing = sorted(wanted - set(live))
+    uncovered = sorted(
+        n for n, t in live.items() if n not in wanted and isinstance(t, torch.nn.Parameter)
+    )
+    if missing or uncovered:
+        lines = [f"{n}: in the layout, not in the model" for n in missing]
+        lines += [f"{n}: a model parameter the layout does not cover" for n in uncovered]
+        shown = "\n  ".join(lines[:20])
+        more = f"\n  ... and {len(lines) - 20} more" if len(lines) > 20 else ""
+        raise PlanError(
+            f"Megatron rank {layout.rank}: live tensors and layout disagree:\n  {shown}{more}\n"
+            "check the layout options (layer spec, grouped GEMM, vocab padding, pipeline "
+            "split) against the model's configuration"
+        )
+    return {n: live[n] for n in sorted(wanted)}
