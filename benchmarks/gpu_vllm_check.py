@@ -27,37 +27,28 @@ from typing import Any
 
 import torch
 
+_SHAPE = dict(
+    vocab_size=1000,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 MODELS: dict[str, dict[str, Any]] = {
-    "qwen3": dict(
-        architectures=["Qwen3ForCausalLM"],
-        model_type="qwen3",
-        vocab_size=1000,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    ),
+    "qwen3": dict(_SHAPE, architectures=["Qwen3ForCausalLM"], model_type="qwen3"),
     "qwen3_moe": dict(
+        _SHAPE,
         architectures=["Qwen3MoeForCausalLM"],
         model_type="qwen3_moe",
-        vocab_size=1000,
-        hidden_size=256,
-        intermediate_size=512,
         moe_intermediate_size=128,
         num_experts=8,
         num_experts_per_tok=2,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
     ),
 }
 PROMPTS = [[1, 17, 42, 99, 5], [7, 7, 300, 12, 640, 3, 8]]
