@@ -24,12 +24,12 @@ import json
 import os
 import sys
 import time
-import traceback
 from types import SimpleNamespace
 from typing import Any
 
 import ray
 import torch
+from driver_report import report_to
 
 ENGINE = "nemo_refit_reshard.integrations.nemo_rl:ReshardCheckpointEngine"
 
@@ -157,71 +157,71 @@ class WorkerGroup:
 def main(spec_path: str, result_path: str) -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     spec = json.load(open(spec_path))
-    result: dict[str, Any] = {}
     try:
-        ray.init(num_cpus=16, include_dashboard=False)
-        from nemo_rl.weight_sync.checkpoint_engine_weight_synchronizer import (
-            CheckpointEngineWeightSynchronizer,
-        )
-
-        from nemo_refit_reshard.integrations.spawn import _free_port
-
-        env = {"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path), "VLLM_TARGET_DEVICE": "cpu"}}
-        policy = [
-            PolicyWorker.options(runtime_env=env).remote(r, spec["checkpoints"])
-            for r in range(spec["policy"])
-        ]
-        tp, engines = spec["tp"], spec["engines"]
-        processes = [
-            [
-                VllmWorkerProcess.options(runtime_env=env).remote(spec["config"], tp, r, port)
-                for r in range(tp)
-            ]
-            for port in [_free_port() for _ in range(engines)]
-        ]
-        generation = [GenerationWorker.options(runtime_env=env).remote(p) for p in processes]
-        sync = CheckpointEngineWeightSynchronizer(
-            _policy=SimpleNamespace(
-                worker_group=WorkerGroup(policy, len(policy)), prepare_refit_info=lambda: None
-            ),
-            _generation=SimpleNamespace(
-                worker_group=WorkerGroup(generation, tp * engines),
-                cfg={"vllm_cfg": {"async_engine": False}},
-                dp_size=engines,
-                prepare_refit_info=lambda _info: None,
-            ),
-            _checkpoint_engine_config={
-                "backend": ENGINE,
-                "update_weights_bucket_memory_ratio": 0.05,
-                "engine_kwargs": {ENGINE: {**spec["engine_kwargs"], "release_after_refit": False}},
-            },
-            _bucket_size_bytes=1 << 20,
-        )
-        sync.init_communicator()
-        steps = []
-        for step in range(spec["steps"]):
-            ray.get([p.set_step.remote(step) for p in policy])
-            t0 = time.perf_counter()
-            stale_before = sync.is_stale
-            sync.sync_weights()
-            differ = ray.get(
-                [p.compare.remote(spec["checkpoints"][step]) for ps in processes for p in ps]
-            )
-            steps.append(
-                {
-                    "seconds": time.perf_counter() - t0,
-                    "stale_before": stale_before,
-                    "stale_after": sync.is_stale,
-                    "differ": differ,
-                }
-            )
-        result = {"steps": steps}
-    except BaseException as err:
-        result = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+        with report_to(result_path) as result:
+            _run(spec, result)
     finally:
-        with open(result_path, "w") as f:
-            json.dump(result, f, default=str)
         ray.shutdown()
+
+
+def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
+    ray.init(num_cpus=16, include_dashboard=False)
+    from nemo_rl.weight_sync.checkpoint_engine_weight_synchronizer import (
+        CheckpointEngineWeightSynchronizer,
+    )
+
+    from nemo_refit_reshard.integrations.spawn import _free_port
+
+    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path), "VLLM_TARGET_DEVICE": "cpu"}}
+    policy = [
+        PolicyWorker.options(runtime_env=env).remote(r, spec["checkpoints"])
+        for r in range(spec["policy"])
+    ]
+    tp, engines = spec["tp"], spec["engines"]
+    processes = [
+        [
+            VllmWorkerProcess.options(runtime_env=env).remote(spec["config"], tp, r, port)
+            for r in range(tp)
+        ]
+        for port in [_free_port() for _ in range(engines)]
+    ]
+    generation = [GenerationWorker.options(runtime_env=env).remote(p) for p in processes]
+    sync = CheckpointEngineWeightSynchronizer(
+        _policy=SimpleNamespace(
+            worker_group=WorkerGroup(policy, len(policy)), prepare_refit_info=lambda: None
+        ),
+        _generation=SimpleNamespace(
+            worker_group=WorkerGroup(generation, tp * engines),
+            cfg={"vllm_cfg": {"async_engine": False}},
+            dp_size=engines,
+            prepare_refit_info=lambda _info: None,
+        ),
+        _checkpoint_engine_config={
+            "backend": ENGINE,
+            "update_weights_bucket_memory_ratio": 0.05,
+            "engine_kwargs": {ENGINE: {**spec["engine_kwargs"], "release_after_refit": False}},
+        },
+        _bucket_size_bytes=1 << 20,
+    )
+    sync.init_communicator()
+    steps = []
+    for step in range(spec["steps"]):
+        ray.get([p.set_step.remote(step) for p in policy])
+        t0 = time.perf_counter()
+        stale_before = sync.is_stale
+        sync.sync_weights()
+        differ = ray.get(
+            [p.compare.remote(spec["checkpoints"][step]) for ps in processes for p in ps]
+        )
+        steps.append(
+            {
+                "seconds": time.perf_counter() - t0,
+                "stale_before": stale_before,
+                "stale_after": sync.is_stale,
+                "differ": differ,
+            }
+        )
+    result["steps"] = steps
 
 
 if __name__ == "__main__":

@@ -18,10 +18,10 @@ import asyncio
 import json
 import sys
 import time
-import traceback
 
 import ray
 import torch
+from driver_report import report_to
 from safetensors.torch import load_file
 from verl.checkpoint_engine import CheckpointEngineManager, CheckpointEngineRegistry
 from verl.checkpoint_engine.base import CheckpointEngineWorker
@@ -182,15 +182,11 @@ async def run(spec: dict) -> dict:
 
 def main(spec_path: str, result_path: str) -> None:
     spec = json.load(open(spec_path))
-    result: dict = {}
     try:
-        ray.init(num_cpus=spec["actors"] + 8, include_dashboard=False, log_to_driver=True)
-        result = asyncio.run(run(spec))
-    except BaseException as err:
-        result = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+        with report_to(result_path) as result:
+            ray.init(num_cpus=spec["actors"] + 8, include_dashboard=False, log_to_driver=True)
+            result.update(asyncio.run(run(spec)))
     finally:
-        with open(result_path, "w") as f:
-            json.dump(result, f, default=str)
         ray.shutdown()
 
 

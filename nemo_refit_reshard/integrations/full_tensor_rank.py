@@ -5,8 +5,9 @@ framework's calls onto :class:`FullTensorRank`:
 
 * :meth:`join` — allocate this rank's buffers from its plan slice, join the refit
   group, compile (once per run);
-* :meth:`send` (training side) — drain the framework's full-tensor iterator (it is
-  collective: every rank must consume it), keep the tensors this rank sends, replay;
+* :meth:`take` then :meth:`replay_send` (training side) — drain the framework's
+  full-tensor iterator in its own thread (it is collective: every rank must consume it),
+  keep the tensors this rank sends, replay;
 * :meth:`receive` (rollout side) — replay into this GPU's vLLM shard, then yield,
   per canonical tensor it holds a piece of, a full-shape tensor carrying exactly
   the received elements (vLLM's loader reads no others for this rank).
@@ -145,11 +146,6 @@ class FullTensorRank:
         if self.worker is None or self.slice is None:
             raise RuntimeError("the refit group is not joined on this rank yet")
         return self.worker, self.slice
-
-    def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-        """Training side: :meth:`take` then :meth:`replay_send`."""
-        self.take(weights)
-        return self.replay_send()
 
     def take(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Drain ``weights`` (in the caller's thread: the framework's iterator may run

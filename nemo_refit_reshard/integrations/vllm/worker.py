@@ -20,7 +20,6 @@ them into the parameters.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -253,8 +252,3 @@ class ReshardWorkerExtension:
 
     def refit_close(self) -> None:
         refit_close(self)
-
-
-def describe_json(worker: Any) -> str:
-    """:func:`refit_describe` as JSON text (for RPC layers that want strings)."""
-    return json.dumps(refit_describe(worker))
