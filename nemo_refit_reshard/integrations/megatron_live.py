@@ -11,6 +11,7 @@ buffers the refit must write too (the MoE router's ``expert_bias``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -59,3 +60,35 @@ def match_layout(live: Mapping[str, torch.Tensor], layout: RankLayout) -> dict[s
             "split) against the model's configuration"
         )
     return {n: live[n] for n in sorted(wanted)}
+
+
+# Names only the Transformer Engine layer spec has: norms fused into the next linear.
+_TE_FUSED_NORMS = (
+    "linear_qkv.layer_norm_weight",
+    "linear_fc1.layer_norm_weight",
+    "linear_q_up_proj.layer_norm_weight",
+    "linear_kv_up_proj.layer_norm_weight",
+)
+
+
+def live_megatron_options(model: torch.nn.Module | Sequence[torch.nn.Module]) -> dict[str, Any]:
+    """The ``MegatronOptions`` fields a live model decides, read off the model itself:
+    the layer spec and grouped GEMM from its parameter names, the uneven pipeline split
+    from its ``TransformerConfig``, the parameter dtype from its weights. (The vocabulary
+    padding is not recoverable from one rank's shapes; the caller supplies it.)"""
+    chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
+    names = list(megatron_live_tensors(chunks))
+    first = unwrap(chunks[0])
+    config = getattr(first, "config", None)
+    dtype = next(first.parameters()).dtype
+    return {
+        "layer_spec": "te" if any(n.endswith(_TE_FUSED_NORMS) for n in names) else "local",
+        "moe_grouped_gemm": any(".mlp.experts.linear_fc1.weight" in n for n in names),
+        "num_layers_in_first_pipeline_stage": getattr(
+            config, "num_layers_in_first_pipeline_stage", None
+        ),
+        "num_layers_in_last_pipeline_stage": getattr(
+            config, "num_layers_in_last_pipeline_stage", None
+        ),
+        "params_dtype": str(dtype).removeprefix("torch."),
+    }

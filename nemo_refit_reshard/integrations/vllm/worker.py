@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -142,8 +143,16 @@ def refit_join(worker: Any, endpoint_json: str, first_rank: int) -> int:
     return endpoint.group_rank
 
 
-def _read_plan(plan: str, group_rank: int) -> str:
-    """JSON text, or a path (``{rank}`` is replaced by this worker's refit rank)."""
+def _read_plan(plan: str | Mapping[str, str], group_rank: int) -> str:
+    """JSON text; a path (``{rank}`` is replaced by this worker's refit rank); or a
+    mapping from refit rank (as a string) to JSON text: this worker's entry."""
+    if isinstance(plan, Mapping):
+        if str(group_rank) not in plan:
+            raise PlanError(
+                f"the plan slices shipped to this engine are for refit ranks "
+                f"{sorted(plan, key=int)}, not for this worker's rank {group_rank}"
+            )
+        return plan[str(group_rank)]
     text = plan.strip()
     if text.startswith("{"):
         return plan
@@ -154,7 +163,9 @@ def _read_plan(plan: str, group_rank: int) -> str:
         return f.read()
 
 
-def refit_check_plan(worker: Any, plan: str, group_rank: int) -> RefitPlan | RankPlan:
+def refit_check_plan(
+    worker: Any, plan: str | Mapping[str, str], group_rank: int
+) -> RefitPlan | RankPlan:
     """Check, on this worker alone, that the plan for refit rank ``group_rank`` writes
     exactly the live parameters, with their shapes and dtypes (the transport checks the
     device when the plan is loaded); a mismatch is a ``PlanError`` naming the tensors
@@ -178,11 +189,12 @@ def refit_check_plan(worker: Any, plan: str, group_rank: int) -> RefitPlan | Ran
     return loaded
 
 
-def refit_load_plan(worker: Any, plan: str) -> int:
+def refit_load_plan(worker: Any, plan: str | Mapping[str, str]) -> int:
     """Check the plan against the live parameters (:func:`refit_check_plan`) and compile
     this rank's program. Collective over the refit group: every rank calls it. ``plan``
-    is JSON text or a path, where ``{rank}`` stands for this worker's refit rank (ship
-    each worker its slice). Returns the number of parameters the plan writes."""
+    is JSON text, a path where ``{rank}`` stands for this worker's refit rank, or a
+    mapping from refit rank to slice (ship each worker its slice). Returns the number of
+    parameters the plan writes."""
     s = _state(worker)
     if s.refit is None:
         raise RuntimeError("call refit_join before refit_load_plan")
@@ -241,10 +253,10 @@ class ReshardWorkerExtension:
     def refit_join(self, endpoint_json: str, first_rank: int) -> int:
         return refit_join(self, endpoint_json, first_rank)
 
-    def refit_check_plan(self, plan: str, group_rank: int) -> None:
+    def refit_check_plan(self, plan: str | Mapping[str, str], group_rank: int) -> None:
         refit_check_plan(self, plan, group_rank)
 
-    def refit_load_plan(self, plan: str) -> int:
+    def refit_load_plan(self, plan: str | Mapping[str, str]) -> int:
         return refit_load_plan(self, plan)
 
     def refit_step(self) -> dict[str, float]:

@@ -1,0 +1,197 @@
+"""NeMo RL's configuration in our terms: the ``refit:`` block and both sides' parallelism.
+
+A NeMo RL GRPO config (``MasterConfig``, plain dicts) names the Megatron policy's
+parallel sizes under ``policy.megatron_cfg`` and vLLM's under
+``policy.generation.vllm_cfg``; the cluster sizes come from the worker groups. These
+functions read them into :class:`TrainParallel` / :class:`InferParallel` and refuse,
+naming the key, what the refit cannot serve. Nothing here imports NeMo RL.
+
+Our own block sits at the top level of the YAML (``MasterConfig`` keeps extra keys)::
+
+    refit:
+      backend: reshard        # reshard | nccl | nccl_reshard (NeMo RL's own refits)
+      transport: cupy-nccl    # cupy-nccl | gloo
+      timeout_s: 600
+      bucket_mb: 512
+      host: null              # the refit group's rendezvous address (default: node IP)
+      make_vocab_size_divisible_by: 128   # Megatron-Bridge's vocabulary padding
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ...engine.transport import DEFAULT_TIMEOUT_S
+from ...spec.parallel import InferParallel, TrainParallel
+from ..worker import TRANSPORTS
+
+REFIT_BACKENDS = ("reshard", "nccl", "nccl_reshard")
+
+
+class NemoRlConfigError(ValueError):
+    """A NeMo RL config value the refit cannot use; one line naming key, value, choices."""
+
+
+def _choose(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise NemoRlConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
+    return str(value)
+
+
+def _positive(key: str, value: Any, integer: bool = True) -> Any:
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if not ok or isinstance(value, bool) or value <= 0:
+        kind = "a positive integer" if integer else "a positive number"
+        raise NemoRlConfigError(f"{key}={value!r} must be {kind}")
+    return value
+
+
+@dataclass(frozen=True)
+class RefitConfig:
+    """The ``refit:`` block (see the module docstring)."""
+
+    backend: str = "nccl"
+    transport: str = "cupy-nccl"
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    bucket_mb: float = 512
+    host: str | None = None
+    make_vocab_size_divisible_by: int = 128
+
+    @classmethod
+    def from_config(cls, block: Mapping[str, Any] | None) -> RefitConfig:
+        """Validate ``refit:``; an unknown key or value is a :class:`NemoRlConfigError`."""
+        block = dict(block or {})
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(block) - set(known))
+        if unknown:
+            raise NemoRlConfigError(
+                f"refit has unknown key(s) {unknown}; known: {', '.join(known)}"
+            )
+        cfg = cls(**block)
+        _choose("refit.backend", cfg.backend, REFIT_BACKENDS)
+        _choose("refit.transport", cfg.transport, TRANSPORTS)
+        _positive("refit.timeout_s", cfg.timeout_s, integer=False)
+        _positive("refit.bucket_mb", cfg.bucket_mb, integer=False)
+        _positive("refit.make_vocab_size_divisible_by", cfg.make_vocab_size_divisible_by)
+        return cfg
+
+
+def _size(cfg: Mapping[str, Any], where: str, key: str) -> int:
+    value = cfg.get(key)
+    return 1 if value is None else _positive(f"{where}.{key}", value)
+
+
+def check_megatron(policy: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``policy.megatron_cfg``, which ``reshard`` needs enabled (it sends Megatron's
+    local shards); returns it."""
+    mcfg = policy.get("megatron_cfg") or {}
+    if not mcfg.get("enabled", False):
+        raise NemoRlConfigError(
+            f"policy.megatron_cfg.enabled={mcfg.get('enabled')!r}: refit.backend=reshard "
+            "needs the Megatron policy (set policy.megatron_cfg.enabled=true)"
+        )
+    return mcfg
+
+
+def train_parallel(policy: Mapping[str, Any], world_size: int) -> TrainParallel:
+    """Megatron's sizes from ``policy.megatron_cfg`` and the training world size.
+
+    ``dp = world / (tp·pp·cp)``; VPP from ``virtual_pipeline_model_parallel_size`` when
+    the config sets it. Megatron's own rules (``etp·ep·edp = tp·cp·dp``) are checked.
+    """
+    where = "policy.megatron_cfg"
+    mcfg = check_megatron(policy)
+    tp = _size(mcfg, where, "tensor_model_parallel_size")
+    pp = _size(mcfg, where, "pipeline_model_parallel_size")
+    cp = _size(mcfg, where, "context_parallel_size")
+    model_parallel = tp * pp * cp
+    if world_size % model_parallel:
+        raise NemoRlConfigError(
+            f"{where}: tp·pp·cp = {tp}·{pp}·{cp} = {model_parallel} does not divide the "
+            f"{world_size} training GPUs"
+        )
+    etp = mcfg.get("expert_tensor_parallel_size")
+    try:
+        return TrainParallel(
+            tp=tp,
+            pp=pp,
+            vpp=_size(mcfg, where, "virtual_pipeline_model_parallel_size"),
+            cp=cp,
+            dp=world_size // model_parallel,
+            ep=_size(mcfg, where, "expert_model_parallel_size"),
+            etp=None if etp is None else _positive(f"{where}.expert_tensor_parallel_size", etp),
+        )
+    except ValueError as err:
+        raise NemoRlConfigError(f"{where}: {err}") from None
+
+
+def check_generation(generation: Mapping[str, Any]) -> None:
+    """``policy.generation`` as ``reshard`` needs it: vLLM, non-colocated, no other
+    refit transport, unquantized."""
+    where = "policy.generation"
+    if generation.get("backend", "vllm") != "vllm":
+        raise NemoRlConfigError(
+            f"{where}.backend={generation.get('backend')!r}: refit.backend=reshard "
+            "serves vLLM generation only"
+        )
+    if (generation.get("colocated") or {}).get("enabled", False):
+        raise NemoRlConfigError(
+            f"{where}.colocated.enabled=True: refit.backend=reshard moves weights between "
+            "separate GPUs; set it to false"
+        )
+    transport = generation.get("refit_transport")
+    if transport is not None:
+        raise NemoRlConfigError(
+            f"{where}.refit_transport={transport!r}: refit.backend=reshard replaces NeMo "
+            "RL's refit transports; set it to null"
+        )
+    precision(generation.get("vllm_cfg") or {}, "precision", f"{where}.vllm_cfg")
+
+
+def infer_parallel(generation: Mapping[str, Any], world_size: int) -> InferParallel:
+    """vLLM's sizes from ``policy.generation.vllm_cfg`` and the inference world size.
+
+    NeMo RL runs one vLLM engine per ``tp·pp`` GPUs; with ``expert_parallel_size``
+    above ``tp`` it groups ``ep/tp`` of them into one vLLM data-parallel engine (vLLM's
+    EP = DP·TP), so ``engine_dp = ep/tp`` and ``dp`` counts those groups.
+    """
+    where = "policy.generation"
+    check_generation(generation)
+    vcfg = generation.get("vllm_cfg") or {}
+    tp = _size(vcfg, f"{where}.vllm_cfg", "tensor_parallel_size")
+    pp = _size(vcfg, f"{where}.vllm_cfg", "pipeline_parallel_size")
+    ep = _size(vcfg, f"{where}.vllm_cfg", "expert_parallel_size")
+    if ep > 1 and ep % tp:
+        raise NemoRlConfigError(
+            f"{where}.vllm_cfg.expert_parallel_size={ep} must be a multiple of "
+            f"tensor_parallel_size={tp} (vLLM's EP = DP·TP)"
+        )
+    engine_dp = ep // tp if ep > tp else 1
+    group = engine_dp * pp * tp
+    if world_size % group:
+        raise NemoRlConfigError(
+            f"{where}.vllm_cfg: one engine group spans ep/tp·pp·tp = {group} GPUs, which "
+            f"does not divide the {world_size} inference GPUs"
+        )
+    return InferParallel(tp=tp, pp=pp, dp=world_size // group, engine_dp=engine_dp, ep=ep)
+
+
+def precision(cfg: Mapping[str, Any], key: str, where: str) -> str:
+    """A NeMo RL ``precision`` value as a torch dtype name."""
+    value = cfg.get(key, "bfloat16")
+    names = {
+        "bfloat16": "bfloat16",
+        "bf16": "bfloat16",
+        "float16": "float16",
+        "fp16": "float16",
+        "float32": "float32",
+        "fp32": "float32",
+    }
+    if value not in names:
+        raise NemoRlConfigError(
+            f"{where}.{key}={value!r} is not one of {', '.join(sorted(set(names.values())))}"
+            " (quantized generation is not refit in place)"
+        )
+    return names[value]

@@ -1,0 +1,79 @@
+"""Wire ``refit.backend`` into NeMo RL's GRPO ``setup`` (used by examples/nemo_rl/run_grpo.py).
+
+``reshard``: the policy workers are :data:`WORKER_FQN` (NeMo RL's Megatron worker
+plus our refit methods, through ``Policy(worker_extension_cls_fqn=...)``, registered
+in NeMo RL's actor-environment registry like its own Megatron worker), and after
+``setup`` our :class:`~.synchronizer.ReshardWeightSynchronizer` becomes
+``policy_generation.weight_synchronizer``, which GRPO's ``refit_policy_generation``
+calls every step. ``nccl`` and ``nccl_reshard`` leave NeMo RL's own refits in place
+(``policy.generation.refit_transport`` null or ``"nccl_reshard"``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+from .config import NemoRlConfigError, RefitConfig, check_generation, check_megatron
+
+WORKER_FQN = "nemo_refit_reshard.integrations.nemo_rl.megatron_worker.ReshardMegatronPolicyWorker"
+
+
+def refit_config(config: MutableMapping[str, Any]) -> RefitConfig:
+    """Read the ``refit:`` block and set NeMo RL's own switch to match ``backend``:
+    ``policy.generation.refit_transport`` becomes ``"nccl_reshard"`` for
+    ``nccl_reshard`` and stays null otherwise (a conflicting value is an error)."""
+    refit = RefitConfig.from_config(config.get("refit"))
+    generation = config["policy"]["generation"]
+    transport = generation.get("refit_transport")
+    if refit.backend == "nccl_reshard":
+        if transport not in (None, "nccl_reshard"):
+            raise NemoRlConfigError(
+                f"policy.generation.refit_transport={transport!r} conflicts with "
+                "refit.backend=nccl_reshard; set it to null"
+            )
+        generation["refit_transport"] = "nccl_reshard"
+    elif transport is not None:
+        raise NemoRlConfigError(
+            f"policy.generation.refit_transport={transport!r} conflicts with "
+            f"refit.backend={refit.backend}; set it to null (or use NeMo RL's own "
+            "run_grpo.py for checkpoint engines)"
+        )
+    return refit
+
+
+def check_reshard_config(config: Mapping[str, Any]) -> None:
+    """The config-only checks of ``reshard``, before any worker starts: Megatron policy,
+    vLLM generation (non-colocated, no other refit transport, unquantized). Sizes are
+    checked against the workers NeMo RL actually starts, in ``init_communicator``."""
+    check_generation(config["policy"]["generation"])
+    check_megatron(config["policy"])
+
+
+def policy_factory(refit: RefitConfig) -> Callable[..., Any] | None:
+    """``setup(policy_factory=...)``: our worker for ``reshard``, NeMo RL's otherwise."""
+    if refit.backend != "reshard":
+        return None
+    from nemo_rl.distributed.ray_actor_environment_registry import (
+        ACTOR_ENVIRONMENT_REGISTRY,
+        MCORE_EXECUTABLE,
+    )
+    from nemo_rl.models.policy.lm_policy import Policy
+
+    ACTOR_ENVIRONMENT_REGISTRY[WORKER_FQN] = MCORE_EXECUTABLE
+    return functools.partial(Policy, worker_extension_cls_fqn=WORKER_FQN)
+
+
+def install_synchronizer(
+    refit: RefitConfig, policy: Any, policy_generation: Any, master_config: Mapping[str, Any]
+) -> Any:
+    """After ``setup``: make our synchronizer the one GRPO's refit calls (``reshard``)."""
+    if refit.backend != "reshard":
+        return getattr(policy_generation, "weight_synchronizer", None)
+    from .synchronizer import ReshardWeightSynchronizer
+
+    sync = ReshardWeightSynchronizer(policy, policy_generation, master_config, refit)
+    sync.init_communicator()
+    policy_generation.weight_synchronizer = sync
+    return sync

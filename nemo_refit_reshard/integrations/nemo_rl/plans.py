@@ -1,0 +1,185 @@
+"""Plan a NeMo RL refit once, on the driver, from its config and its workers' reports.
+
+Sizes come from NeMo RL's config (``config.py``); the workers' reports
+(``reshard_describe`` on every Megatron policy worker, ``refit_describe`` in every
+vLLM worker) confirm them and supply what only the live model knows (the layer spec,
+grouped GEMM, dtypes, the vLLM version). Every disagreement — a rank whose
+``parallel_state`` position is not the one planned, a live tensor the layout lacks or
+shapes differently — is a :class:`PlanError` listing all of them, raised before any
+group is joined. Nothing here imports NeMo RL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ...layouts import VllmOptions, megatron_layout, vllm_layouts
+from ...layouts.base import RankLayout
+from ...layouts.megatron_grid import megatron_position
+from ...layouts.megatron_rules import MegatronOptions
+from ...plan.overlap import PlanError
+from ...plan.plan import RefitPlan, plan_refit
+from ...plan.rank_plan import rank_plan
+from ...spec.parallel import InferParallel, TrainParallel
+from ..full_tensors import engine_spec
+from .config import RefitConfig, infer_parallel, precision, train_parallel
+
+
+@dataclass(frozen=True)
+class NemoRlPlan:
+    """The plan, both sides' parallelism, and each refit rank's slice as JSON."""
+
+    plan: RefitPlan
+    train: TrainParallel
+    infer: InferParallel
+    slices: tuple[str, ...]  # refit rank r: policy rank r < T, vLLM rank r - T
+
+    @property
+    def num_policy(self) -> int:
+        return self.train.world_size
+
+    def engine_slices(self, first_rank: int, size: int) -> dict[str, str]:
+        """The slices of refit ranks ``first_rank .. first_rank+size-1``, by rank."""
+        return {str(r): self.slices[r] for r in range(first_rank, first_rank + size)}
+
+    def __str__(self) -> str:
+        s = self.plan.stats
+        return (
+            f"reshard plan {self.plan.fingerprint[:12]}: Megatron {self.train} -> vLLM "
+            f"{self.infer}, {s.total_bytes / 2**20:,.1f} MiB per refit in "
+            f"{s.num_rounds} rounds"
+        )
+
+
+def _listed(where: str, problems: list[str], hint: str) -> PlanError:
+    shown = "\n  ".join(problems[:20])
+    more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+    return PlanError(f"{where}:\n  {shown}{more}\n{hint}")
+
+
+def _tensor_problems(layout: RankLayout, report: Mapping[str, Any]) -> list[str]:
+    """Layout vs a worker's reported tensors (``describe_tensors``) and parameters."""
+    want = {t.name: [list(t.shape), t.dtype] for t in layout.tensors}
+    have = report["tensors"]
+    problems = [f"{n}: in the layout, not live" for n in sorted(set(want) - set(have))]
+    problems += [
+        f"{n}: a live parameter the layout does not cover"
+        for n in report.get("parameters", have)
+        if n not in want
+    ]
+    problems += [
+        f"{n}: live {have[n][0]} {have[n][1]}, the layout has {want[n][0]} {want[n][1]}"
+        for n in sorted(set(want) & set(have))
+        if list(have[n][0]) != want[n][0] or have[n][1] != want[n][1]
+    ]
+    return problems
+
+
+def _same(reports: Sequence[Mapping[str, Any]], key: str, who: str) -> Any:
+    values = {repr(r[key]): r[key] for r in reports}
+    if len(values) != 1:
+        raise PlanError(f"{who} disagree on {key}: {sorted(values)}")
+    return next(iter(values.values()))
+
+
+def megatron_sources(
+    spec: Any, train: TrainParallel, refit: RefitConfig, reports: Sequence[Mapping[str, Any]]
+) -> list[RankLayout]:
+    """Every policy rank's layout, checked against its report."""
+    ranks = [int(r["rank"]) for r in reports]
+    if ranks != list(range(train.world_size)):
+        raise PlanError(
+            f"policy workers report ranks {ranks}; the config gives {train} = "
+            f"{train.world_size} ranks 0..{train.world_size - 1}"
+        )
+    live = _same(reports, "options", "policy workers")
+    opts = MegatronOptions(make_vocab_size_divisible_by=refit.make_vocab_size_divisible_by, **live)
+    sizes = {
+        "tp": train.tp, "pp": train.pp, "vpp": train.vpp, "cp": train.cp,
+        "dp": train.dp, "ep": train.ep, "etp": train.expert_tp,
+    }  # fmt: skip
+    problems = []
+    layouts = []
+    for r, report in enumerate(reports):
+        pos = report["position"]
+        want = megatron_position(train, r).as_dict()
+        wrong = [f"{k}={pos[k]} (planned {v})" for k, v in want.items() if pos[k] != v]
+        wrong += [
+            f"{k}_size={pos[f'{k}_size']} (config {v})"
+            for k, v in sizes.items()
+            if pos[f"{k}_size"] != v
+        ]
+        if wrong:
+            problems.append(f"rank {r}: " + ", ".join(wrong))
+            continue
+        layout = megatron_layout(spec, train, r, opts)
+        problems += [f"rank {r}: {p}" for p in _tensor_problems(layout, report)]
+        layouts.append(layout)
+    if problems:
+        raise _listed(
+            f"Megatron policy workers do not match the planned layout {train} ({opts})",
+            problems,
+            "check policy.megatron_cfg (parallel sizes) and refit.make_vocab_size_divisible_by",
+        )
+    return layouts
+
+
+def vllm_destinations(
+    spec: Any,
+    infer: InferParallel,
+    dtype: str,
+    engines: Sequence[Sequence[Mapping[str, Any]]],
+) -> list[RankLayout]:
+    """Every vLLM rank's layout, checked against the reports of each engine's workers
+    (``engines[i]``: NeMo RL's engine ``i``, its workers in vLLM's order)."""
+    flat = [w for engine in engines for w in engine]
+    version = _same(flat, "vllm_version", "vLLM workers")
+    all2all = _same(flat, "all2all_backend", "vLLM workers")
+    opts = VllmOptions(params_dtype=dtype, vllm_version=version, all2all_backend=all2all)
+    layouts = vllm_layouts(spec, infer, opts)
+    engine_par = str(replace(infer, dp=1))
+    size = infer.tp * infer.pp
+    problems = []
+    for i, engine in enumerate(engines):
+        if len(engine) != size:
+            problems.append(f"engine {i}: {len(engine)} workers, the config gives tp·pp={size}")
+            continue
+        for w in engine:
+            d = (i // infer.engine_dp) * infer.engine_world_size + int(w["engine_rank"])
+            if w["parallel"] != engine_par:
+                problems.append(f"engine {i}: runs {w['parallel']}, the config gives {engine_par}")
+                break
+            problems += [f"vLLM rank {d}: {p}" for p in _tensor_problems(layouts[d], w)]
+    if problems:
+        raise _listed(
+            f"vLLM {version} engines do not match the planned layout {infer}",
+            problems,
+            "check policy.generation.vllm_cfg against the running engines",
+        )
+    return layouts
+
+
+def plan_nemo_rl(
+    master_config: Mapping[str, Any],
+    refit: RefitConfig,
+    policy_reports: Sequence[Mapping[str, Any]],
+    engine_reports: Sequence[Sequence[Mapping[str, Any]]],
+) -> NemoRlPlan:
+    """Plan from NeMo RL's config (``policy.model_name``, ``megatron_cfg``, ``vllm_cfg``)
+    and the workers' reports; the spec is the HF config the policy loaded."""
+    policy = master_config["policy"]
+    generation = policy["generation"]
+    spec = engine_spec(policy["model_name"])
+    reports = sorted(policy_reports, key=lambda r: int(r["rank"]))
+    train = train_parallel(policy, len(reports))
+    infer_world = sum(len(e) for e in engine_reports)
+    infer = infer_parallel(generation, infer_world)
+    sources = megatron_sources(spec, train, refit, reports)
+    dtype = precision(generation.get("vllm_cfg") or {}, "precision", "policy.generation.vllm_cfg")
+    destinations = vllm_destinations(spec, infer, dtype, engine_reports)
+    plan = plan_refit(spec, sources, destinations, bucket_mb=refit.bucket_mb)
+    world = train.world_size + infer.world_size
+    slices = tuple(rank_plan(plan, r).to_json() for r in range(world))
+    return NemoRlPlan(plan, train, infer, slices)

@@ -1,0 +1,153 @@
+"""What a NeMo RL Megatron policy worker gains for ``refit.backend: reshard``.
+
+:class:`ReshardPolicyWorkerMixin` is mixed into NeMo RL's ``MegatronPolicyWorkerImpl``
+(``megatron_worker.py``) and reads only what that worker has: ``self.model`` (the
+Megatron-core model, wrapped in DDP / ``Float16Module``, or a list of VPP chunks) and
+``self.rank``. It sends from the **local shards** — the live parameters — with no
+gather: no Megatron-Bridge export, no collective inside Megatron's groups. The driver
+(:class:`~.synchronizer.ReshardWeightSynchronizer`) calls, on every policy worker::
+
+    reshard_describe()            -> parallel position, model options, live tensors
+    reshard_join(endpoint_json)   -> joins the refit group as refit rank self.rank
+    reshard_load_plan(slice_json) -> checks the slice against the live tensors, compiles
+    reshard_step()                -> one refit (collective); timing
+    reshard_close()
+
+Nothing here imports NeMo RL, so it is tested on a CPU Megatron-core model directly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ...engine.program import live_tensor_problems
+from ...plan.overlap import PlanError
+from ...plan.rank_plan import load_plan_json
+from ..megatron_live import live_megatron_options, megatron_live_tensors
+from ..worker import RefitEndpoint, RefitWorker, describe_tensors
+
+
+def megatron_position() -> dict[str, int]:
+    """This process's coordinates and sizes in Megatron's ``parallel_state`` groups."""
+    from megatron.core import parallel_state as ps
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    return {
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "cp": ps.get_context_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(with_context_parallel=False),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "etp": ps.get_expert_tensor_parallel_rank(),
+        "ep": ps.get_expert_model_parallel_rank(),
+        "edp": ps.get_expert_data_parallel_rank(),
+        "tp_size": ps.get_tensor_model_parallel_world_size(),
+        "pp_size": ps.get_pipeline_model_parallel_world_size(),
+        "vpp_size": int(vpp or 1),
+        "cp_size": ps.get_context_parallel_world_size(),
+        "dp_size": ps.get_data_parallel_world_size(with_context_parallel=False),
+        "ep_size": ps.get_expert_model_parallel_world_size(),
+        "etp_size": ps.get_expert_tensor_parallel_world_size(),
+    }
+
+
+@dataclass
+class _PolicyRefit:
+    live: dict[str, torch.Tensor]
+    worker: RefitWorker
+    mirrors: dict[str, torch.Tensor] = field(default_factory=dict)
+    steps: int = 0
+
+
+class ReshardPolicyWorkerMixin:
+    """Refit methods for a Megatron policy worker (``self.model``, ``self.rank``)."""
+
+    model: Any
+    rank: int
+    _reshard: _PolicyRefit | None = None
+
+    def _reshard_live(self) -> dict[str, torch.Tensor]:
+        return megatron_live_tensors(self.model)
+
+    def reshard_describe(self) -> dict[str, Any]:
+        """Where this worker sits and what it holds, for the driver to plan and check."""
+        live = self._reshard_live()
+        return {
+            "rank": int(self.rank),
+            "position": megatron_position(),
+            "options": live_megatron_options(self.model),
+            "tensors": describe_tensors(live),
+            "parameters": sorted(n for n, t in live.items() if isinstance(t, torch.nn.Parameter)),
+        }
+
+    def reshard_join(self, endpoint_json: str) -> int:
+        """Join the refit group as refit rank ``self.rank`` (collective rendezvous)."""
+        self.reshard_close()
+        endpoint = replace(RefitEndpoint.from_json(endpoint_json), group_rank=int(self.rank))
+        live = self._reshard_live()
+        device = next(iter(live.values())).device
+        tensors = live
+        mirrors: dict[str, torch.Tensor] = {}
+        if endpoint.transport == "gloo" and device.type != "cpu":
+            # gloo moves CPU tensors only: send from host copies refreshed every step.
+            mirrors = {n: t.detach().to("cpu") for n, t in live.items()}
+            tensors = mirrors
+        worker = RefitWorker(endpoint, tensors)
+        worker.join()
+        self._reshard = _PolicyRefit(live, worker, mirrors)
+        return endpoint.group_rank
+
+    def reshard_load_plan(self, slice_json: str) -> int:
+        """Check this rank's plan slice against the live tensors — every planned tensor
+        present with its shape and dtype, every live parameter covered — then compile.
+        Collective: every rank of the refit group calls it. Returns the tensor count."""
+        state = self._require_joined()
+        plan = load_plan_json(slice_json)
+        me = state.worker.endpoint.group_rank
+        expected = plan.expected_tensors(me)
+        problems = [
+            f"{n}: a live parameter the plan does not read"
+            for n, t in sorted(state.live.items())
+            if n not in expected and isinstance(t, torch.nn.Parameter)
+        ]
+        problems += live_tensor_problems(expected, state.live, None)
+        if problems:
+            shown = "\n  ".join(problems[:20])
+            more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+            raise PlanError(
+                f"Megatron policy rank {me}: live tensors do not match the plan:\n  {shown}"
+                f"{more}\ncheck policy.megatron_cfg and the refit block against the model"
+            )
+        state.worker.load_plan(plan)
+        return len(expected)
+
+    @torch.no_grad()
+    def reshard_step(self) -> dict[str, float]:
+        """Send this rank's shards for one refit (collective over the refit group)."""
+        state = self._require_joined()
+        if state.worker.refitter is None:
+            raise RuntimeError("call reshard_load_plan before reshard_step")
+        t0 = time.perf_counter()
+        for name, mirror in state.mirrors.items():
+            mirror.copy_(state.live[name])
+        timing = state.worker.refit()
+        state.steps += 1
+        return {
+            "group_rank": float(state.worker.endpoint.group_rank),
+            "seconds": time.perf_counter() - t0,
+            "exchange_seconds": timing.exchange_seconds,
+            "host_seconds": timing.host_seconds,
+        }
+
+    def reshard_close(self) -> None:
+        if self._reshard is not None:
+            self._reshard.worker.close()
+            self._reshard = None
+
+    def _require_joined(self) -> _PolicyRefit:
+        if self._reshard is None:
+            raise RuntimeError("call reshard_join before loading a plan or refitting")
+        return self._reshard

@@ -1,0 +1,193 @@
+"""``refit.backend: reshard`` — NeMo RL's ``WeightSynchronizer`` moving local shards only.
+
+GRPO's ``refit_policy_generation`` calls ``policy_generation.weight_synchronizer
+.sync_weights(...)``; ``examples/nemo_rl/run_grpo.py`` installs this synchronizer
+there after NeMo RL's ``setup``. Lifecycle:
+
+``init_communicator()`` (once)
+    every Megatron policy worker (``ReshardMegatronPolicyWorker``) and every vLLM
+    worker (our ``refit_describe`` through ``checkpoint_engine_rpc`` ->
+    ``llm.collective_rpc``) reports what it holds; the driver plans once
+    (``plans.plan_nemo_rl``: sizes from NeMo RL's config, checked against the
+    reports), every worker joins one refit group (policy rank ``r`` is refit rank
+    ``r``, vLLM rank ``d`` is ``T + d``: NeMo RL's own convention) at policy rank 0's
+    node, and each loads its own plan slice (checked against its live tensors,
+    fingerprints compared by the group).
+``sync_weights()`` (every step)
+    one ``reshard_step`` on every policy worker and one ``refit_step`` in every vLLM
+    worker, all at once: the policy's live shards go straight into vLLM's live
+    parameters, in place. ``is_stale`` is true until a sync succeeds and again from the
+    moment one fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import nullcontext
+from typing import Any
+
+import ray
+from nemo_rl.weight_sync.interfaces import WeightSynchronizer
+
+from ..full_tensor_rank import free_address
+from ..vllm import refit_close, refit_describe, refit_join, refit_load_plan, refit_step
+from ..worker import RefitEndpoint
+from .config import RefitConfig
+from .plans import NemoRlPlan, plan_nemo_rl
+
+_TP_PP = ["tensor_parallel", "pipeline_parallel"]
+
+
+def _node_ip() -> str:
+    return str(ray.util.get_node_ip_address()) if ray.is_initialized() else "127.0.0.1"
+
+
+def gather(named: list[tuple[str, ray.ObjectRef]], what: str) -> list[Any]:
+    """Wait for every call (each worker enforces the refit timeout itself, so this
+    ends); if any failed, one error naming each failed worker and its error."""
+    refs = [ref for _, ref in named]
+    ray.wait(refs, num_returns=len(refs))
+    results, failed = [], []
+    for who, ref in named:
+        try:
+            results.append(ray.get(ref))
+        except Exception as err:  # noqa: BLE001 - reported with the worker's name
+            first = str(err).strip().splitlines()[-1] if str(err).strip() else ""
+            failed.append(f"{who}: {type(err).__name__}: {first}")
+    if failed:
+        raise RuntimeError(f"{what} failed on {len(failed)} worker(s):\n  " + "\n  ".join(failed))
+    return results
+
+
+class ReshardWeightSynchronizer(WeightSynchronizer):
+    """NeMo RL weight synchronizer for ``refit.backend: reshard`` (non-colocated)."""
+
+    def __init__(
+        self,
+        policy: Any,
+        generation: Any,
+        master_config: Mapping[str, Any],
+        refit: RefitConfig | None = None,
+    ) -> None:
+        self._policy = policy
+        self._generation = generation
+        self._config = master_config
+        self._refit = refit or RefitConfig(backend="reshard")
+        self._stale = True
+        self.plan: NemoRlPlan | None = None
+        self.steps = 0
+
+    # -- calls on the two worker groups ----------------------------------------------------
+    def _policy_call(self, method: str, **kwargs: Any) -> list[tuple[str, ray.ObjectRef]]:
+        refs = self._policy.worker_group.run_all_workers_single_data(method, **kwargs)
+        return [(f"policy rank {r}", ref) for r, ref in enumerate(refs)]
+
+    def _policy_each(self, method: str, **per_rank: list[Any]) -> list[tuple[str, ray.ObjectRef]]:
+        refs = self._policy.worker_group.run_all_workers_multiple_data(method, **per_rank)
+        return [(f"policy rank {r}", ref) for r, ref in enumerate(refs)]
+
+    def _rpc(self) -> str:
+        async_engine = self._generation.cfg["vllm_cfg"].get("async_engine", False)
+        return "checkpoint_engine_rpc_async" if async_engine else "checkpoint_engine_rpc"
+
+    def _vllm_each(self, fn: Any, args: list[tuple[Any, ...]]) -> list[tuple[str, ray.ObjectRef]]:
+        """``fn(worker, *args[i])`` in every vLLM worker of engine ``i`` (NeMo RL's
+        ``checkpoint_engine_rpc`` forwards a callable to ``llm.collective_rpc``)."""
+        refs = self._generation.worker_group.run_all_workers_multiple_data(
+            self._rpc(),
+            method_args=args,
+            run_rank_0_only_axes=_TP_PP,
+            common_kwargs={"checkpoint_method": fn},
+        )
+        return [(f"vLLM engine {i}", ref) for i, ref in enumerate(refs)]
+
+    def _vllm_all(self, fn: Any) -> list[tuple[str, ray.ObjectRef]]:
+        refs = self._generation.worker_group.run_all_workers_single_data(
+            self._rpc(), checkpoint_method=fn, method_args=(), run_rank_0_only_axes=_TP_PP
+        )
+        return [(f"vLLM engine {i}", ref) for i, ref in enumerate(refs)]
+
+    # -- WeightSynchronizer -----------------------------------------------------------------
+    def init_communicator(self) -> None:
+        """Plan on the driver, join the refit group, load every worker's slice."""
+        policy_reports = gather(self._policy_call("reshard_describe"), "reshard_describe")
+        engine_reports = gather(self._vllm_all(refit_describe), "refit_describe")
+        self.plan = plan = plan_nemo_rl(self._config, self._refit, policy_reports, engine_reports)
+        print(plan, flush=True)
+        host, port = free_address(self._refit.host or _node_ip())
+        endpoint = RefitEndpoint(
+            host,
+            port,
+            world_size=plan.train.world_size + plan.infer.world_size,
+            group_rank=0,
+            transport=self._refit.transport,
+            timeout_s=self._refit.timeout_s,
+        ).to_json()
+        firsts = self._engine_first_ranks(len(engine_reports))
+        size = plan.infer.tp * plan.infer.pp
+        gather(
+            self._policy_call("reshard_join", endpoint_json=endpoint)
+            + self._vllm_each(refit_join, [(endpoint, f) for f in firsts]),
+            "joining the refit group",
+        )
+        gather(
+            self._policy_each("reshard_load_plan", slice_json=list(plan.slices[: plan.num_policy]))
+            + self._vllm_each(refit_load_plan, [(plan.engine_slices(f, size),) for f in firsts]),
+            "loading the refit plan",
+        )
+
+    def _engine_first_ranks(self, engines: int) -> list[int]:
+        """Refit rank of engine ``i``'s first worker, minus its data-parallel offset
+        (``refit_join`` adds the worker's rank inside the vLLM DP group)."""
+        assert self.plan is not None
+        inf = self.plan.infer
+        t = self.plan.num_policy
+        return [t + (i // inf.engine_dp) * inf.engine_world_size for i in range(engines)]
+
+    def sync_weights(
+        self, *, timer: Any = None, kv_scales: dict[str, float] | None = None
+    ) -> dict[str, float]:
+        """One refit: every policy worker sends its shards, every vLLM worker receives
+        its own in place. Raises naming every failed worker; stays stale then."""
+        if kv_scales:
+            raise NotImplementedError(
+                "refit.backend=reshard does not carry FP8 KV-cache scales (kv_scales); "
+                "use refit.backend=nccl for FP8 KV caches"
+            )
+        if self.plan is None:
+            raise RuntimeError("call init_communicator() before sync_weights()")
+        self._stale = True
+        context = (
+            timer.time("prepare_for_generation/transfer_and_update_weights")
+            if timer is not None
+            else nullcontext()
+        )
+        with context:
+            results = gather(
+                self._policy_call("reshard_step") + self._vllm_all(refit_step),
+                f"refit step {self.steps + 1}",
+            )
+        self._stale = False
+        self.steps += 1
+        timings = [r for res in results for r in (res if isinstance(res, list) else [res])]
+        return {
+            "reshard/bytes": float(self.plan.plan.stats.total_bytes),
+            "reshard/max_rank_seconds": max(t["seconds"] for t in timings),
+        }
+
+    @property
+    def is_stale(self) -> bool:
+        return self._stale
+
+    def shutdown(self) -> None:
+        """Leave the refit group on every worker (best effort: workers may be gone)."""
+        if self.plan is None:
+            return
+        try:
+            gather(
+                self._policy_call("reshard_close") + self._vllm_all(refit_close),
+                "closing the refit group",
+            )
+        finally:
+            self.plan = None
+            self._stale = True
