@@ -1,0 +1,155 @@
+"""NeMo RL GRPO with ``refit.backend`` chosen in the config: ``reshard`` (ours), ``nccl`` or
+``nccl_reshard`` (NeMo RL's own), for side-by-side runs on the same config.
+
+    python examples/nemo_rl/run_grpo.py \
+        --config configs/nemo_rl/grpo_math_qwen3_8B_megatron_reshard.yaml
+    python examples/nemo_rl/run_grpo.py --config ... refit.backend=nccl grpo.max_num_steps=20
+
+The overlay's ``defaults:`` is looked up beside it, then in NeMo RL's own
+``examples/configs`` (``--nemo-rl-configs`` to point elsewhere). Hydra overrides work as
+in NeMo RL's ``examples/run_grpo.py``, which this follows step for step; the only
+changes are the policy worker (``reshard``: NeMo RL's Megatron worker plus our refit
+methods) and the weight synchronizer GRPO's refit calls. A bad value in the config
+prints one line naming the key, the value and the choices, and exits with status 2.
+Synchronous GRPO only (``grpo.async_grpo.enabled=false``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def nemo_rl_configs() -> Path:
+    """NeMo RL's own ``examples/configs`` (beside the installed ``nemo_rl`` package)."""
+    import nemo_rl
+
+    return Path(nemo_rl.__file__).resolve().parents[1] / "examples" / "configs"
+
+
+def load(config: str, overrides: list[str], base_dir: str | None) -> dict[str, Any]:
+    """The overlay with its NeMo RL defaults and the Hydra overrides, resolved."""
+    from nemo_rl.utils.config import (
+        load_config_with_inheritance,
+        parse_hydra_overrides,
+        register_omegaconf_resolvers,
+    )
+    from omegaconf import OmegaConf
+
+    register_omegaconf_resolvers()
+    path = Path(config)
+    defaults = OmegaConf.load(path).get("defaults")
+    beside = defaults is None or all(
+        (path.parent / str(d)).exists()
+        for d in ([defaults] if isinstance(defaults, str) else defaults)
+    )
+    base = path.parent if beside and base_dir is None else Path(base_dir or nemo_rl_configs())
+    cfg = load_config_with_inheritance(path, base)
+    if overrides:
+        cfg = parse_hydra_overrides(cfg, overrides)
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="NeMo RL YAML overlay with a refit block")
+    parser.add_argument("--nemo-rl-configs", default=None, help="where the overlay's defaults are")
+    args, overrides = parser.parse_known_args()
+
+    from nemo_rl.utils.config import OverridesError
+    from omegaconf.errors import OmegaConfBaseException
+
+    from nemo_refit_reshard.integrations.nemo_rl.config import NemoRlConfigError
+    from nemo_refit_reshard.integrations.nemo_rl.grpo import (
+        check_reshard_config,
+        install_synchronizer,
+        policy_factory,
+        refit_config,
+    )
+    from nemo_refit_reshard.plan.overlap import PlanError
+
+    try:
+        raw = load(args.config, overrides, args.nemo_rl_configs)
+        refit = refit_config(raw)
+        if refit.backend == "reshard":
+            check_reshard_config(raw)
+            if (raw.get("grpo") or {}).get("async_grpo", {}).get("enabled", False):
+                raise NemoRlConfigError(
+                    "grpo.async_grpo.enabled=True: this script runs synchronous GRPO; set it "
+                    "to false"
+                )
+    except (NemoRlConfigError, FileNotFoundError, OverridesError, OmegaConfBaseException) as err:
+        print(f"error: {str(err).strip().splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(f"refit.backend={refit.backend}", flush=True)
+
+    from nemo_rl.algorithms.grpo import MasterConfig, grpo_train, setup, shutdown_environments
+    from nemo_rl.algorithms.utils import get_tokenizer
+    from nemo_rl.data.utils import setup_response_data
+    from nemo_rl.distributed.virtual_cluster import init_ray
+    from nemo_rl.models.generation import configure_generation_config
+    from nemo_rl.utils.logger import get_next_experiment_dir
+
+    config = MasterConfig(**raw)
+    config.logger["log_dir"] = get_next_experiment_dir(config.logger["log_dir"])
+    init_ray()
+    tokenizer = get_tokenizer(config.policy["tokenizer"])
+    megatron_cfg = config.policy.get("megatron_cfg") or {}
+    config.policy["generation"] = configure_generation_config(
+        config.policy["generation"],
+        tokenizer,
+        has_refit_draft_weights=bool(config.policy["draft"]["enabled"]),
+        trains_mtp=bool(megatron_cfg.get("mtp_num_layers")),
+    )
+    dataset, val_dataset, task_to_env, val_task_to_env = setup_response_data(
+        tokenizer, config.data, config.env
+    )
+    (
+        policy,
+        policy_generation,
+        _nemo_gym,
+        _clusters,
+        dataloader,
+        val_dataloader,
+        loss_fn,
+        logger,
+        checkpointer,
+        grpo_state,
+        master_config,
+        _teachers,
+        _aliases,
+    ) = setup(config, tokenizer, dataset, val_dataset, policy_factory=policy_factory(refit))
+    try:
+        try:
+            sync = install_synchronizer(refit, policy, policy_generation, raw)
+        except (NemoRlConfigError, PlanError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(f"weight synchronizer: {type(sync).__name__}", flush=True)
+        with checkpointer:
+            grpo_train(
+                policy,
+                policy_generation,
+                dataloader,
+                val_dataloader,
+                tokenizer,
+                loss_fn,
+                task_to_env,
+                val_task_to_env,
+                logger,
+                checkpointer,
+                grpo_state,
+                master_config,
+            )
+    finally:
+        shutdown_environments(task_to_env, val_task_to_env)
+        policy_generation.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
