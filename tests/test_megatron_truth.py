@@ -33,8 +33,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from nemo_refit_reshard.integrations.nemo_rl.config import RefitConfig
+from nemo_refit_reshard.integrations.nemo_rl.plans import megatron_sources
 from nemo_refit_reshard.layouts.base import LocalTensor, Piece
 from nemo_refit_reshard.layouts.megatron import MegatronOptions, megatron_layout
+from nemo_refit_reshard.plan.overlap import PlanError
 from nemo_refit_reshard.spec.model import spec_from_hf_config
 from nemo_refit_reshard.spec.parallel import TrainParallel
 
@@ -194,6 +197,7 @@ def _through_wrappers(chunks: list, params: dict, layout: Any) -> dict[str, Any]
     from megatron.core.transformer.module import Float16Module
 
     from nemo_refit_reshard.integrations.megatron_live import match_layout, megatron_live_tensors
+    from nemo_refit_reshard.integrations.nemo_rl.policy_worker import ReshardPolicyWorkerMixin
     from nemo_refit_reshard.plan.overlap import PlanError
 
     wrapped = []
@@ -208,7 +212,11 @@ def _through_wrappers(chunks: list, params: dict, layout: Any) -> dict[str, Any]
         error = None
     except PlanError as err:
         matched, error = [], str(err)
-    return {"same_tensors": same, "matched": matched, "error": error}
+    # What NeMo RL's policy worker (our mixin on its ``self.model``) reports to the driver.
+    worker = ReshardPolicyWorkerMixin()
+    worker.model, worker.rank = wrapped, layout.rank
+    report = worker.reshard_describe()
+    return {"same_tensors": same, "matched": matched, "error": error, "report": report}
 
 
 def _worker(rank: int, tmp: str) -> None:
@@ -308,6 +316,46 @@ def test_live_tensors_through_framework_wrappers(truth, name: str) -> None:
         assert got["same_tensors"], (name, rank)
         assert got["error"] is None, got["error"]
         assert got["matched"] == sorted(t.name for t in layouts[rank].tensors)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_policy_worker_reports_plan(truth, name: str) -> None:
+    """The NeMo RL policy worker's report (real ``parallel_state`` position, options read
+    off the wrapped model) is accepted by the driver's plan check, whose layouts then
+    name exactly the live tensors, with the live (bf16) dtype."""
+    payloads, results = truth
+    case = CASES[name]
+    reports = [results[r][name]["wrapped"]["report"] for r in range(WORLD)]
+    assert reports[0]["options"] == {
+        "layer_spec": "local",
+        "moe_grouped_gemm": False,
+        "num_layers_in_first_pipeline_stage": case.get("first"),
+        "num_layers_in_last_pipeline_stage": None,
+        "params_dtype": "bfloat16",  # Float16Module(bf16) converted them
+    }
+    spec = spec_from_hf_config(payloads[name]["hf"])
+    sources = megatron_sources(spec, case["par"], RefitConfig(), reports)
+    for r, lay in enumerate(sources):
+        assert sorted(t.name for t in lay.tensors) == sorted(reports[r]["tensors"])
+        assert {t.dtype for t in lay.tensors} == {"bfloat16"}
+
+
+def test_policy_worker_reports_refuse_a_wrong_config(truth) -> None:
+    """Config says tp=1, dp=4; the workers run tp=2, dp=2: every rank is named."""
+    payloads, results = truth
+    name = "llama_tp2"
+    spec = spec_from_hf_config(payloads[name]["hf"])
+    reports = [results[r][name]["wrapped"]["report"] for r in range(WORLD)]
+    with pytest.raises(PlanError) as err:
+        megatron_sources(spec, P(tp=1, dp=4), RefitConfig(), reports)
+    lines = str(err.value).splitlines()
+    assert lines[0] == (
+        f"Megatron policy workers do not match the planned layout {P(tp=1, dp=4)} "
+        f"({MegatronOptions(params_dtype='bfloat16')}):"
+    )
+    assert [line.split(":")[0] for line in lines[1:5]] == [f"  rank {r}" for r in range(4)]
+    assert "tp=1 (planned 0)" in lines[2] and "tp_size=2 (config 1)" in lines[2]
+    assert lines[-1].startswith("check policy.megatron_cfg")
 
 
 @pytest.mark.parametrize("name", FORWARD)
