@@ -1,0 +1,162 @@
+"""NeMo RL's config read into our terms (``integrations/nemo_rl/config.py``, ``grpo.py``):
+exact sizes from NeMo RL-shaped dicts, and one-line errors naming key, value, choices.
+These need no NeMo RL; the overlays through NeMo RL's own loader, ``MasterConfig`` and
+Hydra override parser are in tests/test_nemo_rl_reshard.py."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from nemo_refit_reshard.integrations.nemo_rl.config import (
+    NemoRlConfigError,
+    RefitConfig,
+    infer_parallel,
+    train_parallel,
+)
+from nemo_refit_reshard.integrations.nemo_rl.grpo import check_reshard_config, refit_config
+from nemo_refit_reshard.spec.parallel import InferParallel, TrainParallel
+
+
+def config(**refit: Any) -> dict[str, Any]:
+    return {
+        "refit": {"backend": "reshard", **refit},
+        "policy": {
+            "model_name": "Qwen/Qwen3-30B-A3B",
+            "precision": "bfloat16",
+            "megatron_cfg": {
+                "enabled": True,
+                "tensor_model_parallel_size": 2,
+                "pipeline_model_parallel_size": 1,
+                "context_parallel_size": 1,
+                "expert_model_parallel_size": 8,
+                "expert_tensor_parallel_size": 1,
+            },
+            "generation": {
+                "backend": "vllm",
+                "colocated": {"enabled": False, "resources": {"gpus_per_node": 8}},
+                "refit_transport": None,
+                "vllm_cfg": {
+                    "tensor_parallel_size": 4,
+                    "pipeline_parallel_size": 1,
+                    "expert_parallel_size": 8,
+                    "precision": "bfloat16",
+                },
+            },
+        },
+        "cluster": {"gpus_per_node": 8, "num_nodes": 8},
+    }
+
+
+def test_sizes_from_nemo_rl_config() -> None:
+    cfg = config()
+    assert train_parallel(cfg["policy"], 48) == TrainParallel(tp=2, dp=24, ep=8, etp=1)
+    # vLLM EP = DP·TP: ep 8 over tp 4 -> 2 vLLM data-parallel ranks per engine group.
+    assert infer_parallel(cfg["policy"]["generation"], 16) == InferParallel(
+        tp=4, dp=2, engine_dp=2, ep=8
+    )
+    cfg["policy"]["generation"]["vllm_cfg"]["expert_parallel_size"] = 4  # ep == tp
+    assert infer_parallel(cfg["policy"]["generation"], 16) == InferParallel(tp=4, dp=4, ep=4)
+    cfg["policy"]["megatron_cfg"]["virtual_pipeline_model_parallel_size"] = 2
+    cfg["policy"]["megatron_cfg"]["pipeline_model_parallel_size"] = 2
+    assert train_parallel(cfg["policy"], 48) == TrainParallel(tp=2, pp=2, vpp=2, dp=12, ep=8, etp=1)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda c: c["policy"]["megatron_cfg"].update(enabled=False),
+            "policy.megatron_cfg.enabled=False: refit.backend=reshard needs the Megatron "
+            "policy (set policy.megatron_cfg.enabled=true)",
+        ),
+        (
+            lambda c: c["policy"]["generation"]["colocated"].update(enabled=True),
+            "policy.generation.colocated.enabled=True: refit.backend=reshard moves weights "
+            "between separate GPUs; set it to false",
+        ),
+        (
+            lambda c: c["policy"]["generation"].update(backend="sglang"),
+            "policy.generation.backend='sglang': refit.backend=reshard serves vLLM generation only",
+        ),
+        (
+            lambda c: c["policy"]["generation"]["vllm_cfg"].update(precision="fp8"),
+            "policy.generation.vllm_cfg.precision='fp8' is not one of bfloat16, float16, "
+            "float32 (quantized generation is not refit in place)",
+        ),
+    ],
+)
+def test_config_errors_name_the_key(edit: Any, message: str) -> None:
+    cfg = config()
+    edit(cfg)
+    with pytest.raises(NemoRlConfigError) as err:
+        check_reshard_config(cfg)
+    assert str(err.value) == message
+
+
+def test_size_errors() -> None:
+    cfg = config()
+    with pytest.raises(NemoRlConfigError) as err:
+        train_parallel(cfg["policy"], 7)
+    assert str(err.value) == (
+        "policy.megatron_cfg: tp·pp·cp = 2·1·1 = 2 does not divide the 7 training GPUs"
+    )
+    with pytest.raises(NemoRlConfigError) as err:
+        train_parallel(cfg["policy"], 4)  # dp=2: ep=8 cannot fit
+    assert str(err.value).startswith(
+        "policy.megatron_cfg: training parallelism breaks Megatron's rule etp·ep·edp = tp·cp·dp"
+    )
+    cfg["policy"]["generation"]["vllm_cfg"]["expert_parallel_size"] = 6
+    with pytest.raises(NemoRlConfigError) as err:
+        infer_parallel(cfg["policy"]["generation"], 16)
+    assert str(err.value) == (
+        "policy.generation.vllm_cfg.expert_parallel_size=6 must be a multiple of "
+        "tensor_parallel_size=4 (vLLM's EP = DP·TP)"
+    )
+    cfg["policy"]["generation"]["vllm_cfg"]["expert_parallel_size"] = 8
+    with pytest.raises(NemoRlConfigError) as err:
+        infer_parallel(cfg["policy"]["generation"], 12)
+    assert str(err.value) == (
+        "policy.generation.vllm_cfg: one engine group spans ep/tp·pp·tp = 8 GPUs, which "
+        "does not divide the 12 inference GPUs"
+    )
+
+
+def test_refit_block() -> None:
+    assert RefitConfig.from_config(None) == RefitConfig(backend="nccl")
+    with pytest.raises(NemoRlConfigError) as err:
+        refit_config(config(backend="bogus"))
+    assert str(err.value) == "refit.backend='bogus' is not one of reshard, nccl, nccl_reshard"
+    with pytest.raises(NemoRlConfigError) as err:
+        refit_config(config(transprot="gloo"))
+    assert str(err.value) == (
+        "refit has unknown key(s) ['transprot']; known: backend, transport, timeout_s, "
+        "bucket_mb, host, make_vocab_size_divisible_by"
+    )
+    with pytest.raises(NemoRlConfigError) as err:
+        refit_config(config(transport="nvlink"))
+    assert str(err.value) == "refit.transport='nvlink' is not one of gloo, cupy-nccl"
+    with pytest.raises(NemoRlConfigError) as err:
+        refit_config(config(timeout_s=0))
+    assert str(err.value) == "refit.timeout_s=0 must be a positive number"
+
+
+def test_backend_sets_nemo_rl_switch() -> None:
+    """``nccl_reshard`` turns on NeMo RL's own switch; the others leave it null, and a
+    checkpoint-engine transport left in the config is a conflict, not overridden."""
+    cfg = config(backend="nccl_reshard")
+    assert refit_config(cfg).backend == "nccl_reshard"
+    assert cfg["policy"]["generation"]["refit_transport"] == "nccl_reshard"
+    for backend in ("reshard", "nccl"):
+        cfg = config(backend=backend)
+        assert refit_config(cfg).backend == backend
+        assert cfg["policy"]["generation"]["refit_transport"] is None
+    cfg = config()
+    cfg["policy"]["generation"]["refit_transport"] = "nixl"
+    with pytest.raises(NemoRlConfigError) as err:
+        refit_config(copy.deepcopy(cfg))
+    assert str(err.value).startswith(
+        "policy.generation.refit_transport='nixl' conflicts with refit.backend=reshard"
+    )
