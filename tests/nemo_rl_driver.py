@@ -97,7 +97,14 @@ class VllmWorkerProcess:
         self.worker.model_runner = SimpleNamespace(
             model=model, vllm_config=vllm_config, model_config=vllm_config.model_config
         )
+        self.worker.vllm_config = vllm_config  # as vLLM's Worker has it
         self.model = model
+
+    def load(self, checkpoint: str) -> None:
+        """vLLM's start-up load (its loader also zeroes the vocabulary padding)."""
+        import vllm_cpu
+
+        self.model.load_weights(vllm_cpu.checkpoint_tensors(checkpoint))
 
     def run(self, method: str, args: tuple) -> Any:
         from vllm.v1.serial_utils import run_method

@@ -93,6 +93,16 @@ def nemo_rl_skip_reason() -> str | None:
     return _missing(nemo_rl_python(), "NeMo RL", probe, NEMO_RL_SETUP_HINT)
 
 
+def nemo_rl_grpo_skip_reason() -> str | None:
+    """NeMo RL's GRPO module (``refit_policy_generation``) imports on Python >= 3.12 only."""
+    probe = "import nemo_rl.algorithms.grpo, megatron.core"
+    hint = (
+        "NeMo RL's GRPO module needs Python >= 3.12: "
+        "NEMO_RL_PYTHON=/path/to/python3.12 " + NEMO_RL_SETUP_HINT.removeprefix("run ")
+    )
+    return _missing(nemo_rl_python(), "NeMo RL's GRPO", probe, hint)
+
+
 def vllm_env() -> dict[str, str]:
     env = dict(os.environ)
     env["VLLM_TARGET_DEVICE"] = "cpu"
