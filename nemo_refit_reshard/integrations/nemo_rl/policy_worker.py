@@ -101,19 +101,16 @@ class ReshardPolicyWorkerMixin:
         return endpoint.group_rank
 
     def reshard_load_plan(self, slice_json: str) -> int:
-        """Check this rank's plan slice against the live tensors — every planned tensor
-        present with its shape and dtype, every live parameter covered — then compile.
-        Collective: every rank of the refit group calls it. Returns the tensor count."""
+        """Check this rank's plan slice against the live tensors — every tensor it sends
+        from present, with its shape and dtype — then compile. (Which live parameters
+        the layout covers the driver checked; a replicated one may be sent by another
+        replica.) Collective: every rank of the refit group calls it. Returns the count
+        of tensors this rank sends from."""
         state = self._require_joined()
         plan = load_plan_json(slice_json)
         me = state.worker.endpoint.group_rank
         expected = plan.expected_tensors(me)
-        problems = [
-            f"{n}: a live parameter the plan does not read"
-            for n, t in sorted(state.live.items())
-            if n not in expected and isinstance(t, torch.nn.Parameter)
-        ]
-        problems += live_tensor_problems(expected, state.live, None)
+        problems = live_tensor_problems(expected, state.live, None)
         if problems:
             shown = "\n  ".join(problems[:20])
             more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""

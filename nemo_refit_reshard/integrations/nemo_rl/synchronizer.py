@@ -52,8 +52,10 @@ def gather(named: list[tuple[str, ray.ObjectRef]], what: str) -> list[Any]:
         try:
             results.append(ray.get(ref))
         except Exception as err:  # noqa: BLE001 - reported with the worker's name
-            first = str(err).strip().splitlines()[-1] if str(err).strip() else ""
-            failed.append(f"{who}: {type(err).__name__}: {first}")
+            cause = getattr(err, "cause", None) or err  # a RayTaskError wraps the worker's
+            lines = str(cause).strip().splitlines() or [""]
+            shown = "\n    ".join(lines[:12]) + ("\n    ..." if len(lines) > 12 else "")
+            failed.append(f"{who}: {type(cause).__name__}: {shown}")
     if failed:
         raise RuntimeError(f"{what} failed on {len(failed)} worker(s):\n  " + "\n  ".join(failed))
     return results
