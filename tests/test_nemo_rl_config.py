@@ -82,6 +82,11 @@ def test_sizes_from_nemo_rl_config() -> None:
             "policy.generation.backend='sglang': refit.backend=reshard serves vLLM generation only",
         ),
         (
+            lambda c: c["policy"].update(draft={"enabled": True}),
+            "policy.draft.enabled=True: refit.backend=reshard refits the policy's own "
+            "weights, not a draft model's; use refit.backend=nccl",
+        ),
+        (
             lambda c: c["policy"]["generation"]["vllm_cfg"].update(precision="fp8"),
             "policy.generation.vllm_cfg.precision='fp8' is not one of bfloat16, float16, "
             "float32 (quantized generation is not refit in place)",

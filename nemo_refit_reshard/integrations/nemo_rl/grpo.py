@@ -49,6 +49,11 @@ def check_reshard_config(config: Mapping[str, Any]) -> None:
     checked against the workers NeMo RL actually starts, in ``init_communicator``."""
     check_generation(config["policy"]["generation"])
     check_megatron(config["policy"])
+    if (config["policy"].get("draft") or {}).get("enabled", False):
+        raise NemoRlConfigError(
+            "policy.draft.enabled=True: refit.backend=reshard refits the policy's own "
+            "weights, not a draft model's; use refit.backend=nccl"
+        )
 
 
 def policy_factory(refit: RefitConfig) -> Callable[..., Any] | None:

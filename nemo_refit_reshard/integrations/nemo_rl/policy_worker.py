@@ -72,6 +72,9 @@ class ReshardPolicyWorkerMixin:
     def _reshard_live(self) -> dict[str, torch.Tensor]:
         return megatron_live_tensors(self.model)
 
+    def _reshard_before_step(self) -> None:
+        """Make the live parameters current before they are read (a framework hook)."""
+
     def reshard_describe(self) -> dict[str, Any]:
         """Where this worker sits and what it holds, for the driver to plan and check."""
         live = self._reshard_live()
@@ -128,6 +131,7 @@ class ReshardPolicyWorkerMixin:
         if state.worker.refitter is None:
             raise RuntimeError("call reshard_load_plan before reshard_step")
         t0 = time.perf_counter()
+        self._reshard_before_step()
         for name, mirror in state.mirrors.items():
             mirror.copy_(state.live[name])
         timing = state.worker.refit()
