@@ -82,6 +82,12 @@ def test_sizes_from_nemo_rl_config() -> None:
             "policy.generation.backend='sglang': refit.backend=reshard serves vLLM generation only",
         ),
         (
+            lambda c: c["policy"]["megatron_cfg"].update(account_for_loss_in_pipeline_split=True),
+            "policy.megatron_cfg.account_for_loss_in_pipeline_split=True: refit.backend=reshard "
+            "models even pipeline splits and num_layers_in_first/last_pipeline_stage only; "
+            "unset it",
+        ),
+        (
             lambda c: c["policy"].update(draft={"enabled": True}),
             "policy.draft.enabled=True: refit.backend=reshard refits the policy's own "
             "weights, not a draft model's; use refit.backend=nccl",

@@ -92,6 +92,19 @@ def check_megatron(policy: Mapping[str, Any]) -> Mapping[str, Any]:
             f"policy.megatron_cfg.enabled={mcfg.get('enabled')!r}: refit.backend=reshard "
             "needs the Megatron policy (set policy.megatron_cfg.enabled=true)"
         )
+    # Pipeline splits our Megatron layout does not model (it models even splits and
+    # num_layers_in_{first,last}_pipeline_stage).
+    for key in (
+        "pipeline_model_parallel_layout",
+        "account_for_embedding_in_pipeline_split",
+        "account_for_loss_in_pipeline_split",
+    ):
+        if mcfg.get(key):
+            raise NemoRlConfigError(
+                f"policy.megatron_cfg.{key}={mcfg[key]!r}: refit.backend=reshard models "
+                "even pipeline splits and num_layers_in_first/last_pipeline_stage only; "
+                "unset it"
+            )
     return mcfg
 
 
@@ -178,9 +191,12 @@ def infer_parallel(generation: Mapping[str, Any], world_size: int) -> InferParal
     return InferParallel(tp=tp, pp=pp, dp=world_size // group, engine_dp=engine_dp, ep=ep)
 
 
-def precision(cfg: Mapping[str, Any], key: str, where: str) -> str:
-    """A NeMo RL ``precision`` value as a torch dtype name."""
+def precision(cfg: Mapping[str, Any], key: str, where: str) -> str | None:
+    """A NeMo RL ``precision`` value as a torch dtype name; None for ``auto`` (the
+    checkpoint's dtype, as vLLM takes it)."""
     value = cfg.get(key, "bfloat16")
+    if value in (None, "auto"):
+        return None
     names = {
         "bfloat16": "bfloat16",
         "bf16": "bfloat16",
