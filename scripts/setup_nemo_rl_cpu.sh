@@ -10,12 +10,33 @@
 # --no-deps --ignore-requires-python; its checkpoint-engine modules import on 3.11 with
 # this machine's CPU torch, transformers < 5.9 (its pin) and vLLM 0.25.1 (its pin,
 # model classes only, as scripts/setup_vllm_cpu.sh installs them).
+#
+#   NEMO_RL_PYTHON=/path/to/python3.12 scripts/setup_nemo_rl_cpu.sh SRC VENV
+#
+# builds VENV instead as an isolated venv on that interpreter (no system site packages;
+# see VENV_PYTHON in scripts/venv_lib.sh), with torch of the same version (the CUDA build
+# from the index where no CPU wheel exists: ~2.6 GB, runs on CPU) and everything the
+# system site would otherwise provide: this project (editable), megatron-core and ray at
+# the system's versions, pytest, and what nemo_rl.algorithms.grpo imports. That module
+# needs Python >= 3.12: on 3.11 pydantic rejects its typing.TypedDict configs. About 3
+# minutes after the download.
 set -euo pipefail
 SRC="${1:?usage: scripts/setup_nemo_rl_cpu.sh SRC [VENV] (SRC: a NeMo RL clone or git URL)}"
 VENV="${2:-.venv-nemo-rl}"
 COMMIT="${NEMO_RL_COMMIT:-7ea279abfbeb698b092856d0dab61e7cf39bc909}"
 HERE="$(cd "$(dirname "$0")" && pwd)"
+REPO="$(dirname "$HERE")"
+source "$HERE/venv_lib.sh"
 
+if [ -n "${NEMO_RL_PYTHON:-}" ]; then
+    export VENV_PYTHON="$NEMO_RL_PYTHON"  # read by make_venv, here and in setup_vllm_cpu.sh
+fi
+make_venv "$VENV"
+if [ -n "${VENV_PYTHON:-}" ]; then
+    # What the default flow takes from the system site for vLLM's modules (imported by
+    # setup_vllm_cpu.sh's check and NeMo RL's vLLM backend), in before vLLM itself.
+    quiet "${PIP[@]}" "transformers>=5.5,<5.9" packaging requests cloudpickle py-cpuinfo
+fi
 bash "$HERE/setup_vllm_cpu.sh" 0.25.1 "$VENV"
 # The editable install points at a checkout of the pinned commit that lives with the
 # venv; the given clone is left as it is.
@@ -35,11 +56,30 @@ elif [ -n "${NEMO_RL_COMMIT:-}" ]; then
 else
     echo "note: $SRC is not a git checkout; using it as it is (expected: NeMo RL $COMMIT)"
 fi
-source "$HERE/venv_lib.sh"
-make_venv "$VENV"
 quiet "${PIP[@]}" "transformers>=5.5,<5.9" accelerate pillow pyzmq nvidia-ml-py uvicorn fastapi
 # Editable: NeMo RL's wheel lists only its top-level package.
 quiet "${PIP[@]}" --no-deps --ignore-requires-python -e "$SRC"
+if [ -n "${VENV_PYTHON:-}" ]; then
+    # The isolated venv sees none of the system's packages. megatron-core and ray at the
+    # system's versions (else this project's test-extra ranges).
+    mcore="$(installed "$(command -v python3)" megatron-core || true)"
+    ray="$(installed "$(command -v python3)" ray || true)"
+    MCORE_REQ="megatron-core>=0.16,<0.17"
+    RAY_REQ="ray>=2.40"
+    [ -z "$mcore" ] || MCORE_REQ="megatron-core==$mcore"
+    [ -z "$ray" ] || RAY_REQ="ray==$ray"
+    # torchdata ... hydra-core: what nemo_rl.algorithms.grpo imports (its loggers, data
+    # and config stack). pytest, safetensors: the tests. transformers again so that none
+    # of these moves it off NeMo RL's range.
+    quiet "${PIP[@]}" torchdata mlflow swanlab wandb tensorboard datasets soundfile tensordict zstandard \
+        hydra-core omegaconf "$MCORE_REQ" "$RAY_REQ" safetensors pytest "transformers>=5.5,<5.9"
+    # This project, editable, with its runtime dependencies from pyproject.toml (torch
+    # stays at the constrained version).
+    quiet "${PIP[@]}" --no-deps -e "$REPO"
+    mapfile -t DEPS < <("$PY" -c 'import sys, tomllib
+print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]))' "$REPO/pyproject.toml")
+    quiet "${PIP[@]}" "${DEPS[@]}"
+fi
 VLLM_TARGET_DEVICE=cpu VLLM_LOGGING_LEVEL=ERROR quiet "$PY" - <<'PYEOF'
 from nemo_rl.models.generation.vllm.vllm_backend import (  # noqa: F401
     VllmInternalWorkerExtensionWithCheckpointEngine,
@@ -50,3 +90,15 @@ from nemo_rl.weight_sync.checkpoint_engine_weight_synchronizer import (  # noqa:
 )
 PYEOF
 echo "NeMo RL checkpoint-engine classes import on CPU"
+if [ -n "${VENV_PYTHON:-}" ]; then
+    VLLM_TARGET_DEVICE=cpu VLLM_LOGGING_LEVEL=ERROR quiet "$PY" - <<'PYEOF'
+import sys
+
+import megatron.core  # noqa: F401
+import nemo_refit_reshard  # noqa: F401
+
+if sys.version_info >= (3, 12):  # pydantic rejects its typing.TypedDict configs below
+    from nemo_rl.algorithms.grpo import refit_policy_generation  # noqa: F401
+PYEOF
+    echo "megatron-core, nemo_refit_reshard (and on Python >= 3.12 nemo_rl.algorithms.grpo) import in $VENV"
+fi

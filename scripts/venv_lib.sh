@@ -4,13 +4,35 @@
 #   installed PY PACKAGE       -> the version of PACKAGE in PY, or nothing
 #   make_venv VENV             -> creates VENV (--system-site-packages); sets PY and PIP
 #   quiet CMD...               -> runs CMD, printing its output only if it fails
+#
+# VENV_PYTHON=/path/to/python (optional): make_venv builds an isolated venv on that
+# interpreter instead (no system site packages: this machine's packages are built for
+# python3 and do not load on another Python) and installs into it the torch version of
+# python3, with numpy. Where no CPU wheel of that torch exists for the interpreter, pip
+# takes the default (CUDA) build from the package index: about 2.6 GB with its nvidia-*
+# libraries; it runs on CPU.
 
 installed() {
     [ -x "$1" ] && "$1" -c "from importlib.metadata import version; print(version('$2'))" 2>/dev/null
 }
 
 make_venv() {
-    python3 -m venv --system-site-packages "$1"
+    if [ -n "${VENV_PYTHON:-}" ]; then
+        # Re-running venv over a venv of another interpreter would leave the old one's
+        # site-packages behind (and the scripts' "already installed" checks would look there).
+        if [ -e "$1/pyvenv.cfg" ]; then
+            local want have
+            want="$("$VENV_PYTHON" -c 'import sys; print(sys.version)')"
+            have="$("$1/bin/python" -c 'import sys; print(sys.version)' 2>/dev/null || true)"
+            if [ "$want" != "$have" ] || ! grep -qx 'include-system-site-packages = false' "$1/pyvenv.cfg"; then
+                echo "$1 exists and is not an isolated venv of $VENV_PYTHON: remove it or pick another" >&2
+                exit 1
+            fi
+        fi
+        "$VENV_PYTHON" -m venv "$1"
+    else
+        python3 -m venv --system-site-packages "$1"
+    fi
     PY="$1/bin/python"
     local torch
     torch="$(python3 -c 'import torch; print(torch.__version__.split("+")[0])')"
@@ -19,6 +41,12 @@ make_venv() {
     trap 'rm -f "$CONSTRAINTS" "$LOG"' EXIT
     echo "torch==$torch" > "$CONSTRAINTS"
     PIP=("$PY" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS")
+    local have_torch
+    have_torch="$(installed "$PY" torch || true)"
+    if [ -n "${VENV_PYTHON:-}" ] && [ "${have_torch%%+*}" != "$torch" ]; then
+        echo "installing torch $torch into $1 ($("$PY" --version); may download ~2.6 GB)"
+        quiet "${PIP[@]}" "torch==$torch" numpy
+    fi
 }
 
 quiet() { "$@" >"$LOG" 2>&1 || { cat "$LOG"; exit 1; }; }
