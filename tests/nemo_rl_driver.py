@@ -72,7 +72,9 @@ class PolicyWorker:
 class VllmWorkerProcess:
     """One vLLM worker process: vLLM's model class on CPU with NeMo RL's extension."""
 
-    def __init__(self, config: dict, tp: int, tp_rank: int, port: int) -> None:
+    def __init__(
+        self, config: dict, tp: int, tp_rank: int, port: int, pp: int = 1, pp_rank: int = 0
+    ) -> None:
         os.environ["VLLM_TARGET_DEVICE"] = "cpu"
         _cpu_stand_ins()
         import torch.distributed as dist
@@ -85,9 +87,13 @@ class VllmWorkerProcess:
 
         # vLLM's own world (NeMo RL reads torch.distributed's rank and size).
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=tp_rank, world_size=tp
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=pp_rank * tp + tp_rank,
+            world_size=tp * pp,
         )
-        self.config, self.rank = config, vllm_cpu.EngineRank(tp=tp, tp_rank=tp_rank)
+        self.config = config
+        self.rank = vllm_cpu.EngineRank(tp=tp, pp=pp, tp_rank=tp_rank, pp_rank=pp_rank)
         model, vllm_config = vllm_cpu.build_model(config, self.rank, "cpu", "float32")
 
         class Worker(Extension):  # as vLLM adds worker_extension_cls to its Worker

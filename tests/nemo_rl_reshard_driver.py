@@ -2,9 +2,10 @@
 
     python tests/nemo_rl_reshard_driver.py SPEC.json RESULT.json
 
-SPEC: ``{"config": <HF config>, "model_dir", "train": Megatron TrainParallel text,
-"config_tp": the tp the NeMo RL config claims, "vllm_tp", "engines", "checkpoints":
-[safetensors per step], "refit": the refit block, "scenario": "refit" | "dead_worker"}``.
+SPEC: ``{"config": <HF config>, "model_dir", "train": Megatron TrainParallel text (what
+the workers run), "megatron_cfg": what the NeMo RL config claims, "vllm_tp", "vllm_pp",
+"engines", "checkpoints": [safetensors per step], "refit": the refit block, "scenario":
+"refit" | "dead_worker"}``.
 
 Real NeMo RL: ``grpo.refit_policy_generation`` (GRPO's refit; it calls
 ``policy_generation.weight_synchronizer.sync_weights``), the ``WeightSynchronizer``
@@ -102,14 +103,14 @@ def master_config(spec: dict[str, Any]) -> dict[str, Any]:
         "refit": spec["refit"],
         "policy": {
             "model_name": spec["model_dir"],
-            "megatron_cfg": {"enabled": True, "tensor_model_parallel_size": spec["config_tp"]},
+            "megatron_cfg": {"enabled": True, **spec["megatron_cfg"]},
             "generation": {
                 "backend": "vllm",
                 "colocated": {"enabled": False},
                 "refit_transport": None,
                 "vllm_cfg": {
                     "tensor_parallel_size": spec["vllm_tp"],
-                    "pipeline_parallel_size": 1,
+                    "pipeline_parallel_size": spec["vllm_pp"],
                     "expert_parallel_size": 1,
                     "precision": "float32",
                     "async_engine": False,
@@ -149,11 +150,12 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
         for r in range(world)
     ]
     result["policy_worker"] = ray.get(policy_actors[0].info.remote())
-    tp, engines = spec["vllm_tp"], spec["engines"]
-    processes = [
+    tp, pp, engines = spec["vllm_tp"], spec["vllm_pp"], spec["engines"]
+    processes = [  # per engine, in vLLM's rank order (pp_rank, tp_rank)
         [
-            VllmWorkerProcess.options(runtime_env=env).remote(spec["config"], tp, r, p)
-            for r in range(tp)
+            VllmWorkerProcess.options(runtime_env=env).remote(spec["config"], tp, t, p, pp, s)
+            for s in range(pp)
+            for t in range(tp)
         ]
         for p in [_free_port() for _ in range(engines)]
     ]
@@ -161,7 +163,7 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
     generation_actors = [GenerationWorker.options(runtime_env=env).remote(p) for p in processes]
     policy = SimpleNamespace(worker_group=WorkerGroup(policy_actors, world))
     generation = SimpleNamespace(
-        worker_group=WorkerGroup(generation_actors, tp * engines),
+        worker_group=WorkerGroup(generation_actors, tp * pp * engines),
         cfg={"vllm_cfg": {"async_engine": False}},
         weight_synchronizer=None,
     )

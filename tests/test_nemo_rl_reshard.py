@@ -29,8 +29,14 @@ _SKIP = vllm_env.nemo_rl_grpo_skip_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
 
 
-def drive(tmp: Path, scenario: str, steps: int, config_tp: int = 2, **refit: Any) -> dict:
-    cfg = MODELS["qwen3"]
+TP2 = dict(train="tp=2", megatron_cfg={"tensor_model_parallel_size": 2}, vllm_tp=2, vllm_pp=1)
+# Megatron PP and vLLM PP > 1 (which NeMo RL's nccl_reshard refuses).
+PP2 = dict(train="pp=2", megatron_cfg={"pipeline_model_parallel_size": 2}, vllm_tp=1, vllm_pp=2)
+FOUR_LAYERS = {"num_hidden_layers": 4, "layer_types": ["full_attention"] * 4}  # pp=2 splits it
+
+
+def drive(tmp: Path, scenario: str, steps: int, sizes: dict = TP2, **refit: Any) -> dict:
+    cfg = dict(MODELS["qwen3"], **(FOUR_LAYERS if sizes is PP2 else {}))
     (tmp / "config.json").write_text(json.dumps(cfg))
     checkpoints = []
     for step in range(steps + 1):  # 0: what vLLM loads at start-up
@@ -42,10 +48,8 @@ def drive(tmp: Path, scenario: str, steps: int, config_tp: int = 2, **refit: Any
     spec = dict(
         config=cfg,
         model_dir=str(tmp),
-        train="tp=2",
-        config_tp=config_tp,
-        vllm_tp=2,
         engines=2,
+        **sizes,
         checkpoints=checkpoints,
         scenario=scenario,
         refit={
@@ -66,12 +70,13 @@ def drive(tmp: Path, scenario: str, steps: int, config_tp: int = 2, **refit: Any
     return out
 
 
-def test_grpo_refit_moves_local_shards_bit_exact(tmp_path: Path) -> None:
-    """2 Megatron ranks (tp=2) -> 2 vLLM engines of tp=2, two refits of new weights:
+@pytest.mark.parametrize("sizes", [TP2, PP2], ids=["tp2", "pp2"])
+def test_grpo_refit_moves_local_shards_bit_exact(tmp_path: Path, sizes: dict) -> None:
+    """2 Megatron ranks (tp=2; pp=2) -> 2 vLLM engines (tp=2; pp=2), two refits of new weights:
     every vLLM parameter equals vLLM's own load of that step's checkpoint; stale until
     the first sync. The policy worker is our subclass of NeMo RL's Megatron worker where
     Megatron-Bridge imports, else (on CPU) the mixin that subclass adds, on its own."""
-    out = drive(tmp_path, "refit", steps=2)
+    out = drive(tmp_path, "refit", steps=2, sizes=sizes)
     worker = out["policy_worker"]
     mro = worker["mro"]
     assert "nemo_refit_reshard.integrations.nemo_rl.policy_worker.ReshardPolicyWorkerMixin" in mro
@@ -88,7 +93,11 @@ def test_grpo_refit_moves_local_shards_bit_exact(tmp_path: Path) -> None:
             or "transformer_engine" in (worker["import_error"])
         )
     assert out["plan"].startswith("reshard plan ")
-    assert "Megatron tp=2,pp=1,vpp=1,cp=1,dp=1,ep=1,etp=2 -> vLLM tp=2,pp=1,dp=2" in out["plan"]
+    want = {
+        "tp=2": "Megatron tp=2,pp=1,vpp=1,cp=1,dp=1,ep=1,etp=2 -> vLLM tp=2,pp=1,dp=2,",
+        "pp=2": "Megatron tp=1,pp=2,vpp=1,cp=1,dp=1,ep=1,etp=1 -> vLLM tp=1,pp=2,dp=2,",
+    }[sizes["train"]]
+    assert want in out["plan"], out["plan"]
     first, second = out["steps"]
     assert (first["stale_before"], first["stale_after"]) == (True, False)
     assert (second["stale_before"], second["stale_after"]) == (False, False)
@@ -100,7 +109,8 @@ def test_grpo_refit_moves_local_shards_bit_exact(tmp_path: Path) -> None:
 
 def test_wrong_config_is_named_before_any_transfer(tmp_path: Path) -> None:
     """The NeMo RL config says tp=1 while the Megatron workers run tp=2."""
-    out = drive(tmp_path, "refit", steps=1, config_tp=1)
+    claims_tp1 = dict(TP2, megatron_cfg={"tensor_model_parallel_size": 1})
+    out = drive(tmp_path, "refit", steps=1, sizes=claims_tp1)
     error = out["init_error"]
     assert error.startswith(
         "PlanError: Megatron policy workers do not match the planned layout "
