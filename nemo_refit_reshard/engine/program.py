@@ -78,9 +78,7 @@ def check_live_tensors(
     """Raise ``PlanError`` listing every live tensor that differs from the plan."""
     problems = live_tensor_problems(expected, tensors, device)
     if problems:
-        shown = "\n  ".join(problems[:20])
-        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        raise PlanError(f"{who}: live tensors do not match the plan:\n  {shown}{more}")
+        raise PlanError.listing(f"{who}: live tensors do not match the plan", problems)
 
 
 def live_tensor_problems(

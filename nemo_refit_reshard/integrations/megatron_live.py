@@ -52,12 +52,11 @@ def match_layout(live: Mapping[str, torch.Tensor], layout: RankLayout) -> dict[s
     if missing or uncovered:
         lines = [f"{n}: in the layout, not in the model" for n in missing]
         lines += [f"{n}: a model parameter the layout does not cover" for n in uncovered]
-        shown = "\n  ".join(lines[:20])
-        more = f"\n  ... and {len(lines) - 20} more" if len(lines) > 20 else ""
-        raise PlanError(
-            f"Megatron rank {layout.rank}: live tensors and layout disagree:\n  {shown}{more}\n"
+        raise PlanError.listing(
+            f"Megatron rank {layout.rank}: live tensors and layout disagree",
+            lines,
             "check the layout options (layer spec, grouped GEMM, vocab padding, pipeline "
-            "split) against the model's configuration"
+            "split) against the model's configuration",
         )
     return {n: live[n] for n in sorted(wanted)}
 

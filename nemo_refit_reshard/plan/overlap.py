@@ -54,6 +54,16 @@ class Need(NamedTuple):
 class PlanError(ValueError):
     """A refit plan cannot be built; the message says what is wrong and what to do."""
 
+    @classmethod
+    def listing(
+        cls, header: str, problems: list[str], hint: str = "", limit: int = 20
+    ) -> PlanError:
+        """``header:`` then one indented line per problem (the first ``limit``, then a
+        count of the rest), then ``hint``."""
+        shown = "".join(f"\n  {p}" for p in problems[:limit])
+        more = f"\n  ... and {len(problems) - limit} more" if len(problems) > limit else ""
+        return cls(f"{header}:{shown}{more}" + (f"\n{hint}" if hint else ""))
+
 
 def source_regions(spec: ModelSpec, sources: list[RankLayout]) -> dict[str, list[SourceRegion]]:
     """Per canonical tensor, its distinct source boxes and their holders."""

@@ -269,11 +269,10 @@ def check_specs_match(source: ModelSpec, destination: ModelSpec) -> None:
                 f"{name}: source shape {list(src[name])} != destination {list(dst[name])}"
             )
     if problems:
-        shown = "\n  ".join(problems[:20])
-        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        raise PlanError(
+        raise PlanError.listing(
             f"source spec {source.name!r} and destination spec {destination.name!r} disagree "
-            f"on {len(problems)} tensor(s):\n  {shown}{more}"
+            f"on {len(problems)} tensor(s)",
+            problems,
         )
 
 

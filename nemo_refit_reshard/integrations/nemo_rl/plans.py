@@ -53,12 +53,6 @@ class NemoRlPlan:
         )
 
 
-def _listed(where: str, problems: list[str], hint: str) -> PlanError:
-    shown = "\n  ".join(problems[:20])
-    more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-    return PlanError(f"{where}:\n  {shown}{more}\n{hint}")
-
-
 def _tensor_problems(layout: RankLayout, report: Mapping[str, Any]) -> list[str]:
     """Layout vs a worker's reported tensors (``describe_tensors``) and parameters."""
     want = {t.name: [list(t.shape), t.dtype] for t in layout.tensors}
@@ -118,7 +112,7 @@ def megatron_sources(
         problems += [f"rank {r}: {p}" for p in _tensor_problems(layout, report)]
         layouts.append(layout)
     if problems:
-        raise _listed(
+        raise PlanError.listing(
             f"Megatron policy workers do not match the planned layout {train} ({opts})",
             problems,
             "check policy.megatron_cfg (parallel sizes) and refit.make_vocab_size_divisible_by",
@@ -153,7 +147,7 @@ def vllm_destinations(
                 break
             problems += [f"vLLM rank {d}: {p}" for p in _tensor_problems(layouts[d], w)]
     if problems:
-        raise _listed(
+        raise PlanError.listing(
             f"vLLM {version} engines do not match the planned layout {infer}",
             problems,
             "check policy.generation.vllm_cfg against the running engines",

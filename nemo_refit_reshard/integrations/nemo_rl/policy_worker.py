@@ -115,11 +115,10 @@ class ReshardPolicyWorkerMixin:
         expected = plan.expected_tensors(me)
         problems = live_tensor_problems(expected, state.live, None)
         if problems:
-            shown = "\n  ".join(problems[:20])
-            more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-            raise PlanError(
-                f"Megatron policy rank {me}: live tensors do not match the plan:\n  {shown}"
-                f"{more}\ncheck policy.megatron_cfg and the refit block against the model"
+            raise PlanError.listing(
+                f"Megatron policy rank {me}: live tensors do not match the plan",
+                problems,
+                "check policy.megatron_cfg and the refit block against the model",
             )
         state.worker.load_plan(plan)
         return len(expected)

@@ -183,9 +183,7 @@ def refit_check_plan(
     ]
     problems += live_tensor_problems(expected, s.params, None)
     if problems:
-        shown = "\n  ".join(problems[:20])
-        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        raise PlanError(f"{where}: live parameters do not match the plan:\n  {shown}{more}\n{hint}")
+        raise PlanError.listing(f"{where}: live parameters do not match the plan", problems, hint)
     return loaded
 
 
