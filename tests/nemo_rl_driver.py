@@ -167,12 +167,13 @@ class WorkerGroup:
         ]
 
 
-def main(spec_path: str, result_path: str) -> None:
+def main(spec_path: str, result_path: str, run: Any = None) -> None:
+    """Run ``run(spec, result)`` (default: this driver's), reporting to RESULT.json."""
     sys.path.insert(0, os.path.dirname(__file__))
     spec = json.load(open(spec_path))
     try:
         with report_to(result_path) as result:
-            _run(spec, result)
+            (run or _run)(spec, result)
     finally:
         ray.shutdown()
 

@@ -21,15 +21,13 @@ processes, vLLM's ``Worker`` object, ``llm.collective_rpc``, CUDA-only calls.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from types import SimpleNamespace
 from typing import Any
 
 import ray
-from driver_report import report_to
-from nemo_rl_driver import GenerationWorker, VllmWorkerProcess, WorkerGroup, _cpu_stand_ins
+from nemo_rl_driver import GenerationWorker, VllmWorkerProcess, WorkerGroup, _cpu_stand_ins, main
 
 
 @ray.remote
@@ -120,16 +118,6 @@ def master_config(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def main(spec_path: str, result_path: str) -> None:
-    sys.path.insert(0, os.path.dirname(__file__))
-    spec = json.load(open(spec_path))
-    try:
-        with report_to(result_path) as result:
-            _run(spec, result)
-    finally:
-        ray.shutdown()
-
-
 def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
     from nemo_rl.algorithms.grpo import refit_policy_generation
 
@@ -204,4 +192,4 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], _run)
