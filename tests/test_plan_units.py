@@ -230,7 +230,7 @@ def test_replica_messages_are_packed_once() -> None:
     assert len(sends) == 8  # one message per inference rank
     distinct = {(b.data_ptr(), b.numel()) for b in sends}
     assert len(distinct) == 2  # ... but only one staged copy per TP shard
-    assert program.send_buffer.numel() <= plan.stats.total_bytes // 4 + 64
+    assert program.send_buffers[0].numel() <= plan.stats.total_bytes // 4 + 64
 
 
 def test_relay_chain_takes_replicas_off_the_training_nic() -> None:

@@ -5,8 +5,13 @@ The NCCL unique id is created by refit rank 0 and shared through the same
 their own ``torch.distributed`` worlds can join without touching them. Each
 round's sends and receives are issued inside one ``ncclGroupStart/End`` on a
 dedicated CUDA stream; buffers are byte tensors, so bf16/fp8 travel as bytes.
-Completion is polled against ``timeout_s``; on timeout the communicator is
-aborted and :class:`TransportError` raised, so a dead peer cannot hang a rank.
+
+Ordering is by CUDA events, not host synchronisation: ``start_exchange`` makes the
+NCCL stream wait for everything queued so far on torch's current stream (the packs,
+and the unpack that last read the receive buffers) and records a completion event
+after the group; ``wait`` polls that event against ``timeout_s`` (on timeout the
+communicator is aborted and :class:`TransportError` raised, so a dead peer cannot
+hang a rank) and makes torch's stream wait on it before the unpacks are queued.
 
 CuPy is imported lazily: importing this module never needs a GPU.
 """
@@ -30,6 +35,14 @@ def cupy_available() -> bool:
         return bool(cupy.cuda.is_available())
     except Exception:  # noqa: BLE001 - any import or driver failure means "not available"
         return False
+
+
+class _PendingNccl:
+    def __init__(self, transport: CupyNcclTransport, done: torch.cuda.Event) -> None:
+        self.transport, self.done = transport, done
+
+    def wait(self) -> None:
+        self.transport._poll(self.done)
 
 
 class CupyNcclTransport:
@@ -70,6 +83,8 @@ class CupyNcclTransport:
         uid = tuple(json.loads(self.store.get("uid").decode()))
         with cupy.cuda.Device(self.device.index):
             self.stream = cupy.cuda.Stream(non_blocking=True)
+            # The same stream as torch sees it, for torch's CUDA events.
+            self._torch_stream = torch.cuda.ExternalStream(self.stream.ptr, device=self.device)
             try:
                 self.comm = nccl.NcclCommunicator(world_size, uid, rank)
             except Exception as err:  # noqa: BLE001 - NCCL errors have several types
@@ -77,12 +92,15 @@ class CupyNcclTransport:
                     f"refit rank {rank}: NCCL init failed ({_first_line(err)})"
                 ) from err
 
-    def exchange(
+    def start_exchange(
         self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
-    ) -> None:
+    ) -> _PendingNccl:
         nccl = self._nccl
-        # The staging buffers were written on torch's current stream: order NCCL after them.
-        torch.cuda.current_stream(self.device).synchronize()
+        # The staging buffers were written (and the receive buffers last read) on torch's
+        # current stream: the NCCL stream waits for that work on the GPU, the host does not.
+        queued = torch.cuda.Event()
+        queued.record(torch.cuda.current_stream(self.device))
+        self._torch_stream.wait_event(queued)
         ptr = self.stream.ptr
         try:
             nccl.groupStart()
@@ -95,11 +113,18 @@ class CupyNcclTransport:
             raise TransportError(
                 f"refit rank {self.rank}: NCCL launch failed ({_first_line(err)})"
             ) from err
-        self._wait()
+        done = torch.cuda.Event()
+        done.record(self._torch_stream)
+        return _PendingNccl(self, done)
 
-    def _wait(self) -> None:
+    def exchange(
+        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
+    ) -> None:
+        self.start_exchange(sends, recvs).wait()
+
+    def _poll(self, done: torch.cuda.Event) -> None:
         deadline = time.monotonic() + self.timeout_s
-        while not self.stream.done:
+        while not done.query():
             if time.monotonic() > deadline:
                 self.comm.abort()
                 raise TransportError(
@@ -108,6 +133,8 @@ class CupyNcclTransport:
                     "(communicator aborted)"
                 )
             time.sleep(0.0005)
+        # Unpacks queued after this read what NCCL wrote: order them on the GPU.
+        torch.cuda.current_stream(self.device).wait_event(done)
 
     def all_gather_object_str(self, value: str) -> list[str]:
         self._gathers += 1  # a fresh key space per call: earlier values must not be read

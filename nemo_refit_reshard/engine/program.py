@@ -9,7 +9,9 @@ of transfers and messages, never with the number of elements.
 
 Staging: per round, a rank's outgoing messages are laid out back to back in
 one send buffer and its incoming messages in one receive buffer; both are
-sized to the largest round and reused.
+sized to the largest round and reused. With ``overlap`` there are two such
+sets, alternating by round, so the next round is packed while this one is on
+the wire (``engine/pipeline.py``).
 
 Relay buffer (``plan/carry.py``): bytes a rank carries for another one arrive in
 round ``r`` into one half of a relay buffer and leave from it in round ``r + 1``;
@@ -30,6 +32,7 @@ from ..plan.overlap import PlanError
 from ..plan.plan import RefitPlan
 from ..plan.rank_plan import RankPlan
 from ..plan.schedule import Message
+from .pipeline import replay_overlapped, replay_serial
 from .transport import Transport
 
 TORCH_DTYPES = {
@@ -53,6 +56,7 @@ class CopyPhase:
     copies_in: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     sends: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (peer, bytes)
     recvs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    reads_relay: bool = False  # pack reads bytes the previous round's unpack carried in
 
     def pack(self) -> None:
         if self.copies_out:
@@ -135,10 +139,12 @@ class RankProgram:
         group_rank: int,
         tensors: Mapping[str, torch.Tensor],
         device: torch.device | str = "cpu",
+        overlap: bool = False,
     ) -> None:
         self.plan = plan
         self.group_rank = group_rank
         self.device = torch.device(device)
+        self.overlap = overlap
         s = plan.num_sources
         self.is_source = group_rank < s
         who = (
@@ -154,10 +160,15 @@ class RankProgram:
         layouts = [self._layout_round(r, by_round.get(r, []), who) for r in range(plan.num_rounds)]
         send_size = max((lay[1] for lay in layouts), default=0)
         recv_size = max((lay[2] for lay in layouts), default=0)
-        self.send_buffer = torch.empty(send_size, dtype=torch.uint8, device=self.device)
-        self.recv_buffer = torch.empty(recv_size, dtype=torch.uint8, device=self.device)
+        sets = 2 if overlap else 1
+        self.send_buffers = [
+            torch.empty(send_size, dtype=torch.uint8, device=self.device) for _ in range(sets)
+        ]
+        self.recv_buffers = [
+            torch.empty(recv_size, dtype=torch.uint8, device=self.device) for _ in range(sets)
+        ]
         self.relay_buffer = torch.empty(2 * self._relay_size, dtype=torch.uint8, device=self.device)
-        self.rounds = [self._bind(lay[0], tensors) for lay in layouts]
+        self.rounds = [self._bind(lay[0], tensors, k % sets) for k, lay in enumerate(layouts)]
         self.num_transfers = sum(len(m.transfers) for m in messages)
         self.num_messages = len(messages)
         self.num_copies = sum(len(r.copies_out) + len(r.copies_in) for r in self.rounds)
@@ -233,10 +244,10 @@ class RankProgram:
         self._carried = arriving
         return entries, send_end, recv_end
 
-    def _bind(self, layout, tensors: Mapping[str, torch.Tensor]) -> CopyPhase:
+    def _bind(self, layout, tensors: Mapping[str, torch.Tensor], staging: int) -> CopyPhase:
         phase = CopyPhase()
         for outgoing, peer, start, end, runs in layout:
-            buf = self.send_buffer if outgoing else self.recv_buffer
+            buf = (self.send_buffers if outgoing else self.recv_buffers)[staging]
             for r in runs:
                 if r.relay is None:
                     live = tensors[r.name][r.box.slices()]
@@ -247,20 +258,25 @@ class RankProgram:
                 staged = _view(buf, r.offset, r.nbytes, r.dtype, tuple(r.box.sizes))
                 if outgoing:
                     phase.copies_out.append((staged, live))
+                    phase.reads_relay |= r.relay is not None
                 else:
                     phase.copies_in.append((live, staged))
             (phase.sends if outgoing else phase.recvs).append((peer, buf[start:end]))
         return phase
 
     def replay(self, transport: Transport) -> None:
-        """One refit step: pack, exchange, unpack, round by round."""
+        """One refit step: pack, exchange, unpack, round by round — overlapped across
+        rounds when compiled with ``overlap``."""
         with torch.no_grad():
-            for phase in self.rounds:
-                phase.run(transport)
+            if self.overlap:
+                replay_overlapped(self.rounds, transport)
+            else:
+                replay_serial(self.rounds, transport)
 
     @property
     def staging_bytes(self) -> int:
-        return self.send_buffer.numel() + self.recv_buffer.numel() + self.relay_buffer.numel()
+        buffers = [*self.send_buffers, *self.recv_buffers, self.relay_buffer]
+        return sum(b.numel() for b in buffers)
 
 
 __all__ = ["DTYPE_BYTES", "RankProgram", "check_live_tensors"]

@@ -36,16 +36,30 @@ class StepTiming:
 
 
 class _TimedTransport:
-    """Wraps a transport to measure time spent inside ``exchange``."""
+    """Wraps a transport to measure time spent inside it (issuing and waiting)."""
 
     def __init__(self, inner: Transport) -> None:
         self.inner = inner
         self.seconds = 0.0
 
-    def exchange(self, sends, recvs) -> None:
+    def start_exchange(self, sends, recvs) -> _TimedPending:
         t0 = time.perf_counter()
-        self.inner.exchange(sends, recvs)
+        pending = self.inner.start_exchange(sends, recvs)
         self.seconds += time.perf_counter() - t0
+        return _TimedPending(self, pending)
+
+    def exchange(self, sends, recvs) -> None:
+        self.start_exchange(sends, recvs).wait()
+
+
+class _TimedPending:
+    def __init__(self, timed: _TimedTransport, inner) -> None:
+        self.timed, self.inner = timed, inner
+
+    def wait(self) -> None:
+        t0 = time.perf_counter()
+        self.inner.wait()
+        self.timed.seconds += time.perf_counter() - t0
 
 
 def check_same_fingerprint(transport: Transport, fingerprint: str) -> None:
@@ -74,7 +88,10 @@ class Refitter:
         backend: str = "reshard",
         broadcast_plan: BroadcastPlan | None = None,
         device: torch.device | str = "cpu",
+        overlap: bool | None = None,
     ) -> None:
+        """``overlap``: pack/unpack of neighbouring rounds overlap the wire
+        (``engine/pipeline.py``; two staging sets). Default: on for CUDA, off on CPU."""
         if backend not in BACKENDS:
             raise ValueError(f"unknown refit backend {backend!r}; choose one of {BACKENDS}")
         check_same_fingerprint(transport, plan.fingerprint)
@@ -82,8 +99,10 @@ class Refitter:
         self.transport = transport
         self.plan = plan
         if backend == "reshard":
+            if overlap is None:
+                overlap = torch.device(device).type == "cuda"
             self.program: RankProgram | BroadcastProgram = RankProgram(
-                plan, group_rank, tensors, device
+                plan, group_rank, tensors, device, overlap
             )
         else:
             if broadcast_plan is None:

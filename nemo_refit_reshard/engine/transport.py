@@ -1,10 +1,12 @@
 """Transports: one small interface, three implementations.
 
-A transport moves byte buffers between refit-group ranks. ``exchange`` issues
-every send and receive of one round as one batch and then waits for all of
-them, so no ordering between peers can deadlock. Every wait is bounded by
-``timeout_s``; a dead or hung peer becomes a :class:`TransportError` naming the
-peer, never a hang.
+A transport moves byte buffers between refit-group ranks. ``start_exchange``
+issues every send and receive of one round as one batch and returns a handle
+whose ``wait`` waits for all of them, so no ordering between peers can
+deadlock; between the two the buffers belong to the transport (the overlapped
+replay, ``engine/pipeline.py``, packs the next round meanwhile). ``exchange`` is
+both at once. Every wait is bounded by ``timeout_s``; a dead or hung peer
+becomes a :class:`TransportError` naming the peer, never a hang.
 
 * :class:`GlooTransport` — a gloo process group built from a ``TCPStore``
   rendezvous ``(host, port, rank, world)``, independent of any default
@@ -30,10 +32,23 @@ class TransportError(RuntimeError):
     """A peer died, hung past the timeout, or the group could not form."""
 
 
+class PendingExchange(Protocol):
+    def wait(self) -> None:
+        """Return when every send and receive of the exchange finished (the buffers are
+        the caller's again); raise :class:`TransportError` past the timeout."""
+        ...
+
+
 class Transport(Protocol):
     rank: int
     world_size: int
     timeout_s: float
+
+    def start_exchange(
+        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
+    ) -> PendingExchange:
+        """Issue each send ``(peer, buffer)`` and each receive; do not wait."""
+        ...
 
     def exchange(
         self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
@@ -67,6 +82,16 @@ def _wait_all(works: list[tuple[str, int, object]], timeout_s: float, rank: int)
             )
 
 
+class _PendingWorks:
+    """The works of one issued exchange (gloo / torch.distributed requests)."""
+
+    def __init__(self, works: list[tuple[str, int, object]], timeout_s: float, rank: int):
+        self.works, self.timeout_s, self.rank = works, timeout_s, rank
+
+    def wait(self) -> None:
+        _wait_all(self.works, self.timeout_s, self.rank)
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return text[0] if text else type(err).__name__
@@ -93,19 +118,25 @@ class _ProcessGroupTransport:
         self.world_size = world_size
         self.timeout_s = timeout_s
 
-    def exchange(
+    def start_exchange(
         self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
-    ) -> None:
+    ) -> _PendingWorks:
         works: list[tuple[str, int, object]] = []
         try:
-            # Tag 0 for every message: at most one message per (src, dst) pair per round.
+            # Tag 0 for every message: at most one message per (src, dst) pair per round,
+            # and one round in flight at a time.
             for peer, buf in recvs:
                 works.append(("receive", peer, self._recv(buf, peer)))
             for peer, buf in sends:
                 works.append(("send", peer, self._send(buf, peer)))
         except RuntimeError as err:
             raise TransportError(f"refit rank {self.rank}: {_first_line(err)}") from err
-        _wait_all(works, self.timeout_s, self.rank)
+        return _PendingWorks(works, self.timeout_s, self.rank)
+
+    def exchange(
+        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
+    ) -> None:
+        self.start_exchange(sends, recvs).wait()
 
     def _send(self, buf: torch.Tensor, peer: int) -> object:
         return self.pg.send([buf], peer, 0)  # type: ignore[attr-defined]
