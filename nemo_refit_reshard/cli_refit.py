@@ -53,6 +53,12 @@ def add_run_arguments(p: argparse.ArgumentParser, steps: int) -> None:
         default="gloo",
         help="gloo on CPU (default) or CuPy NCCL, one GPU per rank",
     )
+    p.add_argument(
+        "--overlap",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="overlap pack/unpack with the wire (two staging sets); auto: on for CUDA",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -83,6 +89,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         first_stage_layers=args.first_stage_layers,
         last_stage_layers=args.last_stage_layers,
         relay=args.relay,
+        overlap={"auto": None, "on": True, "off": False}[args.overlap],
     )
 
 

@@ -67,13 +67,24 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_reshard_and_broadcast_are_bit_exact(tmp_path, case: str) -> None:
     family, overrides, run = CASES[case]
-    cfg = RunConfig(model=_config_file(tmp_path, family, **overrides), steps=2, timeout_s=60, **run)
+    # The relay chain forwards received bytes one round later: it runs overlapped, the
+    # others serially (the CPU default).
+    overlap = case.startswith("dense_relay")
+    cfg = RunConfig(
+        model=_config_file(tmp_path, family, **overrides),
+        steps=2,
+        timeout_s=60,
+        overlap=overlap,
+        bucket_mb=0.01 if overlap else 512,  # several rounds to overlap
+        **run,
+    )
     result = run_local(cfg, join_timeout_s=240)
     _assert_bit_exact(result)
     assert result.plan.stats.total_bytes == result.plan.stats.min_bytes
 
 
-def test_dead_peer_fails_every_rank_within_timeout(tmp_path) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+def test_dead_peer_fails_every_rank_within_timeout(tmp_path, overlap: bool) -> None:
     timeout = 20.0
     cfg = RunConfig(
         model=_config_file(tmp_path, "llama"),
@@ -84,6 +95,8 @@ def test_dead_peer_fails_every_rank_within_timeout(tmp_path) -> None:
         kill_rank=2,
         kill_step=1,
         backends=("reshard",),
+        overlap=overlap,
+        bucket_mb=0.01,  # several rounds, so the overlapped path has rounds in flight
     )
     t0 = time.monotonic()
     result = run_local(cfg, join_timeout_s=120)

@@ -34,7 +34,7 @@ from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_c
 class LoggedPhase:
     k: int
     log: list[str]
-    reads_relay: bool = False
+    reads_previous: bool = False
     sends: list = field(default_factory=lambda: [(1, None)])
     recvs: list = field(default_factory=list)
 
@@ -75,7 +75,7 @@ def test_order_overlaps_neighbouring_rounds() -> None:
 
 def test_a_round_sending_carried_bytes_waits_for_their_unpack() -> None:
     log: list[str] = []
-    phases = [LoggedPhase(0, log), LoggedPhase(1, log, reads_relay=True), LoggedPhase(2, log)]
+    phases = [LoggedPhase(0, log), LoggedPhase(1, log, reads_previous=True), LoggedPhase(2, log)]
     replay_overlapped(phases, LoggedTransport(log))
     assert log == [
         "pack0", "start0",
@@ -221,9 +221,7 @@ def _refit(
                     _rebind_to_first_set(p, phase)
             p.overlap = not serial
     _run_threads(programs, ThreadedHub(len(programs), mode))
-    return [
-        [name for name, *_ in mismatches(lay, t, canonical)] for lay, t in zip(destinations, dst)
-    ]
+    return [mismatches(lay, t, canonical) for lay, t in zip(destinations, dst)]
 
 
 def _rebind_to_first_set(program: RankProgram, phase) -> None:
@@ -256,11 +254,25 @@ def test_carried_bytes_survive_the_overlap(mode: str) -> None:
     from test_carry import SPEC
 
     assert any(
-        p.reads_relay
+        p.reads_previous
         for p in RankProgram(plan, 0, _zeros(sources[0]), overlap=True).rounds
         + RankProgram(plan, 1, _zeros(sources[1]), overlap=True).rounds
     )
     assert _refit(plan, SPEC, sources, destinations, mode, sets=2) == [[]] * 2
+
+
+@pytest.mark.parametrize("mode", ["late", "early"])
+def test_chain_relayed_bytes_survive_the_overlap(mode: str) -> None:
+    """Inference replicas forward what they received the round before, from their own
+    live tensors: that pack must follow the unpack that wrote them."""
+    spec = spec_from_hf_config(dict(TINY_CONFIGS["llama"], torch_dtype="float32"))
+    train, infer = TrainParallel(tp=2), InferParallel(tp=1, dp=4)
+    sources = [megatron_layout(spec, train, r) for r in range(2)]
+    destinations = [vllm_layout(spec, infer, d) for d in range(4)]
+    plan = plan_refit(spec, sources, destinations, bucket_mb=0.01, relay="chain")
+    forwarding = RankProgram(plan, 3, empty_like_layout(destinations[1]), overlap=True)
+    assert any(p.reads_previous for p in forwarding.rounds)
+    assert _refit(plan, spec, sources, destinations, mode, sets=2) == [[]] * 4
 
 
 def test_negative_control_one_staging_set_corrupts() -> None:

@@ -13,9 +13,10 @@ uses set ``k mod 2``), the host issues::
         unpack(k)           # overlaps wire k+1
 
 One exchange is in flight at a time, so messages between two ranks never overtake each
-other and a transport needs no tags. A round whose pack reads the relay buffer (bytes
-carried for another rank, ``plan/carry.py``) waits for the previous round's unpack,
-which wrote them: ``wait(k); unpack(k); pack(k+1); start(k+1)``.
+other and a transport needs no tags. A round whose pack reads what the previous round's
+unpack writes — bytes carried in the relay buffer (``plan/carry.py``) or relayed on from
+the rank's own tensors along an inference chain (``plan/relay.py``) — waits for that
+unpack: ``wait(k); unpack(k); pack(k+1); start(k+1)``.
 
 Staging memory is two sets instead of one: at most ``2 x bucket`` per direction (the
 planner keeps what a rank sends, and what it receives, in one round within the bucket;
@@ -40,7 +41,7 @@ class Phase(Protocol):
 
     sends: list
     recvs: list
-    reads_relay: bool
+    reads_previous: bool
 
     def pack(self) -> None: ...
 
@@ -68,7 +69,7 @@ def replay_overlapped(phases: Sequence[Phase], transport: Transport) -> None:
     pending = _start(phases[0], transport)
     for k in range(n):
         nxt = phases[k + 1] if k + 1 < n else None
-        early = nxt is not None and not nxt.reads_relay
+        early = nxt is not None and not nxt.reads_previous
         if early:
             nxt.pack()
         pending.wait()

@@ -56,7 +56,7 @@ class CopyPhase:
     copies_in: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     sends: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (peer, bytes)
     recvs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    reads_relay: bool = False  # pack reads bytes the previous round's unpack carried in
+    reads_previous: bool = False  # pack reads what the previous round's unpack writes
 
     def pack(self) -> None:
         if self.copies_out:
@@ -107,6 +107,16 @@ def live_tensor_problems(
 
 
 ALIGN = 16  # message starts in staging; keeps every dtype view legal
+
+
+def _touched(entries, outgoing: bool) -> set[str]:
+    """Live tensors (or ``@relay``) a round's pack reads (``outgoing``) or unpack writes."""
+    return {
+        "@relay" if r.relay is not None else r.name
+        for out, _peer, _start, _end, runs in entries
+        if out == outgoing
+        for r in runs
+    }
 
 
 def _align(offset: int) -> int:
@@ -169,6 +179,13 @@ class RankProgram:
         ]
         self.relay_buffer = torch.empty(2 * self._relay_size, dtype=torch.uint8, device=self.device)
         self.rounds = [self._bind(lay[0], tensors, k % sets) for k, lay in enumerate(layouts)]
+        # Bytes a rank forwards (carried in its relay buffer, or relayed on from its own
+        # live tensors along an inference chain) were unpacked the round before: that
+        # round's unpack must precede this round's pack (engine/pipeline.py).
+        for k in range(1, len(layouts)):
+            self.rounds[k].reads_previous = bool(
+                _touched(layouts[k][0], True) & _touched(layouts[k - 1][0], False)
+            )
         self.num_transfers = sum(len(m.transfers) for m in messages)
         self.num_messages = len(messages)
         self.num_copies = sum(len(r.copies_out) + len(r.copies_in) for r in self.rounds)
@@ -258,7 +275,6 @@ class RankProgram:
                 staged = _view(buf, r.offset, r.nbytes, r.dtype, tuple(r.box.sizes))
                 if outgoing:
                     phase.copies_out.append((staged, live))
-                    phase.reads_relay |= r.relay is not None
                 else:
                     phase.copies_in.append((live, staged))
             (phase.sends if outgoing else phase.recvs).append((peer, buf[start:end]))

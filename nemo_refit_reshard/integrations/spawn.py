@@ -46,6 +46,7 @@ class RunConfig:
     transport: str = "gloo"  # or "cupy-nccl" (one GPU per rank, round robin over devices)
     kill_rank: int | None = None  # fault injection: this group rank dies ...
     kill_step: int = 0  # ... at the start of this step of the first backend
+    overlap: bool | None = None  # overlapped replay (engine/pipeline.py); None: CUDA only
 
     def parallel(self) -> tuple[TrainParallel, InferParallel]:
         return TrainParallel.parse(self.train), InferParallel.parse(self.infer)
@@ -109,7 +110,7 @@ def _run_rank(rank: int, cfg: RunConfig, plan_path: str, port: int, result: dict
     endpoint = RefitEndpoint(
         "127.0.0.1", port, s + len(destinations), rank, cfg.transport, cfg.timeout_s
     )
-    worker = RefitWorker(endpoint, tensors, device)
+    worker = RefitWorker(endpoint, tensors, device, overlap=cfg.overlap)
     worker.join()
     bplan = (
         plan_broadcast(spec, sources, destinations, cfg.bucket_mb)

@@ -75,9 +75,12 @@ class RefitWorker:
         endpoint: RefitEndpoint,
         tensors: Mapping[str, torch.Tensor],
         device: torch.device | str | None = None,
+        overlap: bool | None = None,
     ) -> None:
+        """``overlap``: overlapped replay (``engine/pipeline.py``); None: on for CUDA."""
         self.endpoint = endpoint
         self.tensors = tensors
+        self.overlap = overlap
         first = next(iter(tensors.values()), None)
         self.device = (
             torch.device(device)
@@ -126,6 +129,7 @@ class RefitWorker:
             backend,
             broadcast_plan,
             self.device,
+            self.overlap,
         )
 
     def refit(self) -> StepTiming:
