@@ -54,6 +54,17 @@ def add_run_arguments(p: argparse.ArgumentParser, steps: int) -> None:
         help="gloo on CPU (default) or CuPy NCCL, one GPU per rank",
     )
     p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="with --transport gloo: where the ranks' tensors live (cuda: through host twins)",
+    )
+    p.add_argument(
+        "--host-staged",
+        action="store_true",
+        help="with --transport gloo: exchange through host twins even for CPU tensors",
+    )
+    p.add_argument(
         "--overlap",
         choices=("auto", "on", "off"),
         default="auto",
@@ -90,6 +101,8 @@ def _config(args: argparse.Namespace) -> RunConfig:
         last_stage_layers=args.last_stage_layers,
         relay=args.relay,
         overlap={"auto": None, "on": True, "off": False}[args.overlap],
+        device=args.device,
+        host_staged=True if args.host_staged else None,
     )
 
 

@@ -47,6 +47,8 @@ class RunConfig:
     kill_rank: int | None = None  # fault injection: this group rank dies ...
     kill_step: int = 0  # ... at the start of this step of the first backend
     overlap: bool | None = None  # overlapped replay (engine/pipeline.py); None: CUDA only
+    device: str = "cpu"  # gloo ranks' tensors: "cpu", or "cuda" (through host twins)
+    host_staged: bool | None = None  # gloo through host twins; None: when device is cuda
 
     def parallel(self) -> tuple[TrainParallel, InferParallel]:
         return TrainParallel.parse(self.train), InferParallel.parse(self.infer)
@@ -101,7 +103,7 @@ def _run_rank(rank: int, cfg: RunConfig, plan_path: str, port: int, result: dict
     s = len(sources)
     is_source = rank < s
     layout = sources[rank] if is_source else destinations[rank - s]
-    if cfg.transport == "cupy-nccl":
+    if cfg.transport == "cupy-nccl" or cfg.device == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
@@ -110,8 +112,11 @@ def _run_rank(rank: int, cfg: RunConfig, plan_path: str, port: int, result: dict
     endpoint = RefitEndpoint(
         "127.0.0.1", port, s + len(destinations), rank, cfg.transport, cfg.timeout_s
     )
-    worker = RefitWorker(endpoint, tensors, device, overlap=cfg.overlap)
+    worker = RefitWorker(
+        endpoint, tensors, device, overlap=cfg.overlap, host_staged=cfg.host_staged
+    )
     worker.join()
+    result["transport"] = type(worker.transport).__name__
     bplan = (
         plan_broadcast(spec, sources, destinations, cfg.bucket_mb)
         if ("broadcast" in cfg.backends)

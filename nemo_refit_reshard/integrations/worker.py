@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..engine.host_staged import HostStagedTransport
 from ..engine.refit import Refitter, StepTiming
 from ..engine.transport import DEFAULT_TIMEOUT_S, GlooTransport, Transport
 from ..plan.baseline import BroadcastPlan
@@ -76,11 +77,15 @@ class RefitWorker:
         tensors: Mapping[str, torch.Tensor],
         device: torch.device | str | None = None,
         overlap: bool | None = None,
+        host_staged: bool | None = None,
     ) -> None:
-        """``overlap``: overlapped replay (``engine/pipeline.py``); None: on for CUDA."""
+        """``overlap``: overlapped replay (``engine/pipeline.py``); None: on for CUDA.
+        ``host_staged``: exchange through host twins of the staging buffers
+        (``engine/host_staged.py``, gloo only); None: when the tensors are on a GPU."""
         self.endpoint = endpoint
         self.tensors = tensors
         self.overlap = overlap
+        self.host_staged = host_staged
         first = next(iter(tensors.values()), None)
         self.device = (
             torch.device(device)
@@ -94,8 +99,15 @@ class RefitWorker:
         """Rendezvous with every other rank of the refit group (blocks up to the timeout)."""
         e = self.endpoint
         if e.transport == "gloo":
-            self.transport = GlooTransport(e.host, e.port, e.group_rank, e.world_size, e.timeout_s)
+            gloo = GlooTransport(e.host, e.port, e.group_rank, e.world_size, e.timeout_s)
+            # gloo moves host memory: tensors on a GPU go through pinned host twins.
+            staged = self.host_staged
+            if staged is None:
+                staged = self.device.type == "cuda"
+            self.transport = HostStagedTransport(gloo) if staged else gloo
         else:
+            if self.host_staged:
+                raise ValueError("host staging goes with the gloo transport, not cupy-nccl")
             from ..engine.cupy_nccl import CupyNcclTransport
 
             self.transport = CupyNcclTransport(

@@ -19,7 +19,7 @@ Nothing here imports NeMo RL, so it is tested on a CPU Megatron-core model direc
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -58,7 +58,6 @@ def megatron_position() -> dict[str, int]:
 class _PolicyRefit:
     live: dict[str, torch.Tensor]
     worker: RefitWorker
-    mirrors: dict[str, torch.Tensor] = field(default_factory=dict)
     steps: int = 0
 
 
@@ -91,16 +90,10 @@ class ReshardPolicyWorkerMixin:
         self.reshard_close()
         endpoint = replace(RefitEndpoint.from_json(endpoint_json), group_rank=int(self.rank))
         live = self._reshard_live()
-        device = next(iter(live.values())).device
-        tensors = live
-        mirrors: dict[str, torch.Tensor] = {}
-        if endpoint.transport == "gloo" and device.type != "cpu":
-            # gloo moves CPU tensors only: send from host copies refreshed every step.
-            mirrors = {n: t.detach().to("cpu") for n, t in live.items()}
-            tensors = mirrors
-        worker = RefitWorker(endpoint, tensors)
+        # gloo with parameters on a GPU: RefitWorker stages messages through host memory.
+        worker = RefitWorker(endpoint, live)
         worker.join()
-        self._reshard = _PolicyRefit(live, worker, mirrors)
+        self._reshard = _PolicyRefit(live, worker)
         return endpoint.group_rank
 
     def reshard_load_plan(self, slice_json: str) -> int:
@@ -131,8 +124,6 @@ class ReshardPolicyWorkerMixin:
             raise RuntimeError("call reshard_load_plan before reshard_step")
         t0 = time.perf_counter()
         self._reshard_before_step()
-        for name, mirror in state.mirrors.items():
-            mirror.copy_(state.live[name])
         timing = state.worker.refit()
         state.steps += 1
         return {

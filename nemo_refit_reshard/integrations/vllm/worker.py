@@ -14,16 +14,15 @@ Each vLLM worker of an engine runs them, in this order::
 
 Parameters are written **in place**: their storage never moves, so CUDA graphs
 captured by vLLM stay valid. With the gloo transport and parameters on a GPU, the
-worker stages through host memory: it receives into pinned host mirrors and copies
-them into the parameters.
+messages go through pinned host buffers (``engine/host_staged.py``); the program still
+unpacks into the parameters on the GPU.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -44,7 +43,6 @@ class _WorkerState:
     engine_rank: int
     params: dict[str, torch.Tensor]
     refit: RefitWorker | None = None
-    mirrors: dict[str, torch.Tensor] = field(default_factory=dict)
     steps: int = 0
 
 
@@ -128,17 +126,9 @@ def refit_join(worker: Any, endpoint_json: str, first_rank: int) -> int:
     refit_close(worker)  # joining again replaces the previous membership
     base = RefitEndpoint.from_json(endpoint_json)
     endpoint = replace(base, group_rank=first_rank + s.engine_rank)
-    device = next(iter(s.params.values())).device
-    tensors: dict[str, torch.Tensor] = s.params
-    if endpoint.transport == "gloo" and device.type != "cpu":
-        # Host staging: gloo moves CPU tensors only. Mirrors start as copies so that
-        # elements no piece writes (vocabulary padding) keep vLLM's values.
-        s.mirrors = {
-            n: p.detach().to("cpu").pin_memory() if torch.cuda.is_available() else p.cpu()
-            for n, p in s.params.items()
-        }
-        tensors = s.mirrors
-    s.refit = RefitWorker(endpoint, tensors)
+    # With gloo and parameters on a GPU, RefitWorker stages the messages through pinned
+    # host memory (engine/host_staged.py); the parameters are still written in place.
+    s.refit = RefitWorker(endpoint, s.params)
     s.refit.join()
     return endpoint.group_rank
 
@@ -211,23 +201,13 @@ def refit_step(worker: Any) -> dict[str, float]:
     s = _state(worker)
     if s.refit is None or s.refit.refitter is None:
         raise RuntimeError("call refit_join and refit_load_plan before refit_step")
-    t0 = time.perf_counter()
     timing = s.refit.refit()
-    staging = 0.0
-    if s.mirrors:
-        t1 = time.perf_counter()
-        with torch.no_grad():
-            for name, mirror in s.mirrors.items():
-                s.params[name].copy_(mirror, non_blocking=True)
-        torch.cuda.synchronize()
-        staging = time.perf_counter() - t1
     s.steps += 1
     return {
         "group_rank": float(s.refit.endpoint.group_rank),
-        "seconds": time.perf_counter() - t0,
+        "seconds": timing.seconds,
         "exchange_seconds": timing.exchange_seconds,
         "host_seconds": timing.host_seconds,
-        "staging_seconds": staging,
     }
 
 
@@ -237,7 +217,6 @@ def refit_close(worker: Any) -> None:
         if s.refit is not None:
             s.refit.close()
             s.refit = None
-        s.mirrors = {}
 
 
 class ReshardWorkerExtension:
