@@ -457,6 +457,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_gpu_check(args: argparse.Namespace) -> int:
+    from .gpu_check import cmd_gpu_check
+
+    return cmd_gpu_check(args)
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser("plan", help="build the transfer plan and print its stats")
     add_run_arguments(plan, steps=1)
@@ -484,3 +490,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     simulate.add_argument("--plot", help="write a PNG of per-GPU bytes and node traffic here")
     simulate.set_defaults(func=cmd_simulate)
+    gpu = sub.add_parser(
+        "gpu-check", help="the GPU paths on one GPU: NCCL, pack/unpack, overlap (needs CUDA)"
+    )
+    gpu.add_argument("--repeats", type=int, default=5)
+    gpu.add_argument("--quick", action="store_true", help="a small model instead of DeepSeek")
+    gpu.set_defaults(func=_cmd_gpu_check)
