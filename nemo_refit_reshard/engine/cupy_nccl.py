@@ -25,7 +25,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .transport import DEFAULT_TIMEOUT_S, TransportError, _first_line, rendezvous_store
+from .rendezvous import refit_store
+from .transport import DEFAULT_TIMEOUT_S, TransportError, _first_line
 
 
 def cupy_available() -> bool:
@@ -58,6 +59,8 @@ class CupyNcclTransport:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         prefix: str = "refit-nccl",
         store: dist.Store | None = None,
+        connect_timeout_s: float | None = None,
+        secret: str | None = None,
     ) -> None:
         if not cupy_available():
             raise TransportError(
@@ -76,7 +79,9 @@ class CupyNcclTransport:
             "cuda", device if device is not None else torch.cuda.current_device()
         )
         if store is None:
-            store = rendezvous_store(host, port, rank, world_size, timeout_s)
+            store = refit_store(
+                host, port, rank, world_size, connect_timeout_s or timeout_s, secret
+            )
         self.store = dist.PrefixStore(prefix, store)
         if rank == 0:
             self.store.set("uid", json.dumps(list(nccl.get_unique_id())))

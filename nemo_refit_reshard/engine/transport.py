@@ -25,6 +25,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from .rendezvous import RendezvousError, refit_store, tcp_port
+
 DEFAULT_TIMEOUT_S = 600.0
 
 
@@ -95,18 +97,6 @@ class _PendingWorks:
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return text[0] if text else type(err).__name__
-
-
-def rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout_s: float):
-    """The refit group's ``TCPStore``: hosted by refit rank 0, joined by the others."""
-    return dist.TCPStore(
-        host,
-        port,
-        world_size,
-        is_master=(rank == 0),
-        timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
 
 
 class _ProcessGroupTransport:
@@ -181,22 +171,32 @@ class GlooTransport(_ProcessGroupTransport):
         rank: int,
         world_size: int,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        connect_timeout_s: float | None = None,
         prefix: str = "refit",
         store: dist.Store | None = None,
+        secret: str | None = None,
     ) -> None:
+        """``timeout_s`` bounds every exchange; ``connect_timeout_s`` (default: the same)
+        the rendezvous. ``secret``: the run's secret (``engine/rendezvous.py``)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside refit world of {world_size}")
-        timeout = datetime.timedelta(seconds=timeout_s)
+        connect_s = connect_timeout_s or timeout_s
         try:
             if store is None:
-                store = rendezvous_store(host, port, rank, world_size, timeout_s)
-            self.port = store.port if isinstance(store, dist.TCPStore) else port
+                store = refit_store(host, port, rank, world_size, connect_s, secret)
+            self.port = tcp_port(store, port)
             self.store = store
-            pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size, timeout)
+            # The group forms within the connect budget; then every op has timeout_s.
+            pg = dist.ProcessGroupGloo(
+                dist.PrefixStore(prefix, store), rank, world_size,
+                datetime.timedelta(seconds=max(connect_s, timeout_s)),
+            )  # fmt: skip
+        except RendezvousError:
+            raise
         except RuntimeError as err:
             raise TransportError(
                 f"refit rank {rank} could not join the gloo group at {host}:{port} within "
-                f"{timeout_s}s ({_first_line(err)})"
+                f"{connect_s}s ({_first_line(err)})"
             ) from err
         super().__init__(pg, rank, world_size, timeout_s)
 
@@ -223,9 +223,19 @@ class TorchTransport(_ProcessGroupTransport):
         )
 
     def all_gather_object_str(self, value: str) -> list[str]:
-        out: list[object] = [None] * self.world_size
-        dist.all_gather_object(out, value, group=self.group)
-        return [str(v) for v in out]
+        # Bytes in tensors, never pickled objects: lengths first, then padded bytes.
+        nccl = dist.get_backend(self.group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+        data = value.encode()
+        length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        lengths = [torch.zeros_like(length) for _ in range(self.world_size)]
+        dist.all_gather(lengths, length, group=self.group)
+        size = max(int(t.item()) for t in lengths)
+        mine = torch.zeros(size, dtype=torch.uint8, device=device)
+        mine[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+        outs = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(outs, mine, group=self.group)
+        return [bytes(o[: int(n.item())].tolist()).decode() for o, n in zip(outs, lengths)]
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..engine.rendezvous import new_secret
 from ..layouts import MegatronOptions, VllmOptions, megatron_layout, vllm_layouts
 from ..plan import RefitPlan, plan_refit
 from ..plan.rank_plan import rank_plan
@@ -74,13 +75,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, cfg_json: str, plan_path: str, port: int, out_dir: str) -> None:
+def _worker(rank: int, cfg_json: str, plan_path: str, port: int, out_dir: str, secret: str) -> None:
     import torch
 
     torch.set_num_threads(1)
     result: dict[str, Any] = {"rank": rank, "backends": {}}
     try:
-        _run_rank(rank, RunConfig(**json.loads(cfg_json)), plan_path, port, result)
+        _run_rank(rank, RunConfig(**json.loads(cfg_json)), plan_path, port, secret, result)
     except BaseException as err:  # reported to the driver, which decides what to raise
         result["error"] = f"{type(err).__name__}: {err}"
         result["traceback"] = traceback.format_exc()
@@ -89,7 +90,9 @@ def _worker(rank: int, cfg_json: str, plan_path: str, port: int, out_dir: str) -
         os._exit(1)
 
 
-def _run_rank(rank: int, cfg: RunConfig, plan_path: str, port: int, result: dict) -> None:
+def _run_rank(
+    rank: int, cfg: RunConfig, plan_path: str, port: int, secret: str, result: dict
+) -> None:
     import torch
 
     from ..engine.materialize import SyntheticWeights, materialize, mismatches
@@ -110,8 +113,9 @@ def _run_rank(rank: int, cfg: RunConfig, plan_path: str, port: int, result: dict
         device = torch.device("cpu")
     tensors = materialize(layout, weights, fill=float("nan"), device=device)
     endpoint = RefitEndpoint(
-        "127.0.0.1", port, s + len(destinations), rank, cfg.transport, cfg.timeout_s
-    )
+        "127.0.0.1", port, s + len(destinations), rank, cfg.transport, cfg.timeout_s,
+        secret=secret,
+    )  # fmt: skip
     worker = RefitWorker(
         endpoint, tensors, device, overlap=cfg.overlap, host_staged=cfg.host_staged
     )
@@ -189,7 +193,7 @@ def run_local(
         port = _free_port()
         ctx = mp.start_processes(
             _worker,
-            args=(json.dumps(asdict(cfg)), plan_path, port, tmp),
+            args=(json.dumps(asdict(cfg)), plan_path, port, tmp, new_secret()),
             nprocs=world,
             start_method="spawn",
             join=False,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -43,7 +43,11 @@ class RefitEndpoint:
     world_size: int
     group_rank: int  # training ranks 0..S-1, generation rank d is S + d
     transport: str = "gloo"
-    timeout_s: float = DEFAULT_TIMEOUT_S
+    timeout_s: float = DEFAULT_TIMEOUT_S  # every wait of a refit (a dead peer raises within)
+    connect_timeout_s: float | None = None  # rendezvous; None: timeout_s. Set it from the
+    # framework's start-up budget: processes join as they finish starting, and a loaded
+    # machine starts them slowly.
+    secret: str | None = field(default=None, repr=False)  # the run's (engine/rendezvous.py)
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -99,7 +103,10 @@ class RefitWorker:
         """Rendezvous with every other rank of the refit group (blocks up to the timeout)."""
         e = self.endpoint
         if e.transport == "gloo":
-            gloo = GlooTransport(e.host, e.port, e.group_rank, e.world_size, e.timeout_s)
+            gloo = GlooTransport(
+                e.host, e.port, e.group_rank, e.world_size, e.timeout_s, e.connect_timeout_s,
+                secret=e.secret,
+            )  # fmt: skip
             # gloo moves host memory: tensors on a GPU go through pinned host twins.
             staged = self.host_staged
             if staged is None:
@@ -111,8 +118,9 @@ class RefitWorker:
             from ..engine.cupy_nccl import CupyNcclTransport
 
             self.transport = CupyNcclTransport(
-                e.host, e.port, e.group_rank, e.world_size, self.device.index, e.timeout_s
-            )
+                e.host, e.port, e.group_rank, e.world_size, self.device.index, e.timeout_s,
+                connect_timeout_s=e.connect_timeout_s, secret=e.secret,
+            )  # fmt: skip
 
     def load_plan(
         self,

@@ -19,6 +19,7 @@ import torch
 
 from ...engine.checksum import combine, compare
 from ...engine.materialize import canonical_from_ranks
+from ...engine.rendezvous import new_secret
 from ...layouts.base import RankLayout
 from ...plan.baseline import BroadcastPlan
 from ...plan.plan import RefitPlan
@@ -27,8 +28,9 @@ from ..worker import RefitEndpoint
 from .config import GrpoRunConfig
 from .plans import broadcast_plan_to_json, check_worker_tensors
 
-REFIT_MARGIN_S = 5.0  # a refit call may take refit.timeout_s plus this before we give up
-FAILURE_GRACE_S = 1.0  # after a first failure, how long to collect the others' errors
+# After a first failure, how long to collect the other actors' errors for the report. Not
+# a deadline: nothing is cut short by it (the actors' own waits end by their timeouts).
+FAILURE_GRACE_S = 1.0
 
 
 class GrpoActorError(RuntimeError):
@@ -118,7 +120,7 @@ class GrpoCluster:
             for ref in ready:
                 info = pending.pop(ref)
                 try:
-                    results[info] = ray.get(ref, timeout=10)  # ready: returns at once
+                    results[info] = ray.get(ref)  # ready: returns at once
                 except RayError as err:
                     failures.append((info, err))
                     # Peers of a dead actor block until their transport timeout; collect
@@ -190,7 +192,7 @@ class GrpoCluster:
             (
                 a,
                 a.handle.setup.remote(
-                    cfg.policy, a.rank, str(cfg.train), cfg.grpo, cfg.seed, train_port, timeout
+                    cfg.policy, a.rank, str(cfg.train), cfg.grpo, cfg.seed, train_port, setup_s
                 ),
             )
             for a in self.trainers
@@ -205,7 +207,7 @@ class GrpoCluster:
                     str(cfg.infer),
                     cfg.infer_dtype,
                     replica_ports[a.replica],
-                    timeout,
+                    setup_s,
                     exit_step if a.refit_rank == exit_rank else None,
                 ),
             )
@@ -219,16 +221,19 @@ class GrpoCluster:
 
         world = len(self.actors)
         port = free_port()
+        secret = new_secret()  # this run's: only the actors it is shipped to can join
         calls = [
             (
                 a,
                 a.handle.join.remote(
-                    RefitEndpoint("127.0.0.1", port, world, a.refit_rank, "gloo", timeout).to_json()
+                    RefitEndpoint(
+                        "127.0.0.1", port, world, a.refit_rank, "gloo", timeout, setup_s, secret
+                    ).to_json()
                 ),
             )
             for a in self.actors
         ]
-        self.gather(calls, timeout + REFIT_MARGIN_S, "joining the refit group")
+        self.gather(calls, setup_s + timeout, "joining the refit group")
         bjson = broadcast_plan_to_json(self.broadcast) if self.broadcast is not None else None
         backends = list(cfg.refit.backends)
         calls = [
@@ -240,7 +245,7 @@ class GrpoCluster:
             )
             for a in self.actors
         ]
-        self.gather(calls, timeout + REFIT_MARGIN_S, "loading the plans")
+        self.gather(calls, setup_s + timeout, "loading the plans")
 
     def shutdown(self) -> None:
         """Kill every actor (a failed step leaves survivors blocked in collectives)."""
@@ -260,7 +265,8 @@ class GrpoCluster:
             self.actors,
             "refit",
             (backend, step, verify),
-            self.cfg.refit.timeout_s + REFIT_MARGIN_S,
+            # the actors give up within refit.timeout_s; the margin is the call budget
+            self.cfg.refit.timeout_s + self.cfg.ray.call_timeout_s,
             what,
         )
         if verify:

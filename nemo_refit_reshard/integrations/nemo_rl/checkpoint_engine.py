@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from nemo_rl.utils.checkpoint_engines.base import CheckpointEngine
 
+from ...engine.rendezvous import new_secret
 from ..full_tensor_rank import (
     FullTensorRank,
     check_same_settings,
@@ -62,13 +63,17 @@ class ReshardCheckpointEngine(CheckpointEngine):
         self.config = self.rank.config
         self.release_after_refit = release_after_refit
         self.address: tuple[str, int] | None = None
+        self.secret: str | None = None
         self.last_metrics: dict[str, Any] = {}
 
     def prepare(self) -> dict[str, Any]:
         # Every worker offers an address; policy rank 0's is used (metadata[0]).
         if self.address is None:
             self.address = free_address(self.config.host or _node_ip())
-        return worker_metadata(self.rank, address=list(self.address))
+            self.secret = new_secret()
+        # NeMo RL's synchronizer hands every worker all workers' metadata; policy rank 0's
+        # address and secret are used.
+        return worker_metadata(self.rank, address=list(self.address), secret=self.secret)
 
     def _join(self, group_rank: int, train: int, rollout: int, metadata: list[Any]) -> None:
         if len(metadata) != train + rollout:
@@ -82,8 +87,9 @@ class ReshardCheckpointEngine(CheckpointEngine):
             _PLANS[key] = plan_full_tensors(ReshardEngineConfig(**json.loads(text)), train, rollout)
         host, port = metadata[0]["address"]
         endpoint = RefitEndpoint(
-            host, port, train + rollout, group_rank, self.config.transport, self.config.timeout_s
-        )
+            host, port, train + rollout, group_rank, self.config.transport, self.config.timeout_s,
+            secret=metadata[0]["secret"],
+        )  # fmt: skip
         self.rank.join(endpoint, _PLANS[key].slices[group_rank], text)
 
     def init_policy_process_group(

@@ -29,6 +29,7 @@ from typing import Any
 import ray
 from nemo_rl.weight_sync.interfaces import WeightSynchronizer
 
+from ...engine.rendezvous import new_secret
 from ..full_tensor_rank import free_address
 from ..vllm import refit_close, refit_describe, refit_join, refit_load_plan, refit_step
 from ..worker import RefitEndpoint
@@ -124,6 +125,7 @@ class ReshardWeightSynchronizer(WeightSynchronizer):
             group_rank=0,
             transport=self._refit.transport,
             timeout_s=self._refit.timeout_s,
+            secret=new_secret(),  # this run's; shipped to the workers with the endpoint
         ).to_json()
         firsts = self._engine_first_ranks(len(engine_reports))
         size = plan.infer.tp * plan.infer.pp

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
+from ...engine.rendezvous import new_secret
 from ...plan.rank_plan import RankPlan
 from ..full_tensor_rank import (
     FullTensorRank,
@@ -88,10 +89,13 @@ class ReshardCheckpointEngine(CheckpointEngine):
             plan = plan_full_tensors(config, a, r)
             _PLANS[key] = [s.to_json() for s in plan.slices]
         host, port = masters[0]
+        secret = new_secret()  # made on veRL's driver, shipped with each rank's endpoint
 
         def endpoints(ranks: Iterable[int]) -> list[str]:
             return [
-                RefitEndpoint(host, port, a + r, g, config.transport, config.timeout_s).to_json()
+                RefitEndpoint(
+                    host, port, a + r, g, config.transport, config.timeout_s, secret=secret
+                ).to_json()
                 for g in ranks
             ]
 

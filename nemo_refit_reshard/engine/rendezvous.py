@@ -1,0 +1,115 @@
+"""The refit group's rendezvous: a ``TCPStore`` on the endpoint's interface, guarded by a
+per-run secret.
+
+Refit rank 0 hosts the store, listening on the address the endpoint names only (not
+every interface: the socket is bound first and handed to the store). With a secret —
+the driver makes one per run and ships it with the endpoint — rank 0 publishes a random
+nonce and ``HMAC(secret, nonce)``; a joining process checks that proof with its own
+secret and refuses at once, saying why, when they differ (or when one side has a secret
+and the other not). Every key the group then uses lives under a prefix derived from the
+secret: a process without it cannot compute the names, so it can neither read the
+group's keys (the NCCL unique id among them) nor write them, and cannot take part in
+gloo's rendezvous. The secret itself never crosses the wire.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import os
+import secrets
+import socket
+
+import torch.distributed as dist
+
+AUTH_NONCE = "refit-auth/nonce"
+AUTH_PROOF = "refit-auth/proof"
+NO_SECRET = "-"
+
+
+class RendezvousError(RuntimeError):
+    """This process may not join the refit group (wrong or missing secret)."""
+
+
+def new_secret() -> str:
+    """A per-run secret for the driver to ship with the endpoint (hex, 256 bits)."""
+    return secrets.token_hex(32)
+
+
+def _mac(secret: str, message: str) -> str:
+    return hmac.new(secret.encode(), message.encode(), hashlib.sha256).hexdigest()
+
+
+def _bound_socket(host: str, port: int) -> int:
+    """A listening socket on ``host:port`` only; its descriptor, owned by the caller."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address)
+    sock.listen(1024)
+    return sock.detach()
+
+
+def refit_store(
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    secret: str | None = None,
+) -> dist.Store:
+    """The group's store (rank 0 hosts it on ``host``), authenticated when ``secret`` is
+    given; returns a store whose keys are private to holders of the secret."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0:
+        fd = _bound_socket(host, port)
+        store = dist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=fd,
+        )
+        nonce = secrets.token_hex(16)
+        store.set(AUTH_NONCE, nonce)
+        store.set(AUTH_PROOF, _mac(secret, nonce) if secret else NO_SECRET)
+    else:
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+        nonce = store.get(AUTH_NONCE).decode()
+        proof = store.get(AUTH_PROOF).decode()
+        where = f"the refit group at {host}:{port}"
+        if proof == NO_SECRET and secret:
+            raise RendezvousError(
+                f"refit rank {rank}: {where} has no secret but this endpoint carries one; "
+                "the endpoint belongs to another run"
+            )
+        if proof != NO_SECRET and not secret:
+            raise RendezvousError(
+                f"refit rank {rank}: {where} requires the run's secret and this endpoint has "
+                "none; use the endpoint the driver shipped (RefitEndpoint.secret)"
+            )
+        if secret and not hmac.compare_digest(proof, _mac(secret, nonce)):
+            raise RendezvousError(
+                f"refit rank {rank}: {where} rejected this process: its secret differs from "
+                "the run's (the endpoint belongs to another run, or was altered)"
+            )
+    if not secret:
+        return store
+    # The group's own keys: names only secret holders can compute.
+    return dist.PrefixStore(_mac(secret, "keys")[:32], store)
+
+
+def tcp_port(store: dist.Store, fallback: int) -> int:
+    """The port a store listens on (rank 0 may have asked for port 0)."""
+    inner = store
+    while isinstance(inner, dist.PrefixStore):
+        inner = inner.underlying_store
+    return inner.port if isinstance(inner, dist.TCPStore) else fallback
+
+
+def secret_from_env(var: str = "NRR_REFIT_SECRET") -> str | None:
+    return os.environ.get(var) or None
