@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
-
-import hydra
-from omegaconf import DictConfig, OmegaConf
+from pathlib import Path
 
 from nemo_refit_reshard.integrations.grpo.config import GrpoRunConfig
 from nemo_refit_reshard.integrations.grpo.driver import run_grpo
@@ -26,21 +24,29 @@ from nemo_refit_reshard.integrations.grpo.report import (
     summary,
     write_plot,
 )
+from nemo_refit_reshard.integrations.hydra_config import configure_or_exit, load_config
 
-PLOT = pop_plot_flag(sys.argv)  # before Hydra parses sys.argv
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
-@hydra.main(config_path="../configs", config_name="grpo_cpu", version_base=None)
-def main(cfg: DictConfig) -> None:
-    run_cfg = GrpoRunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
-    if PLOT is not None:
-        require_matplotlib()  # fail now, not after the run
+def main(argv: list[str]) -> int:
+    plot = pop_plot_flag(argv)
+
+    def configure() -> GrpoRunConfig:
+        # A bad key or value: one line naming key, value and choices, exit status 2.
+        run_cfg = GrpoRunConfig.from_dict(load_config(CONFIGS, "grpo_cpu", argv))
+        if plot is not None:
+            require_matplotlib()  # fail now, not after the run
+        return run_cfg
+
+    run_cfg = configure_or_exit(configure)
     t0 = time.perf_counter()
     reports = run_grpo(run_cfg)
     print(summary(reports, run_cfg.refit.backend, time.perf_counter() - t0))
-    if PLOT is not None:
-        print(f"plot: {write_plot(reports, PLOT)}")
+    if plot is not None:
+        print(f"plot: {write_plot(reports, plot)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ...engine.refit import BACKENDS
+from ...layouts.megatron_rules import MegatronOptions, check_megatron_parallel
+from ...layouts.vllm import check_vllm_parallel
+from ...spec.model import spec_from_hf_config
 from ...spec.parallel import InferParallel, TrainParallel
 from .task import StringTask, policy_config
 from .trainer import GrpoConfig
@@ -139,7 +142,13 @@ class GrpoRunConfig:
         hyper = {"prompts_per_step", "group_size", "lr", "clip_eps", "kl_coef"}
         hyper |= {"max_new_tokens", "temperature", "max_grad_norm"}
         _known(grpo, hyper | {"num_steps", "seed"}, "grpo.")
-        num_steps, seed = int(grpo.pop("num_steps", 20)), int(grpo.pop("seed", 0))
+        num_steps = _typed("grpo.num_steps", grpo.pop("num_steps", 20), int)
+        seed = _typed("grpo.seed", grpo.pop("seed", 0), int)
+        defaults = GrpoConfig()
+        for key, value in grpo.items():
+            kind = type(getattr(defaults, key))
+            if kind in (int, float) and value is not None:
+                grpo[key] = _typed(f"grpo.{key}", value, kind)
         trainer_cfg = GrpoConfig(
             **grpo,
             init_std=float(model.get("init_std", 0.02)),
@@ -150,9 +159,12 @@ class GrpoRunConfig:
         _known(refit, {f.name for f in fields(RefitSettings)}, "refit.")
         ray = dict(cfg.get("ray") or {})
         _known(ray, {f.name for f in fields(RaySettings)}, "ray.")
+        train_par = TrainParallel.parse(_parallel_string(train))
+        infer_par = InferParallel.parse(_parallel_string(infer))
+        _check_parallel(hf, train_par, infer_par)
         return cls(
-            train=TrainParallel.parse(_parallel_string(train)),
-            infer=InferParallel.parse(_parallel_string(infer)),
+            train=train_par,
+            infer=infer_par,
             infer_dtype=dtype,
             policy=hf,
             task=task,
@@ -172,6 +184,27 @@ def _known(section: dict[str, Any], allowed: set[str], prefix: str) -> None:
             f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; valid: "
             f"{', '.join(prefix + k for k in sorted(allowed))}"
         )
+
+
+def _typed(key: str, value: Any, kind: type) -> Any:
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        name = "an integer" if kind is int else "a number"
+        raise ValueError(f"{key}={value!r} must be {name}") from None
+
+
+def _check_parallel(hf: dict[str, Any], train: TrainParallel, infer: InferParallel) -> None:
+    """Both sides' parallelism against the policy's shapes, before any actor starts."""
+    arch = spec_from_hf_config(hf).arch
+    for side, par, check in (
+        ("train", train, lambda: check_megatron_parallel(arch, train, MegatronOptions())),
+        ("infer", infer, lambda: check_vllm_parallel(arch, infer)),
+    ):
+        try:
+            check()
+        except ValueError as err:
+            raise ValueError(f"{side} ({par}): {err}") from None
 
 
 def _parallel_string(section: dict[str, Any]) -> str:

@@ -74,8 +74,9 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise RuntimeError(
-            "--plot needs matplotlib, which is not installed: pip install matplotlib"
+        raise ValueError(
+            "--plot needs matplotlib, which is not installed: pip install -e '.[grpo]' "
+            "(or pip install matplotlib)"
         ) from None
 
 
