@@ -185,6 +185,12 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
             )
         steps.append(record)
         if "error" in record:
+            # the surviving engine's workers: stale, naming the failed step
+            from nemo_refit_reshard.integrations.vllm import refit_status
+
+            result["surviving_status"] = ray.get(
+                generation_actors[0].checkpoint_engine_rpc.remote(refit_status, ())
+            )
             break
     if spec["scenario"] == "refit":
         sync.shutdown()

@@ -132,6 +132,11 @@ def test_dead_vllm_worker_is_named_and_leaves_weights_stale(tmp_path: Path) -> N
     assert "vLLM engine 1: " in error, error
     assert "ActorDiedError" in error or "RayActorError" in error, error
     assert second["stale_after"] is True
+    # vLLM's workers of the engine that survived know their weights may be torn
+    for status in out["surviving_status"]:
+        assert status["step"] == 1 and status["stale"].startswith(
+            "the refit of step 2 failed (TransportError: refit rank "
+        ), status
 
 
 def test_overlays_through_nemo_rl_config(tmp_path: Path) -> None:

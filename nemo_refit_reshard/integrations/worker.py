@@ -30,6 +30,7 @@ from ..engine.transport import DEFAULT_TIMEOUT_S, GlooTransport, Transport
 from ..plan.baseline import BroadcastPlan
 from ..plan.plan import RefitPlan
 from ..plan.rank_plan import RankPlan, load_plan_json
+from .weights import WeightsState
 
 TRANSPORTS = ("gloo", "cupy-nccl")
 
@@ -82,12 +83,16 @@ class RefitWorker:
         device: torch.device | str | None = None,
         overlap: bool | None = None,
         host_staged: bool | None = None,
+        weights: WeightsState | None = None,
     ) -> None:
         """``overlap``: overlapped replay (``engine/pipeline.py``); None: on for CUDA.
         ``host_staged``: exchange through host twins of the staging buffers
-        (``engine/host_staged.py``, gloo only); None: when the tensors are on a GPU."""
+        (``engine/host_staged.py``, gloo only); None: when the tensors are on a GPU.
+        ``weights``: the tensors' version and staleness (kept across memberships)."""
         self.endpoint = endpoint
         self.tensors = tensors
+        self.weights = weights if weights is not None else WeightsState()
+        self._loaded: tuple | None = None
         self.overlap = overlap
         self.host_staged = host_staged
         first = next(iter(tensors.values()), None)
@@ -151,12 +156,36 @@ class RefitWorker:
             self.device,
             self.overlap,
         )
+        self._loaded = (plan, backend, broadcast_plan)
 
-    def refit(self) -> StepTiming:
-        """One refit step (collective over the refit group)."""
-        if self.refitter is None:
+    def refit(self, step: int | None = None, refitter: Refitter | None = None) -> StepTiming:
+        """One refit step (collective over the refit group), versioned: the weights are
+        stale from here until it completes, and stay stale if it fails (the error is
+        raised). ``step`` defaults to the last complete one plus one; ``refitter`` to the
+        last loaded plan's."""
+        refitter = refitter or self.refitter
+        if refitter is None:
             raise RuntimeError("call load_plan() before refit()")
-        return self.refitter.refit()
+        step = step if step is not None else (self.weights.step or 0) + 1
+        fingerprint = refitter.plan.fingerprint
+        self.weights.begin(step, fingerprint)
+        try:
+            timing = refitter.refit()
+        except BaseException as err:
+            self.weights.failed(step, err)
+            raise
+        self.weights.done(step, fingerprint)
+        return timing
+
+    def rejoin(self, endpoint: RefitEndpoint) -> None:
+        """Join a new refit group (after a failed one: a replaced peer, a new port and
+        secret) and load the same plan again. Collective over the new group. The weights
+        stay stale until the next refit succeeds."""
+        self.close()
+        self.endpoint = endpoint
+        self.join()
+        if self._loaded is not None:
+            self.load_plan(*self._loaded)
 
     def barrier(self) -> None:
         if self.transport is None:

@@ -94,7 +94,7 @@ class _RefitMember:
             os._exit(1)  # test-only fault injection: die mid-refit, no cleanup
         assert self.worker is not None
         self.worker.barrier()  # every rank starts together: timings measure the refit only
-        timing = self.refitters[backend].refit()
+        timing = self.worker.refit(step, self.refitters[backend])  # versioned: stale till done
         out: dict[str, Any] = {
             "seconds": timing.seconds,
             "exchange_seconds": timing.exchange_seconds,
@@ -183,6 +183,7 @@ class GenerationActor(_RefitMember):
             _init_world(world_port, tp_rank, par.tp, timeout_s)
             group = dist.group.WORLD
         self.tp_rank = tp_rank
+        self.replica = replica
         self.exit_at_step = exit_at_step
         rank = replica * par.engine_world_size + tp_rank  # vLLM rank order (pp = engine_dp = 1)
         spec = policy_spec(policy)
@@ -207,6 +208,8 @@ class GenerationActor(_RefitMember):
         """Sample completions (collective over the replica's tp ranks, which all get the
         same arguments); tp rank 0 returns ``(tokens, logprobs)``, the others ``None``
         (their results are identical by construction)."""
+        if self.worker is not None:  # never from torn weights (a failed or cut-off refit)
+            self.worker.weights.require_fresh(f"generation on refit rank {self.group_rank}")
         gen = torch.Generator().manual_seed(seed)
         out = self.generator.generate(prompts, max_new_tokens, temperature, gen)
         return out if self.tp_rank == 0 else None

@@ -19,6 +19,8 @@ from .worker import (
     refit_describe,
     refit_join,
     refit_load_plan,
+    refit_require_fresh,
+    refit_status,
     refit_step,
 )
 
@@ -35,5 +37,7 @@ __all__ = [
     "refit_describe",
     "refit_join",
     "refit_load_plan",
+    "refit_require_fresh",
+    "refit_status",
     "refit_step",
 ]

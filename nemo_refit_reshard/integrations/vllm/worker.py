@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from ...engine.program import live_tensor_problems
 from ...plan.overlap import PlanError
 from ...plan.plan import RefitPlan
 from ...plan.rank_plan import RankPlan, load_plan_json
+from ..weights import WeightsState
 from ..worker import RefitEndpoint, RefitWorker, describe_tensors
 from .config import IN_PLACE_MOE_BACKENDS, EngineLayout, UnsupportedVllmOption, engine_layout
 
@@ -43,6 +44,7 @@ class _WorkerState:
     engine_rank: int
     params: dict[str, torch.Tensor]
     refit: RefitWorker | None = None
+    weights: WeightsState = field(default_factory=WeightsState)  # across memberships
     steps: int = 0
 
 
@@ -128,7 +130,7 @@ def refit_join(worker: Any, endpoint_json: str, first_rank: int) -> int:
     endpoint = replace(base, group_rank=first_rank + s.engine_rank)
     # With gloo and parameters on a GPU, RefitWorker stages the messages through pinned
     # host memory (engine/host_staged.py); the parameters are still written in place.
-    s.refit = RefitWorker(endpoint, s.params)
+    s.refit = RefitWorker(endpoint, s.params, weights=s.weights)
     s.refit.join()
     return endpoint.group_rank
 
@@ -192,16 +194,18 @@ def refit_load_plan(worker: Any, plan: str | Mapping[str, str]) -> int:
     return len(loaded.expected_tensors(rank))
 
 
-def refit_step(worker: Any) -> dict[str, float]:
+def refit_step(worker: Any, step: int | None = None) -> dict[str, float]:
     """One refit (collective), writing the parameters in place; this rank's timing.
 
     The caller must have paused generation on this engine (no forward pass may run
-    while weights change) and should reset the prefix cache afterwards.
+    while weights change) and should reset the prefix cache afterwards. Versioned:
+    from the start until it completes the weights are stale (``refit_status``), and a
+    failed refit leaves them so — ask ``refit_require_fresh`` before generating again.
     """
     s = _state(worker)
     if s.refit is None or s.refit.refitter is None:
         raise RuntimeError("call refit_join and refit_load_plan before refit_step")
-    timing = s.refit.refit()
+    timing = s.refit.refit(step)
     s.steps += 1
     return {
         "group_rank": float(s.refit.endpoint.group_rank),
@@ -209,6 +213,17 @@ def refit_step(worker: Any) -> dict[str, float]:
         "exchange_seconds": timing.exchange_seconds,
         "host_seconds": timing.host_seconds,
     }
+
+
+def refit_status(worker: Any) -> dict[str, object]:
+    """This rank's weights: the last complete refit's step and plan, or why stale."""
+    return _state(worker).weights.as_dict()
+
+
+def refit_require_fresh(worker: Any) -> None:
+    """Raise ``StaleWeightsError`` (naming the failed step) if a refit failed or did not
+    finish on this rank: the driver asks every worker before resuming generation."""
+    _state(worker).weights.require_fresh(f"generation on vLLM rank {_state(worker).engine_rank}")
 
 
 def refit_close(worker: Any) -> None:
@@ -236,8 +251,14 @@ class ReshardWorkerExtension:
     def refit_load_plan(self, plan: str | Mapping[str, str]) -> int:
         return refit_load_plan(self, plan)
 
-    def refit_step(self) -> dict[str, float]:
-        return refit_step(self)
+    def refit_step(self, step: int | None = None) -> dict[str, float]:
+        return refit_step(self, step)
+
+    def refit_status(self) -> dict[str, object]:
+        return refit_status(self)
+
+    def refit_require_fresh(self) -> None:
+        refit_require_fresh(self)
 
     def refit_close(self) -> None:
         refit_close(self)
