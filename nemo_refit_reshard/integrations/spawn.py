@@ -10,6 +10,7 @@ every destination element bit for bit against the canonical weights.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -50,6 +51,7 @@ class RunConfig:
     overlap: bool | None = None  # overlapped replay (engine/pipeline.py); None: CUDA only
     device: str = "cpu"  # gloo ranks' tensors: "cpu", or "cuda" (through host twins)
     host_staged: bool | None = None  # gloo through host twins; None: when device is cuda
+    connect_timeout_s: float | None = None  # rendezvous; None: run_local's join timeout
 
     def parallel(self) -> tuple[TrainParallel, InferParallel]:
         return TrainParallel.parse(self.train), InferParallel.parse(self.infer)
@@ -114,7 +116,7 @@ def _run_rank(
     tensors = materialize(layout, weights, fill=float("nan"), device=device)
     endpoint = RefitEndpoint(
         "127.0.0.1", port, s + len(destinations), rank, cfg.transport, cfg.timeout_s,
-        secret=secret,
+        cfg.connect_timeout_s, secret=secret,
     )  # fmt: skip
     worker = RefitWorker(
         endpoint, tensors, device, overlap=cfg.overlap, host_staged=cfg.host_staged
@@ -181,6 +183,8 @@ def run_local(
     import torch.multiprocessing as mp
 
     t0 = time.perf_counter()
+    if cfg.connect_timeout_s is None:  # ranks start as fast as the machine lets them
+        cfg = dataclasses.replace(cfg, connect_timeout_s=join_timeout_s)
     if plan is None:
         spec, sources, destinations = build_layouts(cfg)
         plan = plan_refit(spec, sources, destinations, bucket_mb=cfg.bucket_mb, relay=cfg.relay)
