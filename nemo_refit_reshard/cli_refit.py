@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from .integrations.spawn import RunConfig, RunResult, build_layouts, run_local
@@ -135,6 +137,27 @@ def _ratio(summary: dict[str, Any]) -> str:
     return f"{summary['baseline_bytes'] / max(1, summary['total_bytes']):.2f}x"
 
 
+def write_plan_file(path: str, text: str) -> None:
+    """Write a plan file whole or not at all: a regular file goes through a temporary
+    file beside it and an atomic rename, so a full disk or a crash never leaves half a
+    plan under the real name. A failure is a ``ValueError`` naming the path (one line)."""
+    target = Path(path)
+    direct = target.exists() and not target.is_file()  # a device or pipe: no rename
+    tmp = target if direct else target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            if not direct:
+                os.fsync(f.fileno())
+        if not direct:
+            os.replace(tmp, target)
+    except OSError as err:
+        if not direct:
+            tmp.unlink(missing_ok=True)
+        raise ValueError(f"could not write the plan to {path}: {err}") from None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     cfg = _config(args)
     t0 = time.perf_counter()
@@ -142,8 +165,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = plan_refit(spec, sources, destinations, bucket_mb=cfg.bucket_mb, relay=cfg.relay)
     summary = plan_summary(plan, time.perf_counter() - t0)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(plan.to_json())
+        write_plan_file(args.out, plan.to_json())
     if args.json:
         print(json.dumps(summary))
         return 0
