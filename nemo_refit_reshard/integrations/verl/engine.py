@@ -36,6 +36,7 @@ from ..worker import RefitEndpoint
 
 WHERE = "checkpoint_engine.engine_kwargs.reshard"
 # Driver side, per (settings, actor ranks, rollout ranks): every rank's plan slice as JSON.
+_SECRETS: dict[tuple[str, int], str] = {}  # per refit group, on the driver
 _PLANS: dict[tuple[str, int, int], list[str]] = {}
 
 
@@ -89,7 +90,9 @@ class ReshardCheckpointEngine(CheckpointEngine):
             plan = plan_full_tensors(config, a, r)
             _PLANS[key] = [s.to_json() for s in plan.slices]
         host, port = masters[0]
-        secret = new_secret()  # made on veRL's driver, shipped with each rank's endpoint
+        # Made on veRL's driver once per group (build_topology runs every update; the
+        # group, and so its endpoint, stays), shipped with each rank's endpoint.
+        secret = _SECRETS.setdefault((host, port), new_secret())
 
         def endpoints(ranks: Iterable[int]) -> list[str]:
             return [
