@@ -384,7 +384,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+            raise ValueError(
+                "--plot needs matplotlib, which is not installed: pip install -e '.[plot]' "
+                "(or pip install matplotlib)"
+            ) from None
     cfg = _config(args)
     cluster = Cluster.parse(args.cluster)
     cfg, stages_note = _uneven_stages(cfg)

@@ -331,7 +331,10 @@ def test_cli_simulate_plot(llama_config, tmp_path, capsys, monkeypatch) -> None:
     with monkeypatch.context() as m:
         m.setitem(sys.modules, "matplotlib", None)  # as if not installed
         assert main(args) == 2
-        assert "--plot needs matplotlib: pip install matplotlib" in capsys.readouterr().err
+        assert capsys.readouterr().err.strip() == (
+            "nemo-refit-reshard: error: --plot needs matplotlib, which is not installed: "
+            "pip install -e '.[plot]' (or pip install matplotlib)"
+        )
     pytest.importorskip("matplotlib")
     assert main(args) == 0
     assert out.read_bytes()[:4] == b"\x89PNG"
