@@ -9,7 +9,6 @@ driver then kills every actor, so a step that fails never hangs.
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from ...layouts.base import RankLayout
 from ...plan.baseline import BroadcastPlan
 from ...plan.plan import RefitPlan
 from ...plan.rank_plan import rank_plan
+from ..spawn import free_port
 from ..worker import RefitEndpoint
 from .config import GrpoRunConfig
 from .plans import broadcast_plan_to_json, check_worker_tensors
@@ -61,12 +61,6 @@ class ActorInfo:
             f"generation actor replica {self.replica} tp rank {self.tp_rank} "
             f"(inference rank {self.rank}, refit rank {self.refit_rank})"
         )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _first_line(err: BaseException) -> str:
