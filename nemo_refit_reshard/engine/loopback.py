@@ -33,7 +33,6 @@ class LoopbackTransport:
         self.sink = torch.empty(largest_message, dtype=torch.uint8, device=self.device)
         self.rounds = 0
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.bytes_moved = 0
 
     def new_step(self) -> None:
         """Start the receive patterns from round 0 again."""
@@ -59,11 +58,9 @@ class LoopbackTransport:
     def _copy(self, sends, recvs, shift: int) -> None:
         for _peer, buf in sends:
             self.sink[: buf.numel()].copy_(buf)
-            self.bytes_moved += buf.numel()
         for peer, buf in recvs:
             at = (shift + 7 * peer) % 4096
             buf.copy_(self.pattern[at : at + buf.numel()])
-            self.bytes_moved += buf.numel()
 
     def exchange(self, sends, recvs) -> None:
         self.start_exchange(sends, recvs).wait()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import hmac
-import os
 import secrets
 import socket
 
@@ -109,7 +108,3 @@ def tcp_port(store: dist.Store, fallback: int) -> int:
     while isinstance(inner, dist.PrefixStore):
         inner = inner.underlying_store
     return inner.port if isinstance(inner, dist.TCPStore) else fallback
-
-
-def secret_from_env(var: str = "NRR_REFIT_SECRET") -> str | None:
-    return os.environ.get(var) or None
