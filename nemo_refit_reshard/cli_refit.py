@@ -26,10 +26,10 @@ def add_run_arguments(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument(
         "--relay",
         choices=("none", "chain", "domain", "auto"),
-        default="none",
+        default=None,
         help="chain: forward slices between inference replicas; domain (simulate only): "
-        "one copy per NVLink domain, forwarded inside it; auto (simulate only): "
-        "whichever the cluster model predicts fastest",
+        "one copy per NVLink domain, forwarded inside it; auto (simulate only, its "
+        "default): the mode the cluster model predicts fastest (default elsewhere: none)",
     )
     p.add_argument("--train-dtype", default=None, help="training params dtype (e.g. float32)")
     p.add_argument(
@@ -82,6 +82,8 @@ def _config(args: argparse.Namespace) -> RunConfig:
             raise ValueError(f"unknown backend {b!r}; choose from reshard, broadcast")
     if args.steps < 1:
         raise ValueError("--steps must be >= 1")
+    if args.relay is None:
+        args.relay = "auto" if args.command == "simulate" else "none"
     if args.relay in ("auto", "domain") and args.command != "simulate":
         raise ValueError(
             f"--relay {args.relay} needs a cluster model (which ranks share NVLink): "
@@ -402,19 +404,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 f"--placement {args.placement!r}: use 'separate' or a comma list of node ids"
             ) from None
         placement = Placement.explicit(nodes, len(sources), len(destinations), cluster)
-    # Replica choice balances predicted link time on this cluster, not bytes per sender.
-    candidates = []
-    for relay in ("none", "chain", "domain") if cfg.relay == "auto" else (cfg.relay,):
-        plan = plan_refit(
-            spec,
-            sources,
-            destinations,
-            bucket_mb=cfg.bucket_mb,
-            relay=relay,
-            links=Topology(cluster, placement),
-        )
-        candidates.append((predict_refit(plan, cluster, placement).seconds, relay, plan))
-    _, chosen, plan = min(candidates, key=lambda c: c[0])
+    # Replica choice balances predicted link time on this cluster, not bytes per sender;
+    # ``relay="auto"`` schedules only the modes that could still win (``plan/choice.py``).
+    plan = plan_refit(
+        spec,
+        sources,
+        destinations,
+        bucket_mb=cfg.bucket_mb,
+        relay=cfg.relay,
+        links=Topology(cluster, placement),
+    )
+    choice = plan.relay_choice
     pred = predict_refit(plan, cluster, placement)
     floor = bandwidth_floor(plan, sources, destinations, cluster, placement)
     bplan = plan_broadcast(spec, sources, destinations, cfg.bucket_mb)
@@ -423,7 +423,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         "model": spec.name,
         "train": cfg.train,
         "infer": cfg.infer,
-        "relay": chosen if cfg.relay != "auto" else f"auto: {chosen}",
+        "relay": cfg.relay if choice is None else f"auto: {choice.chosen}",
+        "relay_choice": None if choice is None else choice.reason,
         "pipeline_stages_note": stages_note,
         "cluster": str(cluster),
         "training_nodes": len(placement.training_nodes),
@@ -466,8 +467,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if pred.slowest_round is not None
         else "no messages"
     )
-    rows = [
-        ("cluster", str(cluster)),
+    rows = [("cluster", str(cluster))]
+    if choice is not None:
+        rows.append(("relay choice", choice.reason))
+    rows += [
         ("predicted refit", f"{ms(pred.seconds)} ({len(pred.round_seconds)} rounds; {slowest})"),
         ("bandwidth floor", f"{ms(floor.seconds)} (({b.key}) {b.what}, {b.where})"),
         ("predicted / floor", times(report["ratio_to_floor"])),

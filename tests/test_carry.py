@@ -53,6 +53,7 @@ def _plan(carry: bool = True):
         sources,
         destinations,
         bucket_mb=0.02,
+        relay="none",
         links=Topology(CLUSTER, placement),
         carry=carry,
     )

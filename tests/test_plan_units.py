@@ -268,7 +268,7 @@ class _TwoNodes:
 def test_topology_aware_replica_choice_prefers_the_fast_link() -> None:
     src, dst = _layouts(LLAMA, "dp=2", "tp=1")
     plain = plan_refit(LLAMA, src, dst)
-    aware = plan_refit(LLAMA, src, dst, links=_TwoNodes())
+    aware = plan_refit(LLAMA, src, dst, relay="none", links=_TwoNodes())
 
     def busy(plan) -> float:  # predicted busy seconds of the slowest sender link
         return max(plan.stats.bytes_sent[0] / 450e9, plan.stats.bytes_sent[1] / 50e9)

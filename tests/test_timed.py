@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from hf_models import TINY_CONFIGS
 
-import nemo_refit_reshard.plan.plan as plan_module
+import nemo_refit_reshard.plan.rounds as rounds_module
 from nemo_refit_reshard.layouts import MegatronOptions, megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import plan_refit
 from nemo_refit_reshard.plan.predict import bandwidth_floor, predict_refit
@@ -25,14 +25,14 @@ MOE = spec_from_hf_config(dict(TINY_CONFIGS["qwen3_moe"], torch_dtype="float32")
 def recorded(monkeypatch):
     """The ``TimedRounds`` of every plan built while the test runs."""
     out = []
-    real = plan_module.timed_schedule
+    real = rounds_module.timed_schedule
 
     def record(*args, **kwargs):
         result = real(*args, **kwargs)
         out.append(result)
         return result
 
-    monkeypatch.setattr(plan_module, "timed_schedule", record)
+    monkeypatch.setattr(rounds_module, "timed_schedule", record)
     return out
 
 
@@ -89,7 +89,7 @@ def test_even_traffic_runs_at_the_busiest_links_time(recorded) -> None:
     placement = Placement.packed(4, 4, cluster)
     for bucket_mb in (0.02, 0.05, 1):
         plan = plan_refit(
-            SPEC, sources, destinations, bucket_mb, links=Topology(cluster, placement)
+            SPEC, sources, destinations, bucket_mb, relay="none", links=Topology(cluster, placement)
         )
         busiest = max(max(plan.stats.bytes_sent), max(plan.stats.bytes_received))
         assert max(plan.stats.bytes_received[4:]) == busiest  # the inference NICs bind

@@ -35,7 +35,7 @@ import torch
 
 from ..layouts.base import Box, RankLayout
 from ..plan.carry import is_relay
-from ..plan.schedule import Message
+from ..plan.messages import Message
 from .program import TORCH_DTYPES
 
 MASK = (1 << 64) - 1

@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..layouts.base import Box
-from ..plan.balance import DTYPE_BYTES
 from ..plan.carry import is_relay
+from ..plan.messages import Message
 from ..plan.overlap import PlanError
-from ..plan.plan import RefitPlan
 from ..plan.rank_plan import RankPlan
-from ..plan.schedule import Message
+from ..plan.refit_plan import RefitPlan
+from ..plan.transfer import DTYPE_BYTES
 from .pipeline import replay_overlapped, replay_serial
 from .transport import Transport
 

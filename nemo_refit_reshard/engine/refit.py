@@ -15,8 +15,8 @@ import torch
 
 from ..plan.baseline import BroadcastPlan
 from ..plan.overlap import PlanError
-from ..plan.plan import RefitPlan
 from ..plan.rank_plan import RankPlan
+from ..plan.refit_plan import RefitPlan
 from .broadcast import BroadcastProgram
 from .program import RankProgram
 from .transport import Transport

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..plan.baseline import BroadcastPlan
-from ..plan.plan import RefitPlan
+from ..plan.refit_plan import RefitPlan
 from .broadcast import BroadcastProgram
 from .program import CopyPhase, RankProgram
 

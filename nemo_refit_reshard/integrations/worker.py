@@ -28,8 +28,8 @@ from ..engine.host_staged import HostStagedTransport
 from ..engine.refit import Refitter, StepTiming
 from ..engine.transport import DEFAULT_TIMEOUT_S, GlooTransport, Transport
 from ..plan.baseline import BroadcastPlan
-from ..plan.plan import RefitPlan
 from ..plan.rank_plan import RankPlan, load_plan_json
+from ..plan.refit_plan import RefitPlan
 from .weights import WeightsState
 
 TRANSPORTS = ("gloo", "cupy-nccl")

@@ -1,9 +1,10 @@
 """Layer 3: the static transfer plan (pure Python, no process groups)."""
 
-from .balance import DTYPE_BYTES, Transfer
+from .messages import Message
 from .overlap import PlanError
-from .plan import PLAN_VERSION, PlanStats, RefitPlan, check_specs_match, plan_refit
-from .schedule import Message
+from .plan import check_specs_match, plan_refit
+from .refit_plan import PLAN_VERSION, PlanStats, RefitPlan
+from .transfer import DTYPE_BYTES, Transfer
 
 __all__ = [
     "DTYPE_BYTES",

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from ..layouts.base import Box, RankLayout
 from ..spec.model import ModelSpec
-from .balance import DTYPE_BYTES
 from .overlap import PlanError, source_regions
+from .transfer import DTYPE_BYTES
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import heapq
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 
-from .balance import LinkModel, Transfer, cut_rows
+from .transfer import LinkModel, Transfer, cut_rows
 
 RELAY = "@relay:"
 # A rank carries for a neighbour only to save more than this many message latencies.

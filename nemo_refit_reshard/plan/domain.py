@@ -18,12 +18,12 @@ import functools
 import heapq
 import math
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
-from .balance import DTYPE_BYTES, LinkModel, Transfer
 from .carry import node_groups_of
 from .overlap import Need, PlanError
 from .relay import node_groups
+from .transfer import DTYPE_BYTES, LinkModel, Transfer
 
 
 def domain_runs(
@@ -232,41 +232,3 @@ def split_lone_members(
         elif kept:
             out[rep] = kept
     return out, sorted(alone)
-
-
-def domain_groups(
-    groups: list[tuple[int, ...]],
-    needs_of: dict[int, list[Need]],
-    need_for: Callable[[int], list[Need]],
-    dtype_of: dict[tuple[int, str], str],
-    links: LinkModel | None,
-    carry: bool,
-) -> tuple[list[tuple[int, ...]], dict[int, list[tuple[int, ...]]], list[int]]:
-    """Replica groups and their runs for ``relay="domain"``: NVLink runs
-    (:func:`domain_runs`), rings where the training NICs would bind
-    (:func:`relieve_egress`), and with ``carry`` lone members as groups of their own
-    (:func:`split_lone_members`). ``needs_of[rep]`` are a group's needs; ``need_for``
-    makes them for a new group's first member (added to ``needs_of``). Returns the groups
-    (first member first), the runs per group and the lone members."""
-    runs_of = domain_runs(groups, links)
-    assert links is not None  # domain_runs checked it
-    runs_of = relieve_egress(runs_of, [n for ns in needs_of.values() for n in ns], dtype_of, links)
-    if not carry:
-        return groups, runs_of, []
-    group_bytes = {
-        rep: sum(n.numel * DTYPE_BYTES[dtype_of[(rep, n.dst_piece.local)]] for n in ns)
-        for rep, ns in needs_of.items()
-    }
-    runs_of, lone = split_lone_members(runs_of, group_bytes, links)
-    if not lone:
-        return groups, runs_of, []
-    for y in lone:
-        runs_of[y] = [(y,)]
-    groups = [
-        (rep, *sorted(m for run in runs for m in run if m != rep))
-        for rep, runs in sorted(runs_of.items())
-    ]
-    for g in groups:
-        if g[0] not in needs_of:
-            needs_of[g[0]] = need_for(g[0])
-    return groups, runs_of, lone

@@ -25,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from functools import cached_property
 
-from .schedule import Message, message_order
+from .messages import Message, message_order
 
 
 class Expansion:

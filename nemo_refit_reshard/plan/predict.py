@@ -16,10 +16,10 @@ from itertools import product
 from typing import Any
 
 from ..layouts.base import Box, RankLayout
-from .balance import DTYPE_BYTES
 from .baseline import BroadcastPlan
-from .plan import RefitPlan
+from .refit_plan import RefitPlan
 from .topology import Cluster, Placement
+from .transfer import DTYPE_BYTES
 
 NVLINK, NIC = "nvlink", "nic"
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..layouts.base import Box
+from .messages import Message
 from .overlap import PlanError
-from .plan import PLAN_VERSION, RefitPlan
-from .schedule import Message
+from .refit_plan import PLAN_VERSION, RefitPlan
 from .serialize import NameTable, message_from_json, message_json
 
 

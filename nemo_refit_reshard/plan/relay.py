@@ -15,9 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .balance import LinkModel, Transfer, split_box
-
-RELAY_MODES = ("none", "chain", "domain")
+from .transfer import LinkModel, Transfer, split_box
 
 
 def node_groups(dsts: list[int], links: LinkModel | None) -> list[list[int]]:

@@ -13,7 +13,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 
-from .balance import LinkModel, Transfer
+from .transfer import LinkModel, Transfer
 
 # A round where a key has less than this fraction of its budget left (or less than a
 # worthwhile chunk's time) counts as full for it: pairs skip it without pricing it.

@@ -1,27 +1,19 @@
-"""Coalescing, bucketing into rounds, and one message per (sender, receiver, round).
-
-Coalescing merges two transfers between the same pair of local tensors when
-their boxes are adjacent along the first dimension that is not 1 and equal
-elsewhere, on both sides — then the row-major order of the merged box is the
-two parts one after the other, so packing stays a straight copy.
+"""First-fit rounds (no topology, and ``relay="chain"``): what each rank stages per round.
 
 Bucketing bounds what each rank stages per round: the bytes it sends and the
 bytes it receives in a round each stay within ``bucket_bytes`` (a transfer
 larger than that is cut first), so a rank's staging is at most twice the bucket.
 Rounds are filled first-fit in a fixed order, so every rank computes the same
-schedule.
+schedule. (Plans for a known topology without chains: ``plan/timed.py``.)
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from functools import cached_property
 
 from ..layouts.base import Box
-from .balance import DTYPE_BYTES, LinkModel, Transfer, split_box
-from .carry import is_relay
+from .transfer import LinkModel, Transfer, split_box
 
 
 def _lead_dim(box: Box) -> int | None:
@@ -29,42 +21,6 @@ def _lead_dim(box: Box) -> int | None:
         if s != 1:
             return d
     return None
-
-
-def coalesce(transfers: list[Transfer]) -> list[Transfer]:
-    """Merge adjacent transfers between the same (src tensor, dst tensor) pair."""
-    groups: dict[tuple, list[Transfer]] = defaultdict(list)
-    for t in transfers:
-        groups[(t.src, t.dst, t.src_tensor, t.dst_tensor, t.canonical, t.dtype)].append(t)
-    out: list[Transfer] = []
-    for key in sorted(groups):
-        run = groups[key]
-        if len(run) == 1:
-            out.append(run[0])
-            continue
-        run.sort(key=lambda t: t.src_box.offsets)
-        current = run[0]
-        for t in run[1:]:
-            src_box = current.src_box.followed_by(t.src_box)
-            dst_box = current.dst_box.followed_by(t.dst_box)
-            canonical_box = current.canonical_box.followed_by(t.canonical_box)
-            if src_box and dst_box and canonical_box:
-                current = Transfer(
-                    current.src,
-                    current.dst,
-                    current.src_tensor,
-                    src_box,
-                    current.dst_tensor,
-                    dst_box,
-                    current.canonical,
-                    canonical_box,
-                    current.dtype,
-                )
-            else:
-                out.append(current)
-                current = t
-        out.append(current)
-    return out
 
 
 def _cut(t: Transfer, max_bytes: int, bucket_bytes: int) -> list[Transfer]:
@@ -87,88 +43,6 @@ def _cut(t: Transfer, max_bytes: int, bucket_bytes: int) -> list[Transfer]:
             )
         parts = rows
     return [t.part(box) for box in split_box(t.canonical_box, parts)]
-
-
-@dataclass(frozen=True)
-class Message:
-    """All transfers from ``src`` to ``dst`` in one round, packed back to back.
-
-    Transfers are ordered by decreasing dtype size, so every transfer starts at a
-    byte offset aligned to its own element size without padding, then by
-    destination tensor and box.
-    """
-
-    round: int
-    src: int
-    dst: int
-    transfers: tuple[Transfer, ...]
-
-    @cached_property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.transfers)
-
-    @cached_property
-    def shared(self) -> Message | None:
-        """What ``dst``'s replicas and relay run receive too (``plan/expand.py``): every
-        transfer except those into ``dst``'s relay buffer (``plan/carry.py``), which only
-        ``dst`` itself receives. ``None`` if that leaves nothing."""
-        keep = tuple(t for t in self.transfers if not is_relay(t.dst_tensor))
-        if len(keep) == len(self.transfers):
-            return self
-        return Message(self.round, self.src, self.dst, keep) if keep else None
-
-    def forwarded(self, src: int, dst: int, round_index: int) -> Message:
-        """This message's content sent on by ``src``, which received it, to ``dst``, a
-        replica of ``src`` (same local boxes), in round ``round_index``."""
-        return Message(
-            round_index,
-            src,
-            dst,
-            tuple(
-                Transfer(
-                    src,
-                    dst,
-                    t.dst_tensor,
-                    t.dst_box,
-                    t.dst_tensor,
-                    t.dst_box,
-                    t.canonical,
-                    t.canonical_box,
-                    t.dtype,
-                )
-                for t in self.transfers
-            ),
-        )
-
-    def to(self, dst: int) -> Message:
-        """This message as sent to ``dst``, a replica of its receiver (same local boxes)."""
-        if dst == self.dst:
-            return self
-        return Message(
-            self.round,
-            self.src,
-            dst,
-            tuple(
-                Transfer(
-                    t.src,
-                    dst,
-                    t.src_tensor,
-                    t.src_box,
-                    t.dst_tensor,
-                    t.dst_box,
-                    t.canonical,
-                    t.canonical_box,
-                    t.dtype,
-                )
-                for t in self.transfers
-            ),
-        )
-
-
-def message_order(t: Transfer) -> tuple:
-    # Largest dtype first (alignment), then destination order, so the receiver's adjacent
-    # boxes (e.g. consecutive experts of w13_weight) sit next to each other and merge.
-    return (-DTYPE_BYTES[t.dtype], t.dst_tensor, t.dst_box.offsets, t.src_tensor, t.src_box.offsets)
 
 
 def _fan_out_groups(
@@ -230,8 +104,8 @@ def schedule(
     forwarded: list[list[Transfer]] | None = None,
     links: LinkModel | None = None,
     members: Mapping[int, tuple[int, ...]] | None = None,
-) -> list[list[Message]]:
-    """Rounds of messages; per round each rank stages at most ``bucket_bytes``.
+) -> list[list[Transfer]]:
+    """Rounds of transfers; per round each rank stages at most ``bucket_bytes``.
 
     ``forwarded[k]`` are relay hops at level ``k + 1``: each is placed at least one
     round after the part that delivered its source box to its sender.
@@ -435,15 +309,4 @@ def schedule(
             place(piece, 0)
     if waiting:
         raise AssertionError(f"{len(waiting)} relay hops never received their data")
-    return [round_messages(r, ts) for r, ts in enumerate(placed)]
-
-
-def round_messages(r: int, transfers: list[Transfer]) -> list[Message]:
-    """One round's transfers as one message per (sender, receiver), in that order."""
-    pairs: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
-    for t in transfers:
-        pairs[(t.src, t.dst)].append(t)
-    return [
-        Message(r, src, dst, tuple(sorted(ts, key=message_order)))
-        for (src, dst), ts in sorted(pairs.items())
-    ]
+    return placed

@@ -12,8 +12,8 @@ import json
 from typing import Any
 
 from ..layouts.base import Box
-from .balance import Transfer
-from .schedule import Message
+from .messages import Message
+from .transfer import Transfer
 
 
 class NameTable:

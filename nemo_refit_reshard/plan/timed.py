@@ -40,17 +40,17 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from .balance import LinkModel, Transfer, cut_rows
 from .carry import legs
+from .messages import message_order
 from .round_loads import Pair, RoundLoads, TooSmall, build_pair, least_budget
-from .schedule import Message, message_order, round_messages
+from .transfer import LinkModel, Transfer, cut_rows
 
 
 class TimedRounds(NamedTuple):
     """The rounds, the time budget every (GPU, link) kept to in each of them, and the
     refit time the scheduler predicts for them (``predict.predict_refit`` of the plan)."""
 
-    rounds: list[list[Message]]
+    rounds: list[list[Transfer]]
     budget: float
     seconds: float
 
@@ -122,9 +122,13 @@ def _fill(pairs: list[Pair], rounds: RoundLoads, placed: list[list[Transfer]] | 
         own[src] = (keys, 2 * src)
     horizon = max(p.horizon for p in pairs)
     active: dict[int, list[Pair]] = defaultdict(list)
-    # A pair's receivers' work left, the busiest of them: cached per round and receiver
-    # set (many pairs share one), dropped whenever a placement changes it.
+    # A pair's receivers' work left, the busiest of them: cached per receiver set (many
+    # pairs share one), dropped for the sets a placement changes.
     ranks_of: dict[tuple[int, ...], float] = {}
+    sets_with: dict[int, set[tuple[int, ...]]] = defaultdict(set)  # time index -> sets
+    for p in pairs:
+        for idx in p.rkey:
+            sets_with[idx].add(p.rkey)
 
     def priority(rkey: tuple[int, ...]) -> float:
         x = ranks_of.get(rkey)
@@ -155,7 +159,8 @@ def _fill(pairs: list[Pair], rounds: RoundLoads, placed: list[list[Transfer]] | 
         send_left[s] -= got * p.send_cost
         for idx, c in p.recv:
             recv_left[idx] -= got * c
-        ranks_of.clear()
+            for rkey in sets_with[idx]:
+                ranks_of.pop(rkey, None)
         if p.left <= 0:
             left[s] -= 1
         return True
@@ -173,11 +178,18 @@ def _fill(pairs: list[Pair], rounds: RoundLoads, placed: list[list[Transfer]] | 
                 placed.append([])
         rounds.open(r + horizon)
         for s in sorted((x for x in left if left[x]), key=lambda x: (-send_left[x], x)):
-            # first the pairs it served last round (no new peer), then by priority
-            served = [p for p in active[s] if p.left > 0 and not full(s, r) and place(s, p, r)]
+            # first the pairs it served last round (no new peer), then by priority.
+            # Within a round only the sender's own placements fill its own keys, so
+            # whether it is full changes only when it places something.
+            is_full = full(s, r)
+            served = []
+            for p in active[s]:
+                if p.left > 0 and not is_full and place(s, p, r):
+                    served.append(p)
+                    is_full = full(s, r)
             heap, examined = heaps[s], []
             chosen = {id(p) for p in active[s]}
-            while heap and not full(s, r):
+            while heap and not is_full:
                 key, rk, p = heapq.heappop(heap)
                 if p.left <= 0:
                     continue
@@ -188,6 +200,7 @@ def _fill(pairs: list[Pair], rounds: RoundLoads, placed: list[list[Transfer]] | 
                 examined.append(p)
                 if id(p) not in chosen and place(s, p, r):
                     served.append(p)
+                    is_full = full(s, r)
             for p in examined:
                 if p.left > 0:
                     heapq.heappush(heap, (-priority(p.rkey), rank_in[id(p)], p))
@@ -217,7 +230,7 @@ def timed_schedule(
     if bucket_bytes <= 0:
         raise ValueError("bucket size must be positive")
     if not transfers and not carried:
-        return []
+        return TimedRounds([], 0.0, 0.0)
     members = members or {}
     position = {m: (run, i) for run in runs for i, m in enumerate(run)}
     key_of: dict[tuple[int, str], int] = {}
@@ -269,10 +282,9 @@ def timed_schedule(
     placed: list[list[Transfer]] = []
     final = RoundLoads(best[1], bucket_bytes, latency, ranks)
     _fill(pairs, final, placed)
-    out = [round_messages(r, ts) for r, ts in enumerate(placed)]
-    while out and not out[-1]:
-        out.pop()
-    return TimedRounds(out, final.tau, final.seconds())
+    while placed and not placed[-1]:
+        placed.pop()
+    return TimedRounds(placed, final.tau, final.seconds())
 
 
 def _choose(

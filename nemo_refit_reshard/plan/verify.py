@@ -21,7 +21,7 @@ import numpy as np
 
 from ..layouts.base import Box, RankLayout, map_sub_box
 from .carry import is_relay, relayed_to
-from .plan import RefitPlan
+from .refit_plan import RefitPlan
 
 
 def _containing(pieces, canonical: str, box: Box):

@@ -20,7 +20,7 @@ from ...layouts import VllmOptions, megatron_layout, vllm_layout
 from ...layouts.base import Box, RankLayout
 from ...plan.baseline import BroadcastPlan, BroadcastStep
 from ...plan.overlap import PlanError
-from ...plan.plan import RefitPlan
+from ...plan.refit_plan import RefitPlan
 from ...spec.model import ModelSpec
 from ...spec.parallel import InferParallel, TrainParallel
 from .task import policy_spec

@@ -19,8 +19,8 @@ from ...layouts import VllmOptions, megatron_layout, vllm_layouts
 from ...layouts.base import RankLayout
 from ...layouts.megatron_grid import megatron_position
 from ...layouts.megatron_rules import MegatronOptions
+from ...plan import RefitPlan, plan_refit
 from ...plan.overlap import PlanError
-from ...plan.plan import RefitPlan, plan_refit
 from ...plan.rank_plan import rank_plan
 from ...spec.parallel import InferParallel, TrainParallel
 from ..full_tensors import engine_spec

@@ -1,114 +1,56 @@
-"""Replica choice: which source rank sends each needed region.
+"""Pass 3, senders: which training rank sends each needed box (replica choice).
 
-Greedy longest-processing-time assignment: regions in decreasing size go to
-the least-loaded source rank that holds them. A region larger than the ideal
-per-sender share ``total / senders`` is first cut along its outermost non-unit
-dimension into up to ``len(holders)`` parts, so replicas share one large
-tensor instead of one replica carrying it whole. Ties break on rank, so the
-result is deterministic.
+Greedy longest-processing-time assignment: needs in decreasing size go to the holder
+whose load stays lowest. Without a topology the load is bytes per sender; with one it
+is the predicted busy time of the sender's link (bytes x seconds per byte, per
+(sender, link)), so holders on the receiver's node (NVLink) are preferred and NIC load
+is spread. A sender is charged once per receiver a stored transfer reaches
+(``FanOut.members``). A need larger than the ideal per-sender share ``total / senders``
+is first cut along its outermost non-unit dimension into up to ``len(holders)`` parts,
+so replicas share one large tensor instead of one replica carrying it whole. Ties break
+on rank, so the result is deterministic. Transfers between the same pair of local
+tensors whose boxes continue each other are then merged (:func:`coalesce`).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import NamedTuple, Protocol
+from dataclasses import dataclass
 
 from ..layouts.base import Box, map_sub_box
+from .fanout import FanOut
+from .needs import Needs
 from .overlap import Holder, Need
+from .transfer import DTYPE_BYTES, LinkModel, Transfer, split_box
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1}
 
+@dataclass(frozen=True)
+class Senders:
+    """Pass 3's result: one transfer per (need part, chosen sender), merged where boxes
+    continue each other, addressed to the groups' stored receivers."""
 
-class Transfer(NamedTuple):
-    """Copy ``canonical[canonical_box]`` from ``src``'s ``src_tensor[src_box]`` to
-    ``dst``'s ``dst_tensor[dst_box]``, carried on the wire in the destination dtype.
+    transfers: list[Transfer]
 
-    A named tuple, not a dataclass: plans hold millions of them, and tuple creation
-    and field access are several times cheaper."""
+    def load(self, members: Mapping[int, tuple[int, ...]]) -> dict[int, int]:
+        """Bytes each sender sends, counting every receiver a transfer reaches."""
+        out: dict[int, int] = defaultdict(int)
+        for t in self.transfers:
+            out[t.src] += t.nbytes * len(members.get(t.dst, (t.dst,)))
+        return dict(out)
 
-    src: int
-    dst: int
-    src_tensor: str
-    src_box: Box
-    dst_tensor: str
-    dst_box: Box
-    canonical: str
-    canonical_box: Box
-    dtype: str
-
-    @property
-    def numel(self) -> int:
-        return self.canonical_box.numel
-
-    @property
-    def nbytes(self) -> int:
-        return self.canonical_box.numel * DTYPE_BYTES[self.dtype]
-
-    def part(self, box: Box) -> Transfer:
-        """This transfer restricted to ``box``, a sub-box of its canonical box."""
-        return Transfer(
-            self.src,
-            self.dst,
-            self.src_tensor,
-            map_sub_box(self.canonical_box, self.src_box, box),
-            self.dst_tensor,
-            map_sub_box(self.canonical_box, self.dst_box, box),
-            self.canonical,
-            box,
-            self.dtype,
+    def __str__(self) -> str:
+        senders = {t.src for t in self.transfers}
+        total = sum(t.nbytes for t in self.transfers)
+        return (
+            f"Senders: {len(self.transfers):,} transfers from {len(senders)} rank(s), "
+            f"{total:,} bytes stored"
         )
 
 
-def split_box(box: Box, parts: int) -> list[Box]:
-    """Cut ``box`` into up to ``parts`` near-equal boxes along its first non-unit dim."""
-    dims = [d for d, s in enumerate(box.sizes) if s > 1]
-    if parts <= 1 or not dims:
-        return [box]
-    d = dims[0]
-    n = box.sizes[d]
-    parts = min(parts, n)
-    out = []
-    for k in range(parts):
-        lo, hi = k * n // parts, (k + 1) * n // parts
-        offsets = list(box.offsets)
-        sizes = list(box.sizes)
-        offsets[d] += lo
-        sizes[d] = hi - lo
-        out.append(Box(tuple(offsets), tuple(sizes)))
-    return out
-
-
-def cut_rows(t: Transfer, nbytes: float) -> tuple[Transfer, Transfer] | None:
-    """``t`` cut after as many whole rows of its lead (first non-unit) dim as fit in
-    ``nbytes``: (head, tail), or None if not even one row fits or ``t`` is one row."""
-    box = t.canonical_box
-    lead = next((d for d, n in enumerate(box.sizes) if n != 1), None)
-    if lead is None:
-        return None
-    rows = box.sizes[lead]
-    take = min(rows - 1, int(nbytes // (t.nbytes // rows)))
-    if take < 1:
-        return None
-    head = list(box.sizes)
-    head[lead] = take
-    offsets, rest = list(box.offsets), list(box.sizes)
-    offsets[lead] += take
-    rest[lead] -= take
-    return t.part(Box(box.offsets, tuple(head))), t.part(Box(tuple(offsets), tuple(rest)))
-
-
-class LinkModel(Protocol):
-    """What the balancer needs to know about the network (``plan/topology.py``)."""
-
-    def link(self, src: int, dst: int) -> tuple[str, float]:
-        """``(link id, seconds per byte)`` of the sender's side of ``src -> dst``
-        (e.g. its NVLink port when ``dst`` is on the same node, else its NIC)."""
-        ...
-
-    def latency(self, link: str) -> float:
-        """Seconds one message costs on a link of this id, whatever its size."""
-        ...
+def choose_senders(needs: Needs, fanout: FanOut, links: LinkModel | None) -> Senders:
+    """Pass 3 (module docstring)."""
+    return Senders(coalesce(assign_senders(fanout.needs, needs.dtype_of, links, fanout.members)))
 
 
 def assign_senders(
@@ -226,8 +168,37 @@ def assign_senders(
     return out
 
 
-def max_load(transfers: list[Transfer]) -> int:
-    load: dict[int, int] = {}
+def coalesce(transfers: list[Transfer]) -> list[Transfer]:
+    """Merge adjacent transfers between the same (src tensor, dst tensor) pair."""
+    groups: dict[tuple, list[Transfer]] = defaultdict(list)
     for t in transfers:
-        load[t.src] = load.get(t.src, 0) + t.nbytes
-    return max(load.values(), default=0)
+        groups[(t.src, t.dst, t.src_tensor, t.dst_tensor, t.canonical, t.dtype)].append(t)
+    out: list[Transfer] = []
+    for key in sorted(groups):
+        run = groups[key]
+        if len(run) == 1:
+            out.append(run[0])
+            continue
+        run.sort(key=lambda t: t.src_box.offsets)
+        current = run[0]
+        for t in run[1:]:
+            src_box = current.src_box.followed_by(t.src_box)
+            dst_box = current.dst_box.followed_by(t.dst_box)
+            canonical_box = current.canonical_box.followed_by(t.canonical_box)
+            if src_box and dst_box and canonical_box:
+                current = Transfer(
+                    current.src,
+                    current.dst,
+                    current.src_tensor,
+                    src_box,
+                    current.dst_tensor,
+                    dst_box,
+                    current.canonical,
+                    canonical_box,
+                    current.dtype,
+                )
+            else:
+                out.append(current)
+                current = t
+        out.append(current)
+    return out

@@ -1,0 +1,49 @@
+"""Pass 5, rounds: which round each part of each route goes in.
+
+Per round every rank stages at most ``bucket_bytes`` of sends and of receives.
+
+* With a topology (direct and ``relay="domain"`` routes) rounds get one time budget
+  for every (GPU, link) and are filled pair by pair, busiest first, priced by the
+  cluster model (``plan/timed.py``); the result carries that prediction.
+* Without one, and for relay chains, rounds are filled first-fit in a fixed order
+  (``plan/schedule.py``); chain hops go at least one round after the hop feeding them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .routes import Routes
+from .schedule import schedule
+from .timed import timed_schedule
+from .transfer import LinkModel, Transfer
+
+
+@dataclass(frozen=True)
+class Rounds:
+    """Pass 5's result: the transfers of every round (relay hops of ``relay="domain"``
+    runs are derived later, ``plan/expand.py``), and for time-budgeted rounds the
+    budget each (GPU, link) kept to and the refit time the cluster model predicts."""
+
+    transfers: list[list[Transfer]]
+    budget: float | None = None
+    seconds: float | None = None
+
+    def __str__(self) -> str:
+        count = sum(len(ts) for ts in self.transfers)
+        timed = "" if self.seconds is None else f", predicted {self.seconds * 1e3:.3f} ms"
+        return f"Rounds: {len(self.transfers)} round(s), {count:,} transfer parts{timed}"
+
+
+def plan_rounds(routes: Routes, bucket_bytes: int, links: LinkModel | None) -> Rounds:
+    """Pass 5 (module docstring)."""
+    if bucket_bytes <= 0:
+        raise ValueError("bucket size must be positive")
+    if routes.relay == "chain":
+        return Rounds(schedule(routes.direct, bucket_bytes, routes.hops, links))
+    if links is None:
+        return Rounds(schedule(routes.direct, bucket_bytes, members=routes.members))
+    timed = timed_schedule(
+        routes.direct, bucket_bytes, links, routes.members, routes.chains, routes.carried
+    )
+    return Rounds(timed.rounds, timed.budget, timed.seconds)

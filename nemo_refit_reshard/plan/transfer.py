@@ -1,0 +1,101 @@
+"""What every pass passes on: a transfer (one box from one rank's tensor into another's),
+the wire sizes of dtypes, box cutting, and the link model a topology provides."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+from ..layouts.base import Box, map_sub_box
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1}
+
+
+class Transfer(NamedTuple):
+    """Copy ``canonical[canonical_box]`` from ``src``'s ``src_tensor[src_box]`` to
+    ``dst``'s ``dst_tensor[dst_box]``, carried on the wire in the destination dtype.
+
+    A named tuple, not a dataclass: plans hold millions of them, and tuple creation
+    and field access are several times cheaper."""
+
+    src: int
+    dst: int
+    src_tensor: str
+    src_box: Box
+    dst_tensor: str
+    dst_box: Box
+    canonical: str
+    canonical_box: Box
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return self.canonical_box.numel
+
+    @property
+    def nbytes(self) -> int:
+        return self.canonical_box.numel * DTYPE_BYTES[self.dtype]
+
+    def part(self, box: Box) -> Transfer:
+        """This transfer restricted to ``box``, a sub-box of its canonical box."""
+        return Transfer(
+            self.src,
+            self.dst,
+            self.src_tensor,
+            map_sub_box(self.canonical_box, self.src_box, box),
+            self.dst_tensor,
+            map_sub_box(self.canonical_box, self.dst_box, box),
+            self.canonical,
+            box,
+            self.dtype,
+        )
+
+
+def split_box(box: Box, parts: int) -> list[Box]:
+    """Cut ``box`` into up to ``parts`` near-equal boxes along its first non-unit dim."""
+    dims = [d for d, s in enumerate(box.sizes) if s > 1]
+    if parts <= 1 or not dims:
+        return [box]
+    d = dims[0]
+    n = box.sizes[d]
+    parts = min(parts, n)
+    out = []
+    for k in range(parts):
+        lo, hi = k * n // parts, (k + 1) * n // parts
+        offsets = list(box.offsets)
+        sizes = list(box.sizes)
+        offsets[d] += lo
+        sizes[d] = hi - lo
+        out.append(Box(tuple(offsets), tuple(sizes)))
+    return out
+
+
+def cut_rows(t: Transfer, nbytes: float) -> tuple[Transfer, Transfer] | None:
+    """``t`` cut after as many whole rows of its lead (first non-unit) dim as fit in
+    ``nbytes``: (head, tail), or None if not even one row fits or ``t`` is one row."""
+    box = t.canonical_box
+    lead = next((d for d, n in enumerate(box.sizes) if n != 1), None)
+    if lead is None:
+        return None
+    rows = box.sizes[lead]
+    take = min(rows - 1, int(nbytes // (t.nbytes // rows)))
+    if take < 1:
+        return None
+    head = list(box.sizes)
+    head[lead] = take
+    offsets, rest = list(box.offsets), list(box.sizes)
+    offsets[lead] += take
+    rest[lead] -= take
+    return t.part(Box(box.offsets, tuple(head))), t.part(Box(tuple(offsets), tuple(rest)))
+
+
+class LinkModel(Protocol):
+    """What the balancer needs to know about the network (``plan/topology.py``)."""
+
+    def link(self, src: int, dst: int) -> tuple[str, float]:
+        """``(link id, seconds per byte)`` of the sender's side of ``src -> dst``
+        (e.g. its NVLink port when ``dst`` is on the same node, else its NIC)."""
+        ...
+
+    def latency(self, link: str) -> float:
+        """Seconds one message costs on a link of this id, whatever its size."""
+        ...
