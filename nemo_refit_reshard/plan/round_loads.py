@@ -52,6 +52,9 @@ class Pair:
         "recv",
         "rkey",
         "horizon",
+        "gate_mask",
+        "sgate_mask",
+        "later_masks",
     )
 
     def __init__(self, src: int, dst: int, via: int, transfers: list[Transfer]) -> None:
@@ -81,6 +84,11 @@ class Pair:
         self.recv: list[tuple[int, float]] = []  # (members' time index, seconds per byte)
         self.rkey: tuple[int, ...] = ()  # those indices
         self.horizon = 0  # largest round offset of a hop
+        # ``gate``, ``sgate`` and the later hops' indices as bit masks (``blocked``):
+        # (offset, time mask, staging mask) per later round
+        self.gate_mask = 0
+        self.sgate_mask = 0
+        self.later_masks: list[tuple[int, int, int]] = []
 
 
 class RoundLoads:
@@ -95,8 +103,10 @@ class RoundLoads:
         self.busy: list[list[float]] = []  # [round][2 * key + direction] seconds
         self.count: list[list[int]] = []  # [round][key] messages sent + received
         self.staged: list[list[int]] = []  # [round][2 * rank + direction] bytes
-        self.full_time: list[set[int]] = []  # [round] time indices with no room left
-        self.full_stage: list[set[int]] = []  # [round] staging indices with no room left
+        # [round] bit ``i`` set: time / staging index ``i`` has no room left (bit masks:
+        # a pair's test against all of its receivers is one ``&``)
+        self.full_time: list[int] = []
+        self.full_stage: list[int] = []
         self.sent: set[int] = set()  # codes of (round, src, dst) with a message
 
     def open(self, r: int) -> None:
@@ -104,26 +114,17 @@ class RoundLoads:
             self.busy.append([0.0] * (2 * self.num_keys))
             self.count.append([0] * self.num_keys)
             self.staged.append([0] * (2 * self.num_ranks))
-            self.full_time.append(set())
-            self.full_stage.append(set())
+            self.full_time.append(0)
+            self.full_stage.append(0)
 
     def blocked(self, p: Pair, r: int) -> bool:
         """Whether a receiving key of ``p`` has no room left in round ``r`` (a cheap
         test before :meth:`room`; ``_fill`` tests the sender's own keys itself)."""
-        full = self.full_time[r]
-        for idx in p.gate:
-            if idx in full:
-                return True
-        full = self.full_stage[r]
-        for idx in p.sgate:
-            if idx in full:
-                return True
+        if p.gate_mask & self.full_time[r] or p.sgate_mask & self.full_stage[r]:
+            return True
         ft, fs = self.full_time, self.full_stage
-        for o, idx, _, _ in p.tl:
-            if idx in ft[r + o]:
-                return True
-        for o, idx, _ in p.sl:
-            if idx in fs[r + o]:
+        for o, tmask, smask in p.later_masks:
+            if tmask & ft[r + o] or smask & fs[r + o]:
                 return True
         return False
 
@@ -201,12 +202,14 @@ class RoundLoads:
         for idx, k, c, _ in p.t0:
             busy[idx] += nbytes * c
             if tau - busy[idx] - lat[k] * count[k] < max(FULL * tau, MIN_CHUNK_LATENCIES * lat[k]):
-                full.add(idx)
+                full |= 1 << idx
+        self.full_time[r] = full
         staged, sfull = self.staged[r], self.full_stage[r]
         for idx, c in p.s0:
             staged[idx] += math.ceil(nbytes * c)
             if bucket - staged[idx] < FULL * bucket:
-                sfull.add(idx)
+                sfull |= 1 << idx
+        self.full_stage[r] = sfull
         for o, code, ka, kb in p.ml:
             key = (r + o) * codes + code
             if key not in sent:
@@ -219,12 +222,12 @@ class RoundLoads:
             row[idx] += nbytes * c
             left = tau - row[idx] - lat[k] * self.count[rr][k]
             if left < max(FULL * tau, MIN_CHUNK_LATENCIES * lat[k]):
-                self.full_time[rr].add(idx)
+                self.full_time[rr] |= 1 << idx
         for o, idx, c in p.sl:
             row = self.staged[r + o]
             row[idx] += math.ceil(nbytes * c)
             if bucket - row[idx] < FULL * bucket:
-                self.full_stage[r + o].add(idx)
+                self.full_stage[r + o] |= 1 << idx
 
     def seconds(self) -> float:
         """Sum over rounds of the slowest key's time (``predict.round_time``)."""
@@ -330,4 +333,12 @@ def build_pair(
     p.rkey = tuple(idx for idx, _ in p.recv)
     p.s0 = sorted(stages.items())
     p.m0 = m0
+    p.gate_mask = sum(1 << idx for idx in set(p.gate))
+    p.sgate_mask = sum(1 << idx for idx in set(p.sgate))
+    later: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    for o, idx, _, _ in p.tl:
+        later[o][0] |= 1 << idx
+    for o, idx, _ in p.sl:
+        later[o][1] |= 1 << idx
+    p.later_masks = [(o, t, m) for o, (t, m) in sorted(later.items())]
     return p

@@ -116,10 +116,10 @@ def _fill(pairs: list[Pair], rounds: RoundLoads, placed: list[list[Transfer]] | 
         for j, p in enumerate(ps[k:] + ps[:k]):
             rank_in[id(p)] = j
     # A sender whose own links (or send staging) are full this round is skipped whole.
-    own: dict[int, tuple[list[int], int]] = {}
+    own: dict[int, tuple[int, int]] = {}  # sender -> (mask of its out keys, its staging bit)
     for src, ps in by_src.items():
-        keys = sorted({idx for p in ps for idx, _, _, _ in p.t0 if idx % 2 == 0})
-        own[src] = (keys, 2 * src)
+        keys = {idx for p in ps for idx, _, _, _ in p.t0 if idx % 2 == 0}
+        own[src] = (sum(1 << k for k in keys), 1 << (2 * src))
     horizon = max(p.horizon for p in pairs)
     active: dict[int, list[Pair]] = defaultdict(list)
     # A pair's receivers' work left, the busiest of them: cached per receiver set (many
@@ -168,8 +168,7 @@ def _fill(pairs: list[Pair], rounds: RoundLoads, placed: list[list[Transfer]] | 
     def full(s: int, r: int) -> bool:
         """Whether sender ``s``'s own links (or its send staging) have no room in ``r``."""
         keys, stage = own[s]
-        full_time = rounds.full_time[r]
-        return stage in rounds.full_stage[r] or all(k in full_time for k in keys)
+        return bool(stage & rounds.full_stage[r]) or keys & rounds.full_time[r] == keys
 
     r = 0
     while any(left.values()):
