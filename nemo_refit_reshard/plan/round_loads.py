@@ -55,6 +55,8 @@ class Pair:
         "gate_mask",
         "sgate_mask",
         "later_masks",
+        "rank_in",
+        "stamp",
     )
 
     def __init__(self, src: int, dst: int, via: int, transfers: list[Transfer]) -> None:
@@ -89,6 +91,8 @@ class Pair:
         self.gate_mask = 0
         self.sgate_mask = 0
         self.later_masks: list[tuple[int, int, int]] = []
+        self.rank_in = 0  # position in its sender's rotated order (ties in ``_fill``)
+        self.stamp = -1  # ``_fill``'s marker of the pairs a sender served last round
 
 
 class RoundLoads:

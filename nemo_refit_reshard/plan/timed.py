@@ -109,12 +109,11 @@ def _fill(pairs: list[Pair], rounds: RoundLoads, placed: list[list[Transfer]] | 
         for idx, c in p.recv:
             recv_left[idx] += p.left * c
     # Each sender's pairs in turn from a different receiver: the order between equals.
-    rank_in = {}
     for i, src in enumerate(sorted(by_src)):
         ps = by_src[src]
         k = i * len(ps) // len(by_src)
         for j, p in enumerate(ps[k:] + ps[:k]):
-            rank_in[id(p)] = j
+            p.rank_in = j
     # A sender whose own links (or send staging) are full this round is skipped whole.
     own: dict[int, tuple[int, int]] = {}  # sender -> (mask of its out keys, its staging bit)
     for src, ps in by_src.items():
@@ -140,7 +139,7 @@ def _fill(pairs: list[Pair], rounds: RoundLoads, placed: list[list[Transfer]] | 
     # left only shrinks, so a stored key is an upper bound: a popped pair whose key has
     # gone stale goes back in with its current one (lazy re-ranking instead of sorting
     # every sender's pairs every round).
-    heaps = {s: [(-priority(p.rkey), rank_in[id(p)], p) for p in ps] for s, ps in by_src.items()}
+    heaps = {s: [(-priority(p.rkey), p.rank_in, p) for p in ps] for s, ps in by_src.items()}
     for heap in heaps.values():
         heapq.heapify(heap)
     left = {s: len(ps) for s, ps in by_src.items()}  # pairs with bytes left
@@ -170,6 +169,10 @@ def _fill(pairs: list[Pair], rounds: RoundLoads, placed: list[list[Transfer]] | 
         keys, stage = own[s]
         return bool(stage & rounds.full_stage[r]) or keys & rounds.full_time[r] == keys
 
+    heappop, heappush = heapq.heappop, heapq.heappush
+    stamp = 0  # marks the pairs a sender served in the previous round, per turn
+    for p in pairs:
+        p.stamp = -1
     r = 0
     while any(left.values()):
         if placed is not None:
@@ -187,23 +190,30 @@ def _fill(pairs: list[Pair], rounds: RoundLoads, placed: list[list[Transfer]] | 
                     served.append(p)
                     is_full = full(s, r)
             heap, examined = heaps[s], []
-            chosen = {id(p) for p in active[s]}
+            for p in active[s]:
+                p.stamp = stamp  # served last round: tried above already
             while heap and not is_full:
-                key, rk, p = heapq.heappop(heap)
+                key, rk, p = heappop(heap)
                 if p.left <= 0:
                     continue
-                now = -priority(p.rkey)
+                now = ranks_of.get(p.rkey)
+                if now is None:
+                    now = priority(p.rkey)
+                now = -now
                 if now > key and heap and now > heap[0][0]:
-                    heapq.heappush(heap, (now, rk, p))
+                    heappush(heap, (now, rk, p))
                     continue
                 examined.append(p)
-                if id(p) not in chosen and place(s, p, r):
+                if p.stamp != stamp and place(s, p, r):
                     served.append(p)
                     is_full = full(s, r)
             for p in examined:
                 if p.left > 0:
-                    heapq.heappush(heap, (-priority(p.rkey), rank_in[id(p)], p))
+                    rkey = p.rkey
+                    now = ranks_of.get(rkey)
+                    heappush(heap, (-(priority(rkey) if now is None else now), p.rank_in, p))
             active[s] = served
+            stamp += 1
         r += 1
         if r > 64 * (len(rounds.busy) + 64):
             raise AssertionError("round filling made no progress")
