@@ -57,6 +57,7 @@ class Pair:
         "later_masks",
         "rank_in",
         "stamp",
+        "rset",
     )
 
     def __init__(self, src: int, dst: int, via: int, transfers: list[Transfer]) -> None:
@@ -93,6 +94,7 @@ class Pair:
         self.later_masks: list[tuple[int, int, int]] = []
         self.rank_in = 0  # position in its sender's rotated order (ties in ``_fill``)
         self.stamp = -1  # ``_fill``'s marker of the pairs a sender served last round
+        self.rset = -1  # ``_fill``'s number of its receiver set (``rkey``)
 
 
 class RoundLoads:

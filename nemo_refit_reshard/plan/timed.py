@@ -122,24 +122,28 @@ def _fill(pairs: list[Pair], rounds: RoundLoads, placed: list[list[Transfer]] | 
     horizon = max(p.horizon for p in pairs)
     active: dict[int, list[Pair]] = defaultdict(list)
     # A pair's receivers' work left, the busiest of them: cached per receiver set (many
-    # pairs share one), dropped for the sets a placement changes.
-    ranks_of: dict[tuple[int, ...], float] = {}
-    sets_with: dict[int, set[tuple[int, ...]]] = defaultdict(set)  # time index -> sets
+    # pairs share one; ``p.rset`` numbers them), dropped for the sets a placement changes.
+    set_id: dict[tuple[int, ...], int] = {}
     for p in pairs:
-        for idx in p.rkey:
-            sets_with[idx].add(p.rkey)
+        p.rset = set_id.setdefault(p.rkey, len(set_id))
+    receiver_sets = list(set_id)
+    ranks_of: list[float | None] = [None] * len(receiver_sets)
+    sets_with: dict[int, list[int]] = defaultdict(list)  # time index -> sets holding it
+    for rset, rkey in enumerate(receiver_sets):
+        for idx in set(rkey):
+            sets_with[idx].append(rset)
 
-    def priority(rkey: tuple[int, ...]) -> float:
-        x = ranks_of.get(rkey)
+    def priority(rset: int) -> float:
+        x = ranks_of[rset]
         if x is None:
-            x = ranks_of[rkey] = max(recv_left[i] for i in rkey)
+            x = ranks_of[rset] = max(recv_left[i] for i in receiver_sets[rset])
         return x
 
     # Each sender's pairs in a heap by (-(busiest receiver's work left), rotation). Work
     # left only shrinks, so a stored key is an upper bound: a popped pair whose key has
     # gone stale goes back in with its current one (lazy re-ranking instead of sorting
     # every sender's pairs every round).
-    heaps = {s: [(-priority(p.rkey), p.rank_in, p) for p in ps] for s, ps in by_src.items()}
+    heaps = {s: [(-priority(p.rset), p.rank_in, p) for p in ps] for s, ps in by_src.items()}
     for heap in heaps.values():
         heapq.heapify(heap)
     left = {s: len(ps) for s, ps in by_src.items()}  # pairs with bytes left
@@ -158,8 +162,8 @@ def _fill(pairs: list[Pair], rounds: RoundLoads, placed: list[list[Transfer]] | 
         send_left[s] -= got * p.send_cost
         for idx, c in p.recv:
             recv_left[idx] -= got * c
-            for rkey in sets_with[idx]:
-                ranks_of.pop(rkey, None)
+            for rset in sets_with[idx]:
+                ranks_of[rset] = None
         if p.left <= 0:
             left[s] -= 1
         return True
@@ -179,6 +183,7 @@ def _fill(pairs: list[Pair], rounds: RoundLoads, placed: list[list[Transfer]] | 
             while len(placed) <= r + 1:
                 placed.append([])
         rounds.open(r + horizon)
+        full_time, full_stage = rounds.full_time, rounds.full_stage
         for s in sorted((x for x in left if left[x]), key=lambda x: (-send_left[x], x)):
             # first the pairs it served last round (no new peer), then by priority.
             # Within a round only the sender's own placements fill its own keys, so
@@ -192,26 +197,30 @@ def _fill(pairs: list[Pair], rounds: RoundLoads, placed: list[list[Transfer]] | 
             heap, examined = heaps[s], []
             for p in active[s]:
                 p.stamp = stamp  # served last round: tried above already
+            ft, fs = full_time[r], full_stage[r]
             while heap and not is_full:
                 key, rk, p = heappop(heap)
                 if p.left <= 0:
                     continue
-                now = ranks_of.get(p.rkey)
+                now = ranks_of[p.rset]
                 if now is None:
-                    now = priority(p.rkey)
+                    now = priority(p.rset)
                 now = -now
                 if now > key and heap and now > heap[0][0]:
                     heappush(heap, (now, rk, p))
                     continue
                 examined.append(p)
-                if p.stamp != stamp and place(s, p, r):
+                # (a receiver with no room left: ``rounds.blocked``'s first test, inline)
+                if p.stamp == stamp or p.gate_mask & ft or p.sgate_mask & fs:
+                    continue
+                if place(s, p, r):
                     served.append(p)
                     is_full = full(s, r)
+                    ft, fs = full_time[r], full_stage[r]
             for p in examined:
                 if p.left > 0:
-                    rkey = p.rkey
-                    now = ranks_of.get(rkey)
-                    heappush(heap, (-(priority(rkey) if now is None else now), p.rank_in, p))
+                    now = ranks_of[p.rset]
+                    heappush(heap, (-(priority(p.rset) if now is None else now), p.rank_in, p))
             active[s] = served
             stamp += 1
         r += 1
