@@ -1,18 +1,29 @@
 """``relay="auto"``: the relay mode with the lowest predicted refit time on a topology.
 
-For each candidate mode the cheap passes run (fan-out, senders, routes: seconds at
-DeepSeek-V3 scale); the expensive one, rounds, runs only where it could still win. The
-routes give a lower bound no schedule can beat: a refit's predicted time is a sum over
-rounds of each round's slowest (GPU, link), so it is at least the busiest (GPU, link)'s
-total (``Routes.lower_bound``). Candidates are scheduled in order of that bound; once a
-mode's prediction is at or below another's bound, that other one is not scheduled.
+Each candidate mode has a lower bound on its predicted time that gets tighter, and
+dearer, in three stages:
 
-Candidates are ``none`` and ``domain``. ``chain`` is not one: it plans every replica on
-its own (as many transfers as replicas, too many to plan at 256 GPUs in a minute), and
-``domain`` does what a chain saves (one copy out of the training pool per NVLink domain,
-rings across nodes where the training NICs would bind) with shorter relay runs; it
-predicted at or below ``chain`` on every configuration measured
-(``tests/test_choice.py``, docs/benchmarks.md). Ask for ``relay="chain"`` to build one.
+0. *needs* (free): with ``relay="none"`` every byte an inference rank stores comes
+   from a training rank, so it takes at least its bytes over the fastest link any
+   training rank has into it. (Other modes relay between inference ranks: 0.)
+1. *routes* (passes 2-4, seconds at DeepSeek-V3 scale): a refit's predicted time is a
+   sum over rounds of each round's slowest (GPU, link), so it is at least the busiest
+   (GPU, link)'s total (``Routes.lower_bound``).
+2. *rounds* (pass 5, the expensive one): the prediction itself.
+
+Best first: the candidate with the lowest bound is refined one stage, until that
+candidate is fully scheduled; every other candidate's bound is then at least its
+prediction, so none could win and none is scheduled. Ties go to the earlier of
+:data:`CANDIDATES`. A ``domain`` fan-out that forwards nothing (no NVLink domain holds
+two members of a replica group, no rings) routes exactly like ``none`` and is merged
+into it.
+
+``chain`` is not a candidate: it plans every replica on its own (as many transfers as
+replicas, too many to plan 256 GPUs in a minute), and ``domain`` does what a chain saves
+(one copy out of the training pool per NVLink domain, rings across nodes where the
+training NICs would bind) with shorter relay runs; it predicted at or below ``chain`` on
+every configuration measured (``tests/test_choice.py``, docs/benchmarks.md). Ask for
+``relay="chain"`` to build one.
 """
 
 from __future__ import annotations
@@ -20,39 +31,46 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .needs import Needs
 from .rounds import Rounds, plan_rounds
 from .routes import Routes
 from .transfer import LinkModel
 
 CANDIDATES = ("none", "domain")  # in order of preference when predictions tie
+STAGES = ("needs", "routes", "rounds")
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One relay mode: its lower bound and, if scheduled, its predicted time (s)."""
+    """One relay mode as far as the choice took it: its best bound (``stage`` 0 or 1)
+    or its prediction (``stage`` 2), in seconds; ``same_as``: the mode it routes
+    exactly like (then not planned on its own)."""
 
     relay: str
-    bound: float
-    predicted: float | None = None  # None: not scheduled, its bound could not win
+    stage: int
+    seconds: float
+    same_as: str | None = None
 
     def __str__(self) -> str:
-        if self.predicted is None:
-            return f"{self.relay}: not scheduled (its busiest link alone takes {_ms(self.bound)})"
-        return f"{self.relay}: predicted {_ms(self.predicted)} (bound {_ms(self.bound)})"
+        if self.same_as is not None:
+            return f"{self.relay}: routes exactly like {self.same_as}"
+        if self.stage == 2:
+            return f"{self.relay}: predicted {_ms(self.seconds)}"
+        what = "its busiest link alone takes" if self.stage == 1 else "its ingress alone takes"
+        return f"{self.relay}: not scheduled ({what} {_ms(self.seconds)})"
 
 
 @dataclass(frozen=True)
 class RelayChoice:
-    """Which relay mode ``relay="auto"`` picked, and every candidate's figures."""
+    """Which relay mode ``relay="auto"`` picked, and how far each candidate was taken."""
 
     chosen: str
     candidates: tuple[Candidate, ...]
 
     @property
     def reason(self) -> str:
-        chosen = next(c for c in self.candidates if c.relay == self.chosen)
-        others = "; ".join(str(c) for c in self.candidates if c.relay != self.chosen)
-        return f"{chosen}; {others}; chain is not a candidate (plan/choice.py)"
+        ordered = sorted(self.candidates, key=lambda c: c.relay != self.chosen)
+        return "; ".join(str(c) for c in ordered) + "; chain: not a candidate (plan/choice.py)"
 
     def __str__(self) -> str:
         return f"relay auto -> {self.chosen}: {self.reason}"
@@ -62,25 +80,49 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
 
 
+def ingress_bound(needs: Needs, links: LinkModel) -> float:
+    """Stage 0 of ``relay="none"``: the largest over inference ranks of (bytes it
+    stores) x (seconds per byte of the fastest link from any training rank into it)."""
+    fastest: dict[int, float] = {}
+    for g in needs.groups:
+        for m in g:
+            fastest[m] = min(links.link(s, m)[1] for s in range(needs.num_sources))
+    return max(
+        (needs.group_bytes(g[0]) * fastest[m] for g in needs.groups for m in g),
+        default=0.0,
+    )
+
+
 def choose_relay(
-    route: Callable[[str], Routes], bucket_bytes: int, links: LinkModel
+    needs: Needs, route: Callable[[str], Routes], bucket_bytes: int, links: LinkModel
 ) -> tuple[RelayChoice, Routes, Rounds]:
-    """The candidate with the lowest predicted time (ties: :data:`CANDIDATES` order),
-    its routes and its rounds. ``route(mode)`` runs passes 2-4 for a mode."""
-    routed = {mode: route(mode) for mode in CANDIDATES}
-    bound = {mode: routed[mode].lower_bound(links) for mode in CANDIDATES}
-    best: tuple[float, int, str, Rounds] | None = None
-    predicted: dict[str, float] = {}
-    for mode in sorted(CANDIDATES, key=lambda m: (bound[m], CANDIDATES.index(m))):
-        if best is not None and bound[mode] >= best[0]:
-            continue  # no schedule of these routes can beat the best one
-        rounds = plan_rounds(routed[mode], bucket_bytes, links)
-        assert rounds.seconds is not None  # rounds with a topology carry their prediction
-        predicted[mode] = rounds.seconds
-        key = (rounds.seconds, CANDIDATES.index(mode))
-        if best is None or key < best[:2]:
-            best = (*key, mode, rounds)
-    assert best is not None
-    chosen, rounds = best[2], best[3]
-    candidates = tuple(Candidate(m, bound[m], predicted.get(m)) for m in CANDIDATES)
-    return RelayChoice(chosen, candidates), routed[chosen], rounds
+    """The candidate with the lowest predicted time (module docstring), its routes and
+    its rounds. ``route(mode)`` runs passes 2-4 for a mode."""
+    stage = {mode: 0 for mode in CANDIDATES}
+    bound = {"none": ingress_bound(needs, links), "domain": 0.0}
+    routed: dict[str, Routes] = {}
+    scheduled: dict[str, Rounds] = {}
+    same_as: dict[str, str] = {}
+    direct_members = {g[0]: g for g in needs.groups}
+    while True:
+        live = [m for m in CANDIDATES if m not in same_as]
+        mode = min(live, key=lambda m: (bound[m], CANDIDATES.index(m)))
+        if stage[mode] == 2:
+            break
+        if stage[mode] == 0:
+            routes = routed[mode] = route(mode)
+            stage[mode] = 1
+            bound[mode] = max(bound[mode], routes.lower_bound(links))
+            if mode == "domain" and not routes.chains and routes.members == direct_members:
+                # forwards nothing: exactly the ``none`` plan (which keeps its name)
+                same_as["domain"] = "none"
+                routed["none"] = Routes(
+                    "none", routes.direct, routes.members, [], [], routes.carried
+                )
+                stage["none"], bound["none"] = 1, max(bound["none"], bound["domain"])
+        else:
+            rounds = scheduled[mode] = plan_rounds(routed[mode], bucket_bytes, links)
+            assert rounds.seconds is not None  # rounds with a topology carry their prediction
+            stage[mode], bound[mode] = 2, rounds.seconds
+    candidates = tuple(Candidate(m, stage[m], bound[m], same_as.get(m)) for m in CANDIDATES)
+    return RelayChoice(mode, candidates), routed[mode], scheduled[mode]

@@ -94,7 +94,7 @@ def _plan(
 
     choice = None
     if relay == "auto" and links is not None:
-        choice, routes, rounds = choose_relay(route, bucket_bytes, links)
+        choice, routes, rounds = choose_relay(needs, route, bucket_bytes, links)
     else:
         routes = route("none" if relay == "auto" else relay)
         rounds = plan_rounds(routes, bucket_bytes, links)
