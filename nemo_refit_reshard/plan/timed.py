@@ -173,7 +173,7 @@ def _fill(pairs: list[Pair], rounds: RoundLoads, placed: list[list[Transfer]] | 
         keys, stage = own[s]
         return bool(stage & rounds.full_stage[r]) or keys & rounds.full_time[r] == keys
 
-    heappop, heappush = heapq.heappop, heapq.heappush
+    heappop, heappush, heappushpop = heapq.heappop, heapq.heappush, heapq.heappushpop
     stamp = 0  # marks the pairs a sender served in the previous round, per turn
     for p in pairs:
         p.stamp = -1
@@ -198,25 +198,40 @@ def _fill(pairs: list[Pair], rounds: RoundLoads, placed: list[list[Transfer]] | 
             for p in active[s]:
                 p.stamp = stamp  # served last round: tried above already
             ft, fs = full_time[r], full_stage[r]
-            while heap and not is_full:
-                key, rk, p = heappop(heap)
-                if p.left <= 0:
-                    continue
-                now = ranks_of[p.rset]
-                if now is None:
-                    now = priority(p.rset)
-                now = -now
-                if now > key and heap and now > heap[0][0]:
-                    heappush(heap, (now, rk, p))
-                    continue
-                examined.append(p)
-                # (a receiver with no room left: ``rounds.blocked``'s first test, inline)
-                if p.stamp == stamp or p.gate_mask & ft or p.sgate_mask & fs:
-                    continue
-                if place(s, p, r):
-                    served.append(p)
-                    is_full = full(s, r)
-                    ft, fs = full_time[r], full_stage[r]
+            if not is_full and all(
+                p.stamp == stamp
+                or p.left <= 0
+                or p.gate_mask & ft
+                or p.sgate_mask & fs
+                or (p.later_masks and rounds.blocked(p, r))
+                for _, _, p in heap
+            ):
+                # Nothing here can be placed: popping every pair and putting it back
+                # with its current key (below) comes to this, in one pass.
+                heap[:] = [(-priority(p.rset), p.rank_in, p) for _, _, p in heap if p.left > 0]
+                heapq.heapify(heap)
+                is_full = True
+            entry = heappop(heap) if heap and not is_full else None
+            while entry is not None:
+                key, rk, p = entry
+                if p.left > 0:
+                    now = ranks_of[p.rset]
+                    if now is None:
+                        now = priority(p.rset)
+                    now = -now
+                    if now > key and heap and now > heap[0][0]:
+                        # stale: back in with its current key, and on to the next
+                        entry = heappushpop(heap, (now, rk, p))
+                        continue
+                    examined.append(p)
+                    # (a receiver with no room left: ``rounds.blocked``'s first test)
+                    if not (p.stamp == stamp or p.gate_mask & ft or p.sgate_mask & fs):
+                        if place(s, p, r):
+                            served.append(p)
+                            if full(s, r):
+                                break
+                            ft, fs = full_time[r], full_stage[r]
+                entry = heappop(heap) if heap else None
             for p in examined:
                 if p.left > 0:
                     now = ranks_of[p.rset]

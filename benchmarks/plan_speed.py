@@ -1,0 +1,115 @@
+"""Plan build time at 256 GPUs per side, this code against an earlier checkout, side by side.
+
+    git worktree add /tmp/base b7de692    # the code before the planner passes (#15)
+    python benchmarks/plan_speed.py --baseline /tmp/base [--cpu 0] [--quick]
+
+Every row is one ``plan_refit`` over every rank of both sides, in a fresh process on
+one core (``taskset``), this code and the baseline one after the other. With a cluster
+this code plans with ``relay="auto"`` (it picks the relay mode, ``plan/choice.py``)
+and the baseline with ``relay="domain"``, the best mode it could build at this scale;
+without one both plan with ``relay="none"``. Reported: seconds (wall and CPU), the
+relay used, the predicted refit time on the cluster model, rounds and peak memory.
+Layouts are built before the clock starts (as in ``benchmarks/plan_build.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CASES = [
+    ("deepseek-v3", "pp=16,dp=16,ep=16", "tp=32,dp=8"),
+    ("kimi-k2", "pp=16,dp=16,ep=16", "tp=16,dp=8"),
+]
+CLUSTERS = {
+    "none": None,
+    "H100": "gpus_per_node=8,nvlink_gbps=450,nic_gbps=50",
+    "GB200": "gpus_per_node=72,nvlink_gbps=900,nic_gbps=50",
+}
+
+CHILD = r"""
+import dataclasses, json, resource, sys, time
+from nemo_refit_reshard.layouts import MegatronOptions, megatron_layout, vllm_layout
+from nemo_refit_reshard.plan import plan_refit
+from nemo_refit_reshard.plan.predict import predict_refit
+from nemo_refit_reshard.plan.topology import Cluster, Placement, Topology
+from nemo_refit_reshard.spec import InferParallel, TrainParallel, load_model_spec
+
+model, train, infer, cluster_text, relay = sys.argv[1:6]
+# 61 layers over 16 stages: Megatron's first stage 3 layers, last 2
+opts = MegatronOptions(num_layers_in_first_pipeline_stage=3, num_layers_in_last_pipeline_stage=2)
+spec = load_model_spec(model)
+tp, ip = TrainParallel.parse(train), InferParallel.parse(infer)
+src = [megatron_layout(spec, tp, r, opts) for r in range(tp.world_size)]
+shards = [vllm_layout(spec, ip, r) for r in range(ip.engine_world_size)]
+dst = [dataclasses.replace(shards[r % ip.engine_world_size], rank=r) for r in range(ip.world_size)]
+links = cluster = placement = None
+if cluster_text != "none":
+    cluster = Cluster.parse(cluster_text)
+    placement = Placement.packed(len(src), len(dst), cluster)
+    links = Topology(cluster, placement)
+wall, cpu = time.perf_counter(), time.process_time()
+plan = plan_refit(spec, src, dst, relay=relay, links=links)
+wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+choice = getattr(plan, "relay_choice", None)
+print(json.dumps({
+    "wall": wall,
+    "cpu": cpu,
+    "relay": choice.chosen if choice is not None else relay,
+    "predicted": predict_refit(plan, cluster, placement).seconds if cluster else None,
+    "rounds": plan.num_rounds,
+    "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+}))
+"""
+
+
+def measure(src_root: str, args: list[str], cpu: int | None) -> dict:
+    cmd = [sys.executable, "-c", CHILD, *args]
+    if cpu is not None and shutil.which("taskset"):
+        cmd = ["taskset", "-c", str(cpu), *cmd]
+    env = dict(os.environ, PYTHONPATH=src_root)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"{src_root}: {' '.join(args)} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--baseline", required=True, help="a checkout of the earlier code")
+    parser.add_argument("--cpu", type=int, default=0, help="core to pin every run to")
+    parser.add_argument("--quick", action="store_true", help="the DeepSeek-V3 rows only")
+    args = parser.parse_args()
+    print(
+        "| model | training → inference | cluster | code | relay | plan (wall) | plan (CPU) "
+        "| predicted refit | rounds | peak memory | this / baseline |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for model, train, infer in CASES[:1] if args.quick else CASES:
+        for name, cluster in CLUSTERS.items():
+            runs = {}
+            for code, root, relay in (
+                ("this", ROOT, "auto" if cluster else "none"),
+                ("baseline", os.path.abspath(args.baseline), "domain" if cluster else "none"),
+            ):
+                runs[code] = measure(root, [model, train, infer, cluster or "none", relay], args.cpu)
+            for code, r in runs.items():
+                pred = f"{r['predicted']:.4f} s" if r["predicted"] is not None else "—"
+                ratio = runs["this"]["cpu"] / runs["baseline"]["cpu"]
+                print(
+                    f"| {model} | {train} → {infer} | {name} | {code} | {r['relay']} "
+                    f"| {r['wall']:.1f} s | {r['cpu']:.1f} s | {pred} | {r['rounds']} "
+                    f"| {r['peak_gib']:.1f} GiB | {f'{ratio:.2f}x' if code == 'this' else ''} |"
+                )
+                sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
