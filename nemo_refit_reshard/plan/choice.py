@@ -18,12 +18,11 @@ prediction, so none could win and none is scheduled. Ties go to the earlier of
 two members of a replica group, no rings) routes exactly like ``none`` and is merged
 into it.
 
-``chain`` is not a candidate: it plans every replica on its own (as many transfers as
-replicas, too many to plan 256 GPUs in a minute), and ``domain`` does what a chain saves
-(one copy out of the training pool per NVLink domain, rings across nodes where the
-training NICs would bind) with shorter relay runs; it predicted at or below ``chain`` on
-every configuration measured (``tests/test_choice.py``, docs/benchmarks.md). Ask for
-``relay="chain"`` to build one.
+``chain`` is a candidate where its plan stays small: it plans every replica on its own
+(one transfer per need and replica), and above :data:`CHAIN_LIMIT` of those (DeepSeek-V3
+and Kimi-K2 at 256 GPUs: 9-12 million) it is left out, and the choice says so; ask for
+``relay="chain"`` to build it anyway. It has no cheap stage 0 (its first delivery of a
+box can enter a node through any member), so it starts at 0.
 """
 
 from __future__ import annotations
@@ -36,7 +35,8 @@ from .rounds import Rounds, plan_rounds
 from .routes import Routes
 from .transfer import LinkModel
 
-CANDIDATES = ("none", "domain")  # in order of preference when predictions tie
+CANDIDATES = ("none", "domain", "chain")  # in order of preference when predictions tie
+CHAIN_LIMIT = 2_000_000  # transfers, one per need and replica, before merging
 STAGES = ("needs", "routes", "rounds")
 
 
@@ -50,8 +50,11 @@ class Candidate:
     stage: int
     seconds: float
     same_as: str | None = None
+    left_out: str | None = None  # why it is not a candidate here
 
     def __str__(self) -> str:
+        if self.left_out is not None:
+            return f"{self.relay}: not a candidate ({self.left_out})"
         if self.same_as is not None:
             return f"{self.relay}: routes exactly like {self.same_as}"
         if self.stage == 2:
@@ -70,14 +73,14 @@ class RelayChoice:
     @property
     def reason(self) -> str:
         ordered = sorted(self.candidates, key=lambda c: c.relay != self.chosen)
-        return "; ".join(str(c) for c in ordered) + "; chain: not a candidate (plan/choice.py)"
+        return "; ".join(str(c) for c in ordered)
 
     def __str__(self) -> str:
         return f"relay auto -> {self.chosen}: {self.reason}"
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds * 1e3:.6g} ms"
 
 
 def ingress_bound(needs: Needs, links: LinkModel) -> float:
@@ -99,13 +102,19 @@ def choose_relay(
     """The candidate with the lowest predicted time (module docstring), its routes and
     its rounds. ``route(mode)`` runs passes 2-4 for a mode."""
     stage = {mode: 0 for mode in CANDIDATES}
-    bound = {"none": ingress_bound(needs, links), "domain": 0.0}
+    bound = {"none": ingress_bound(needs, links), "domain": 0.0, "chain": 0.0}
     routed: dict[str, Routes] = {}
     scheduled: dict[str, Rounds] = {}
     same_as: dict[str, str] = {}
+    left_out: dict[str, str] = {}
+    size = sum(len(needs.by_group[g[0]]) * len(g) for g in needs.groups)
+    if size > CHAIN_LIMIT:
+        left_out["chain"] = (
+            f'{size:,} transfers over every replica, above {CHAIN_LIMIT:,}; relay="chain" builds it'
+        )
     direct_members = {g[0]: g for g in needs.groups}
     while True:
-        live = [m for m in CANDIDATES if m not in same_as]
+        live = [m for m in CANDIDATES if m not in same_as and m not in left_out]
         mode = min(live, key=lambda m: (bound[m], CANDIDATES.index(m)))
         if stage[mode] == 2:
             break
@@ -122,7 +131,9 @@ def choose_relay(
                 stage["none"], bound["none"] = 1, max(bound["none"], bound["domain"])
         else:
             rounds = scheduled[mode] = plan_rounds(routed[mode], bucket_bytes, links)
-            assert rounds.seconds is not None  # rounds with a topology carry their prediction
+            assert rounds.seconds is not None  # rounds for a topology carry their prediction
             stage[mode], bound[mode] = 2, rounds.seconds
-    candidates = tuple(Candidate(m, stage[m], bound[m], same_as.get(m)) for m in CANDIDATES)
+    candidates = tuple(
+        Candidate(m, stage[m], bound[m], same_as.get(m), left_out.get(m)) for m in CANDIDATES
+    )
     return RelayChoice(mode, candidates), routed[mode], scheduled[mode]

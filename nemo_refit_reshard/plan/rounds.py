@@ -11,6 +11,7 @@ Per round every rank stages at most ``bucket_bytes`` of sends and of receives.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 from .routes import Routes
@@ -40,10 +41,36 @@ def plan_rounds(routes: Routes, bucket_bytes: int, links: LinkModel | None) -> R
     if bucket_bytes <= 0:
         raise ValueError("bucket size must be positive")
     if routes.relay == "chain":
-        return Rounds(schedule(routes.direct, bucket_bytes, routes.hops, links))
+        placed = schedule(routes.direct, bucket_bytes, routes.hops, links)
+        return Rounds(placed, None, None if links is None else predicted_seconds(placed, links))
     if links is None:
         return Rounds(schedule(routes.direct, bucket_bytes, members=routes.members))
     timed = timed_schedule(
         routes.direct, bucket_bytes, links, routes.members, routes.chains, routes.carried
     )
     return Rounds(timed.rounds, timed.budget, timed.seconds)
+
+
+def predicted_seconds(rounds: list[list[Transfer]], links: LinkModel) -> float:
+    """The cluster model's time of rounds whose transfers each reach one receiver
+    (``predict.round_time``): per round the slowest (rank, link) of
+    ``max(out, in) x seconds per byte + latency x messages``, summed over rounds."""
+    total = 0.0
+    for transfers in rounds:
+        pairs: dict[tuple[int, int], int] = defaultdict(int)
+        for t in transfers:
+            if t.src != t.dst:
+                pairs[(t.src, t.dst)] += t.nbytes
+        load: dict[tuple[int, str], list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
+        for (src, dst), nbytes in pairs.items():
+            link, spb = links.link(src, dst)
+            out, inn = load[(src, link)], load[(dst, link)]
+            out[0] += nbytes * spb
+            out[2] += 1
+            inn[1] += nbytes * spb
+            inn[2] += 1
+        total += max(
+            (max(o, i) + links.latency(link) * n for (_, link), (o, i, n) in load.items()),
+            default=0.0,
+        )
+    return total

@@ -1,0 +1,181 @@
+"""Each planner pass on its own (``plan/plan.py`` lists them): its typed result, with
+values worked out by hand, and ``plan_refit`` as exactly their composition."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+from hf_models import TINY_CONFIGS
+
+from nemo_refit_reshard.layouts import megatron_layout, vllm_layout
+from nemo_refit_reshard.plan import PlanError, plan_refit
+from nemo_refit_reshard.plan.fanout import plan_fanout
+from nemo_refit_reshard.plan.messages import message_order, to_messages
+from nemo_refit_reshard.plan.needs import find_needs
+from nemo_refit_reshard.plan.predict import predict_refit
+from nemo_refit_reshard.plan.rounds import plan_rounds
+from nemo_refit_reshard.plan.routes import plan_routes
+from nemo_refit_reshard.plan.senders import choose_senders
+from nemo_refit_reshard.plan.topology import Cluster, Placement, Topology
+from nemo_refit_reshard.plan.transfer import DTYPE_BYTES
+from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
+
+SPEC = spec_from_hf_config(dict(TINY_CONFIGS["llama"], torch_dtype="float32"))
+TENSOR_BYTES = sum(t.numel for t in SPEC) * 4
+
+
+def _layouts(train: str, infer: str):
+    tp, ip = TrainParallel.parse(train), InferParallel.parse(infer)
+    return (
+        [megatron_layout(SPEC, tp, r) for r in range(tp.world_size)],
+        [vllm_layout(SPEC, ip, r) for r in range(ip.world_size)],
+    )
+
+
+def _links(gpus_per_node: int, num_sources: int, num_destinations: int) -> Topology:
+    cluster = Cluster(gpus_per_node=gpus_per_node, nvlink_latency_us=0.01, nic_latency_us=0.02)
+    return Topology(cluster, Placement.packed(num_sources, num_destinations, cluster))
+
+
+def test_needs_one_group_per_replica_set_cut_by_the_holders() -> None:
+    src, dst = _layouts("tp=2", "dp=3")
+    needs = find_needs(SPEC, src, dst)
+    assert needs.groups == ((2, 3, 4),)
+    assert list(needs.by_group) == [2]
+    # every element of the model once, each cut held by exactly the TP rank(s) storing it
+    group = needs.by_group[2]
+    assert sum(n.numel for n in group) == sum(t.numel for t in SPEC)
+    assert needs.group_bytes(2) == TENSOR_BYTES
+    q = [n for n in group if n.dst_piece.canonical == "model.layers.0.self_attn.q_proj.weight"]
+    assert sorted(tuple(h.rank for h in n.region.holders) for n in q) == [(0,), (1,)]
+    norm = [n for n in group if n.dst_piece.canonical == "model.norm.weight"]
+    assert [tuple(h.rank for h in n.region.holders) for n in norm] == [(0, 1)]
+    # a member's needs are its group's, addressed to it
+    assert [n.dst for n in needs.of(4)] == [4] * len(group)
+    assert [n._replace(dst=2) for n in needs.of(4)] == group
+    assert str(needs).startswith("Needs: 2 sources -> 3 destinations in 1 replica group(s)")
+
+
+def test_fanout_per_relay_mode() -> None:
+    src, dst = _layouts("tp=2", "dp=2")
+    needs = find_needs(SPEC, src, dst)
+    count = len(needs.by_group[2])
+    none = plan_fanout(needs, "none", None, carry=True)
+    assert none.groups == ((2, 3),) and none.members == {2: (2, 3)} and none.chains == []
+    assert len(none.needs) == count
+    chain = plan_fanout(needs, "chain", None, carry=True)
+    assert chain.groups == ((2,), (3,)) and chain.members == {2: (2,), 3: (3,)}
+    assert [n.dst for n in chain.needs] == [2] * count + [3] * count
+    # both replicas on one node: one run, entered once, forwarded inside
+    domain = plan_fanout(needs, "domain", _links(2, 2, 2), carry=True)
+    assert domain.runs_of == {2: [(2, 3)]} and domain.members == {2: (2,)}
+    assert domain.chains == [(2, 3)] and domain.lone == ()
+    with pytest.raises(PlanError, match='relay="domain" needs a topology'):
+        plan_fanout(needs, "domain", None, carry=True)
+
+
+def test_senders_split_a_replicated_tensor_evenly_between_its_holders() -> None:
+    """Two DP replicas hold everything; one destination. Without a topology the
+    balancer gives each of them half the bytes (to within one row of one tensor)."""
+    src, dst = _layouts("dp=2", "tp=1")
+    needs = find_needs(SPEC, src, dst)
+    fanout = plan_fanout(needs, "none", None, carry=True)
+    senders = choose_senders(needs, fanout, None)
+    load = senders.load(fanout.members)
+    assert sum(load.values()) == TENSOR_BYTES
+    biggest_row = max(t.numel // t.shape[0] for t in SPEC) * 4
+    assert abs(load[0] - load[1]) <= biggest_row
+    for t in senders.transfers:  # each from a rank that holds the box
+        assert any(t.canonical_box.contained_in(p.canonical_box) for p in src[t.src].pieces())
+
+
+def test_routes_chain_hops_follow_each_other() -> None:
+    src, dst = _layouts("tp=1", "dp=3")
+    needs = find_needs(SPEC, src, dst)
+    fanout = plan_fanout(needs, "chain", None, carry=True)
+    routes = plan_routes(choose_senders(needs, fanout, None), fanout, None, True, 1)
+    assert len(routes.hops) == 2  # three replicas: two hops after the first delivery
+    sent = sum(t.nbytes for t in routes.direct)
+    assert sent == TENSOR_BYTES  # one copy leaves the training rank
+    assert [sum(t.nbytes for t in level) for level in routes.hops] == [TENSOR_BYTES] * 2
+    delivered = {(t.dst, t.dst_tensor, t.dst_box) for t in routes.direct}
+    for level in routes.hops:  # a hop sends on what the level before delivered
+        assert {(t.src, t.src_tensor, t.src_box) for t in level} <= delivered
+        delivered = {(t.dst, t.dst_tensor, t.dst_box) for t in level}
+
+
+def test_routes_lower_bound_counts_every_copy_and_is_below_the_prediction() -> None:
+    src, dst = _layouts("tp=1", "dp=2")
+    links = _links(1, 1, 2)  # every rank on its own node: all NIC
+    needs = find_needs(SPEC, src, dst)
+    fanout = plan_fanout(needs, "none", links, carry=True)
+    routes = plan_routes(choose_senders(needs, fanout, links), fanout, links, True, 1)
+    busy = routes.link_seconds(links)
+    spb = 1 / links.cluster.nic_bytes_per_s
+    # the training rank sends both copies over its NIC; each replica takes one
+    assert busy[(0, "nic", "out")] == pytest.approx(2 * TENSOR_BYTES * spb)
+    assert busy[(1, "nic", "in")] == busy[(2, "nic", "in")] == pytest.approx(TENSOR_BYTES * spb)
+    rounds = plan_rounds(routes, 2**16, links)
+    assert routes.lower_bound(links) == pytest.approx(2 * TENSOR_BYTES * spb)
+    assert rounds.seconds >= routes.lower_bound(links)
+
+
+def test_rounds_bound_staging_and_messages_are_one_per_pair() -> None:
+    src, dst = _layouts("tp=2", "tp=1,dp=2")
+    needs = find_needs(SPEC, src, dst)
+    fanout = plan_fanout(needs, "none", None, carry=True)
+    routes = plan_routes(choose_senders(needs, fanout, None), fanout, None, True, 2)
+    bucket = 2**14
+    rounds = plan_rounds(routes, bucket, None)
+    assert rounds.seconds is None and len(rounds.transfers) > 1
+    for ts in rounds.transfers:  # per rank and direction at most one bucket a round
+        sent, received = defaultdict(int), defaultdict(int)
+        for t in ts:
+            sent[t.src] += t.nbytes * len(routes.members[t.dst])
+            received[t.dst] += t.nbytes
+        assert max(sent.values()) <= bucket and max(received.values()) <= bucket
+    messages = to_messages(rounds.transfers)
+    for r, msgs in enumerate(messages):
+        assert [(m.src, m.dst) for m in msgs] == sorted(
+            {(t.src, t.dst) for t in rounds.transfers[r]}
+        )
+        for m in msgs:
+            assert m.round == r and list(m.transfers) == sorted(m.transfers, key=message_order)
+    assert sum(m.nbytes for msgs in messages for m in msgs) == TENSOR_BYTES
+
+
+def test_timed_rounds_carry_the_prediction_of_the_plan() -> None:
+    src, dst = _layouts("tp=2,pp=2", "tp=2,dp=2")
+    links = _links(2, 4, 4)
+    plan = plan_refit(SPEC, src, dst, 0.01, relay="domain", links=links)
+    needs = find_needs(SPEC, src, dst)
+    fanout = plan_fanout(needs, "domain", links, carry=True)
+    routes = plan_routes(choose_senders(needs, fanout, links), fanout, links, True, 4)
+    rounds = plan_rounds(routes, int(0.01 * 2**20), links)
+    predicted = predict_refit(plan, links.cluster, links.placement).seconds
+    assert rounds.seconds == pytest.approx(predicted, rel=1e-9)
+    assert str(rounds).startswith(f"Rounds: {len(rounds.transfers)} round(s)")
+
+
+@pytest.mark.parametrize("relay", ["none", "chain", "domain"])
+def test_plan_refit_is_the_composition_of_the_passes(relay: str) -> None:
+    """Running the passes by hand and ``plan_refit`` give the same plan, byte for byte."""
+    src, dst = _layouts("tp=2", "tp=1,dp=3")
+    links = _links(2, 2, 3)
+    plan = plan_refit(SPEC, src, dst, 0.02, relay=relay, links=links)
+    needs = find_needs(SPEC, src, dst)
+    fanout = plan_fanout(needs, relay, links, carry=True)
+    senders = choose_senders(needs, fanout, links)
+    routes = plan_routes(senders, fanout, links, True, len(src))
+    rounds = plan_rounds(routes, int(0.02 * 2**20), links)
+    messages = to_messages(rounds.transfers)
+    assert [list(r) for r in plan.class_rounds] == messages
+    assert plan.relay_chains == tuple(routes.chains)
+    wire = sum(
+        t.canonical_box.numel * DTYPE_BYTES[t.dtype]
+        for msgs in messages
+        for m in msgs
+        for t in m.transfers
+    )
+    assert wire == sum(t.nbytes for ts in rounds.transfers for t in ts)
