@@ -51,8 +51,9 @@ def is_relay(name: str) -> bool:
 def legs(t: Transfer, via: int) -> tuple[Transfer, Transfer]:
     """Leg 1 (``t.src -> via``, into the relay buffer) and leg 2 (``via -> t.dst``)."""
     name = relay_tensor(t.dst, t.dst_tensor)
-    first = t._replace(dst=via, dst_tensor=name)
-    second = t._replace(src=via, src_tensor=name, src_box=t.dst_box)
+    src, dst, src_tensor, src_box, dst_tensor, dst_box, canonical, box, dtype = t
+    first = Transfer(src, via, src_tensor, src_box, name, dst_box, canonical, box, dtype)
+    second = Transfer(via, dst, name, dst_box, dst_tensor, dst_box, canonical, box, dtype)
     return first, second
 
 

@@ -110,7 +110,7 @@ def domain_entries(
         heap = heaps[t.dst]
         due, j = heap[0]
         heapq.heapreplace(heap, (due + t.nbytes, j))
-        out[i] = t._replace(dst=runs[0][j])
+        out[i] = Transfer(t[0], runs[0][j], *t[2:])  # (``_replace``, without its cost)
     targets = {
         run0[j]: tuple(run[j % len(run)] for run in runs)
         for runs in runs_of.values()

@@ -34,7 +34,7 @@ class Needs:
         """What ``member`` needs: its group's needs, addressed to it."""
         rep = self._group_of[member]
         needs = self.by_group[rep]
-        return needs if rep == member else [n._replace(dst=member) for n in needs]
+        return needs if rep == member else [Need(member, *n[1:]) for n in needs]
 
     def group_bytes(self, rep: int) -> int:
         """Bytes one member of ``rep``'s group receives."""

@@ -235,21 +235,30 @@ class RoundLoads:
             if bucket - row[idx] < FULL * bucket:
                 self.full_stage[r + o] |= 1 << idx
 
+    def round_seconds(self, r: int) -> float:
+        """Round ``r``'s slowest key's time (``predict.round_time``)."""
+        busy, count = self.busy[r], self.count[r]
+        worst = 0.0
+        for k, lat in enumerate(self.latency):
+            t = max(busy[2 * k], busy[2 * k + 1]) + lat * count[k]
+            if t > worst:
+                worst = t
+        return worst
+
     def seconds(self) -> float:
         """Sum over rounds of the slowest key's time (``predict.round_time``)."""
         total = 0.0
-        for busy, count in zip(self.busy, self.count):
-            worst = 0.0
-            for k, lat in enumerate(self.latency):
-                t = max(busy[2 * k], busy[2 * k + 1]) + lat * count[k]
-                if t > worst:
-                    worst = t
-            total += worst
+        for r in range(len(self.busy)):
+            total += self.round_seconds(r)
         return total
 
 
 class TooSmall(Exception):
     """An empty round cannot take a worthwhile chunk: the round budget is below latency."""
+
+
+class Outpriced(Exception):
+    """The rounds filled so far already take at least the best budget's total time."""
 
 
 def least_budget(p: Pair, latency: list[float]) -> float:

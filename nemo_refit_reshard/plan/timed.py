@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 from .carry import legs
 from .messages import message_order
-from .round_loads import Pair, RoundLoads, TooSmall, build_pair, least_budget
+from .round_loads import Outpriced, Pair, RoundLoads, TooSmall, build_pair, least_budget
 from .transfer import LinkModel, Transfer, cut_rows
 
 
@@ -85,14 +85,21 @@ def _take(p: Pair, room: float, placed: list[list[Transfer]] | None, r: int) -> 
     return nbytes
 
 
-def _fill(pairs: list[Pair], rounds: RoundLoads, placed: list[list[Transfer]] | None) -> None:
+def _fill(
+    pairs: list[Pair],
+    rounds: RoundLoads,
+    placed: list[list[Transfer]] | None,
+    stop_at: float | None = None,
+) -> None:
     """Round after round, every sender fills its links: first the pairs it served in the
     previous round (a pair that continues costs no new peer), then the pairs whose
     receivers have the most work left. Senders with the most work left go first, so
     the busiest links never wait while others finish early (longest remaining first).
 
     ``placed`` given: real transfers, cut at rows, are appended to ``placed[r]``;
-    otherwise pairs are divisible amounts (to price a round budget)."""
+    otherwise pairs are divisible amounts (to price a round budget). ``stop_at``: raise
+    :class:`Outpriced` as soon as the rounds no later placement can change (those before
+    the current one) already take that long: this budget cannot beat it."""
     by_src: dict[int, list[Pair]] = defaultdict(list)
     for p in pairs:
         if placed is not None:
@@ -177,6 +184,7 @@ def _fill(pairs: list[Pair], rounds: RoundLoads, placed: list[list[Transfer]] | 
     stamp = 0  # marks the pairs a sender served in the previous round, per turn
     for p in pairs:
         p.stamp = -1
+    spent = 0.0  # rounds before r, summed as ``RoundLoads.seconds`` sums them
     r = 0
     while any(left.values()):
         if placed is not None:
@@ -198,19 +206,6 @@ def _fill(pairs: list[Pair], rounds: RoundLoads, placed: list[list[Transfer]] | 
             for p in active[s]:
                 p.stamp = stamp  # served last round: tried above already
             ft, fs = full_time[r], full_stage[r]
-            if not is_full and all(
-                p.stamp == stamp
-                or p.left <= 0
-                or p.gate_mask & ft
-                or p.sgate_mask & fs
-                or (p.later_masks and rounds.blocked(p, r))
-                for _, _, p in heap
-            ):
-                # Nothing here can be placed: popping every pair and putting it back
-                # with its current key (below) comes to this, in one pass.
-                heap[:] = [(-priority(p.rset), p.rank_in, p) for _, _, p in heap if p.left > 0]
-                heapq.heapify(heap)
-                is_full = True
             entry = heappop(heap) if heap and not is_full else None
             while entry is not None:
                 key, rk, p = entry
@@ -238,6 +233,11 @@ def _fill(pairs: list[Pair], rounds: RoundLoads, placed: list[list[Transfer]] | 
                     heappush(heap, (-(priority(p.rset) if now is None else now), p.rank_in, p))
             active[s] = served
             stamp += 1
+        if stop_at is not None:
+            # round r is final: later placements go to rounds after it
+            spent += rounds.round_seconds(r)
+            if spent >= stop_at:
+                raise Outpriced
         r += 1
         if r > 64 * (len(rounds.busy) + 64):
             raise AssertionError("round filling made no progress")
@@ -305,7 +305,9 @@ def timed_schedule(
         # Carrying pays in NIC time but costs a round of lag and more staging; where the
         # staging bound or latency rules, sending everything directly can come out ahead.
         plain = pairs_of(transfers + [t for t, _ in carried], ())
-        alternative = _choose(plain, bucket_bytes, latency, ranks, rounds=best and best[2])
+        alternative = _choose(
+            plain, bucket_bytes, latency, ranks, rounds=best and best[2], stop_at=best and best[0]
+        )
         if alternative is not None and (best is None or alternative[0] < best[0]):
             pairs, best = plain, alternative
     if best is None:
@@ -326,6 +328,7 @@ def _choose(
     latency: list[float],
     ranks: int,
     rounds: int | None = None,
+    stop_at: float | None = None,
 ) -> tuple[float, float, int] | None:
     """(predicted seconds, round budget, round count) of the cheapest of a few budgets
     (None if no budget lets every pair place a worthwhile chunk).
@@ -358,8 +361,9 @@ def _choose(
         nonlocal best
         state = RoundLoads(max(tau, floor), bucket_bytes, latency, ranks)
         try:
-            _fill(pairs, state, None)
-        except TooSmall:
+            # A budget wins only by a lower total: stop one as soon as it cannot.
+            _fill(pairs, state, None, best[0] if best is not None else stop_at)
+        except (TooSmall, Outpriced):
             return
         seconds = state.seconds()
         if best is None or seconds < best[0]:
