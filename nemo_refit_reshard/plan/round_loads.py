@@ -58,6 +58,7 @@ class Pair:
         "rank_in",
         "stamp",
         "rset",
+        "tl_codes",
     )
 
     def __init__(self, src: int, dst: int, via: int, transfers: list[Transfer]) -> None:
@@ -95,6 +96,7 @@ class Pair:
         self.rank_in = 0  # position in its sender's rotated order (ties in ``_fill``)
         self.stamp = -1  # ``_fill``'s marker of the pairs a sender served last round
         self.rset = -1  # ``_fill``'s number of its receiver set (``rkey``)
+        self.tl_codes: list[list[int]] = []  # per ``tl`` entry: codes of ``ml`` on its key
 
 
 class RoundLoads:
@@ -157,14 +159,13 @@ class RoundLoads:
                 x = left / c
         if p.tl:
             sent, codes = self.sent, self.codes
-            new: dict[tuple[int, int], int] = defaultdict(int)
-            for o, code, ka, kb in p.ml:
-                if (r + o) * codes + code not in sent:
-                    new[(o, ka)] += 1
-                    new[(o, kb)] += 1
-            for o, idx, k, c in p.tl:
+            for (o, idx, k, c), on_key in zip(p.tl, p.tl_codes):
                 rr = r + o
-                n = new[(o, k)]
+                base = rr * codes
+                n = 0  # messages on key k in round rr that this pair would open
+                for code in on_key:
+                    if base + code not in sent:
+                        n += 1
                 spare = tau - lat[k] * (self.count[rr][k] + n)
                 left = spare - self.busy[rr][idx]
                 if left <= 0 or (n and spare <= self.busy[rr][idx ^ 1]):
@@ -343,6 +344,11 @@ def build_pair(
     p.tl = [(o, idx, idx // 2, c) for (o, idx), c in sorted(later_t.items())]
     p.sl = [(o, idx, c) for (o, idx), c in sorted(later_s.items())]
     p.ml = [(o, code, ka, kb) for (o, code), (ka, kb) in sorted(later_m.items())]
+    on_key: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for o, code, ka, kb in p.ml:
+        on_key[(o, ka)].append(code)
+        on_key[(o, kb)].append(code)
+    p.tl_codes = [on_key.get((o, k), []) for o, _, k, _ in p.tl]
     p.t0 = [(idx, idx // 2, c, msgs[idx // 2]) for idx, c in sorted(times.items())]
     p.recv = [(idx, times[idx]) for idx in p.gate]
     p.rkey = tuple(idx for idx, _ in p.recv)

@@ -114,21 +114,24 @@ def assign_senders(
     # Needs with one holder leave no choice: charge them first, so the greedy choice
     # for the others sees every fixed load (experts held by one EP rank are most of a
     # DeepSeek-V3 plan).
-    senders = {h.rank for need in needs for h in need.region.holders}
+    regions = {id(need.region): need.region for need in needs}
+    senders = {h.rank for region in regions.values() for h in region.holders}
+    ncopies = {dst: len(g) for dst, g in members.items()}
     total = 0
     chosen: list[tuple[Need, int]] = []
     for need in needs:
-        dst, dst_piece, box = need.dst, need.dst_piece, need.canonical_box
+        dst, dst_piece, box, region = need
         dtype = dtype_of[(dst, dst_piece.local)]
         nbytes = box.numel * DTYPE_BYTES[dtype]
-        total += nbytes * copies(dst)
-        holders = need.region.holders
+        total += nbytes * ncopies.get(dst, 1)
+        holders = region.holders
         if len(holders) > 1:
             chosen.append((need, nbytes))
             continue
         # ``emit`` inlined: this loop runs over every expert slice of the model.
         rank, src_piece = holders[0].rank, holders[0].piece
-        for k, c in weight(rank, dst):
+        w = weights.get((rank, dst))
+        for k, c in weight(rank, dst) if w is None else w:
             busy[k] += nbytes * c
         out.append(
             Transfer(
