@@ -59,7 +59,7 @@ class Candidate:
             return f"{self.relay}: routes exactly like {self.same_as}"
         if self.stage == 2:
             return f"{self.relay}: predicted {_ms(self.seconds)}"
-        what = "its busiest link alone takes" if self.stage == 1 else "its ingress alone takes"
+        what = "its busiest link alone takes" if self.stage == 1 else "its needs alone take"
         return f"{self.relay}: not scheduled ({what} {_ms(self.seconds)})"
 
 
