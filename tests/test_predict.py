@@ -368,6 +368,7 @@ def test_cli_simulate_relay_auto_picks_the_faster_plan(llama_config, capsys) -> 
     report = json.loads(capsys.readouterr().out)
     best = min(seconds, key=seconds.get)
     assert report["relay"] == f"auto: {best}" and report["predicted_s"] == seconds[best]
+    assert report["relay_choice"].startswith(f"{best}: predicted {seconds[best] * 1e3:.6g} ms; ")
     # one training GPU feeding four replicas on one node: forwarding wins
     assert best in ("chain", "domain") and seconds[best] < seconds["none"] / 3
     assert main(["plan", "--model", llama_config, "--relay", "auto"]) == 2
