@@ -98,7 +98,8 @@ def main() -> int:
                 ("this", ROOT, "auto" if cluster else "none"),
                 ("baseline", os.path.abspath(args.baseline), "domain" if cluster else "none"),
             ):
-                runs[code] = measure(root, [model, train, infer, cluster or "none", relay], args.cpu)
+                argv = [model, train, infer, cluster or "none", relay]
+                runs[code] = measure(root, argv, args.cpu)
             for code, r in runs.items():
                 pred = f"{r['predicted']:.4f} s" if r["predicted"] is not None else "—"
                 ratio = runs["this"]["cpu"] / runs["baseline"]["cpu"]
