@@ -42,49 +42,20 @@ class Message:
     def forwarded(self, src: int, dst: int, round_index: int) -> Message:
         """This message's content sent on by ``src``, which received it, to ``dst``, a
         replica of ``src`` (same local boxes), in round ``round_index``."""
+        # (src, dst, src_tensor, src_box) <- (src, dst, dst_tensor, dst_box); rest as is
         return Message(
             round_index,
             src,
             dst,
-            tuple(
-                Transfer(
-                    src,
-                    dst,
-                    t.dst_tensor,
-                    t.dst_box,
-                    t.dst_tensor,
-                    t.dst_box,
-                    t.canonical,
-                    t.canonical_box,
-                    t.dtype,
-                )
-                for t in self.transfers
-            ),
+            tuple(Transfer(src, dst, *t[4:6], *t[4:]) for t in self.transfers),
         )
 
     def to(self, dst: int) -> Message:
         """This message as sent to ``dst``, a replica of its receiver (same local boxes)."""
         if dst == self.dst:
             return self
-        return Message(
-            self.round,
-            self.src,
-            dst,
-            tuple(
-                Transfer(
-                    t.src,
-                    dst,
-                    t.src_tensor,
-                    t.src_box,
-                    t.dst_tensor,
-                    t.dst_box,
-                    t.canonical,
-                    t.canonical_box,
-                    t.dtype,
-                )
-                for t in self.transfers
-            ),
-        )
+        transfers = tuple(Transfer(t[0], dst, *t[2:]) for t in self.transfers)
+        return Message(self.round, self.src, dst, transfers)
 
 
 def message_order(t: Transfer) -> tuple:
