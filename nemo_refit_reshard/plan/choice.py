@@ -28,7 +28,7 @@ box can enter a node through any member), so it starts at 0.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .needs import Needs
 from .rounds import Rounds, plan_rounds
@@ -125,9 +125,7 @@ def choose_relay(
             if mode == "domain" and not routes.chains and routes.members == direct_members:
                 # forwards nothing: exactly the ``none`` plan (which keeps its name)
                 same_as["domain"] = "none"
-                routed["none"] = Routes(
-                    "none", routes.direct, routes.members, [], [], routes.carried
-                )
+                routed["none"] = replace(routes, relay="none")
                 stage["none"], bound["none"] = 1, max(bound["none"], bound["domain"])
         else:
             rounds = scheduled[mode] = plan_rounds(routed[mode], bucket_bytes, links)

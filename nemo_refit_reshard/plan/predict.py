@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import product
 from typing import Any
@@ -49,11 +49,26 @@ def round_time(
     ``max over g, L of t(g, L)``. Returns that time and the (rank, link) reaching it
     (ties: lowest rank, then ``nic`` before ``nvlink``); messages to oneself are free.
     """
+    return link_round_time(
+        messages,
+        lambda src, dst: (link := _link_of(placement, src, dst), _link(cluster, link)[0]),
+        lambda link: _link(cluster, link)[1],
+    )
+
+
+def link_round_time(
+    messages: Iterable[tuple[int, int, int]],
+    link_of: Callable[[int, int], tuple[str, float]],
+    latency: Callable[[str], float],
+) -> tuple[float, int | None, str | None]:
+    """:func:`round_time` for any link model: ``link_of(src, dst)`` is ``(link, bytes/s)``,
+    ``latency(link)`` seconds per message."""
     loads: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0, 0, 0])
+    rate: dict[str, float] = {}
     for src, dst, nbytes in messages:
         if src == dst:
             continue
-        link = _link_of(placement, src, dst)
+        link, rate[link] = link_of(src, dst)
         out, inn = loads[(src, link)], loads[(dst, link)]
         out[0] += nbytes
         out[2] += 1
@@ -61,8 +76,7 @@ def round_time(
         inn[2] += 1
     best: tuple[float, int | None, str | None] = (0.0, None, None)
     for (rank, link), (out_b, in_b, count) in sorted(loads.items()):
-        bw, lat = _link(cluster, link)
-        t = max(out_b, in_b) / bw + lat * count
+        t = max(out_b, in_b) / rate[link] + latency(link) * count
         if t > best[0]:
             best = (t, rank, link)
     return best

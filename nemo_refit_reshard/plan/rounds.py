@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from .predict import link_round_time
 from .routes import Routes
 from .schedule import schedule
 from .timed import timed_schedule
@@ -52,25 +53,18 @@ def plan_rounds(routes: Routes, bucket_bytes: int, links: LinkModel | None) -> R
 
 
 def predicted_seconds(rounds: list[list[Transfer]], links: LinkModel) -> float:
-    """The cluster model's time of rounds whose transfers each reach one receiver
-    (``predict.round_time``): per round the slowest (rank, link) of
-    ``max(out, in) x seconds per byte + latency x messages``, summed over rounds."""
+    """The cluster model's time (``predict.round_time``) of rounds whose transfers each
+    reach only their own receiver: one message per (sender, receiver) and round."""
+
+    def link_of(src: int, dst: int) -> tuple[str, float]:
+        link, seconds_per_byte = links.link(src, dst)
+        return link, 1 / seconds_per_byte
+
     total = 0.0
     for transfers in rounds:
         pairs: dict[tuple[int, int], int] = defaultdict(int)
         for t in transfers:
-            if t.src != t.dst:
-                pairs[(t.src, t.dst)] += t.nbytes
-        load: dict[tuple[int, str], list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
-        for (src, dst), nbytes in pairs.items():
-            link, spb = links.link(src, dst)
-            out, inn = load[(src, link)], load[(dst, link)]
-            out[0] += nbytes * spb
-            out[2] += 1
-            inn[1] += nbytes * spb
-            inn[2] += 1
-        total += max(
-            (max(o, i) + links.latency(link) * n for (_, link), (o, i, n) in load.items()),
-            default=0.0,
-        )
+            pairs[(t.src, t.dst)] += t.nbytes
+        messages = [(src, dst, nbytes) for (src, dst), nbytes in pairs.items()]
+        total += link_round_time(messages, link_of, links.latency)[0]
     return total
