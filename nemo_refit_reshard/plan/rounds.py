@@ -24,8 +24,9 @@ from .transfer import LinkModel, Transfer
 @dataclass(frozen=True)
 class Rounds:
     """Pass 5's result: the transfers of every round (relay hops of ``relay="domain"``
-    runs are derived later, ``plan/expand.py``), and for time-budgeted rounds the
-    budget each (GPU, link) kept to and the refit time the cluster model predicts."""
+    runs are derived later, ``plan/expand.py``); with a topology the refit time the
+    cluster model predicts for them, and for time-budgeted rounds the budget each
+    (GPU, link) kept to."""
 
     transfers: list[list[Transfer]]
     budget: float | None = None
