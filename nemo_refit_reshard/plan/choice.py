@@ -86,14 +86,13 @@ def _ms(seconds: float) -> str:
 def ingress_bound(needs: Needs, links: LinkModel) -> float:
     """Stage 0 of ``relay="none"``: the largest over inference ranks of (bytes it
     stores) x (seconds per byte of the fastest link from any training rank into it)."""
-    fastest: dict[int, float] = {}
+    worst = 0.0
     for g in needs.groups:
+        nbytes = needs.group_bytes(g[0])
         for m in g:
-            fastest[m] = min(links.link(s, m)[1] for s in range(needs.num_sources))
-    return max(
-        (needs.group_bytes(g[0]) * fastest[m] for g in needs.groups for m in g),
-        default=0.0,
-    )
+            fastest = min(links.link(s, m)[1] for s in range(needs.num_sources))
+            worst = max(worst, nbytes * fastest)
+    return worst
 
 
 def choose_relay(

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import compress
+from operator import eq, itemgetter
 
 from ..layouts.base import Box, map_sub_box
 from .fanout import FanOut
@@ -114,33 +116,49 @@ def assign_senders(
     # Needs with one holder leave no choice: charge them first, so the greedy choice
     # for the others sees every fixed load (experts held by one EP rank are most of a
     # DeepSeek-V3 plan).
-    regions = {id(need.region): need.region for need in needs}
-    senders = {h.rank for region in regions.values() for h in region.holders}
+    held = list(map(itemgetter(3), needs))  # each need's region
+    senders = {h.rank for region in dict(zip(map(id, held), held)).values() for h in region.holders}
     ncopies = {dst: len(g) for dst, g in members.items()}
     total = 0
     chosen: list[tuple[Need, int]] = []
+    # Needs come in runs of one receiver: what depends on it alone is looked up per run.
+    run_dst = -1
+    itemsizes: dict[str, tuple[str, int]] = {}  # its local tensor -> (dtype, bytes each)
+    run_weights: dict[int, list[tuple[tuple[int, str], float]]] = {}  # sender -> weight
+    copies_of_dst = 1
     for need in needs:
         dst, dst_piece, box, region = need
-        dtype = dtype_of[(dst, dst_piece.local)]
-        nbytes = box.numel * DTYPE_BYTES[dtype]
-        total += nbytes * ncopies.get(dst, 1)
+        if dst != run_dst:
+            run_dst, itemsizes, run_weights = dst, {}, {}
+            copies_of_dst = ncopies.get(dst, 1)
+        local = dst_piece.local
+        sized = itemsizes.get(local)
+        if sized is None:
+            dtype = dtype_of[(dst, local)]
+            sized = itemsizes[local] = (dtype, DTYPE_BYTES[dtype])
+        dtype, itemsize = sized
+        nbytes = box.numel * itemsize
+        total += nbytes * copies_of_dst
         holders = region.holders
         if len(holders) > 1:
             chosen.append((need, nbytes))
             continue
         # ``emit`` inlined: this loop runs over every expert slice of the model.
         rank, src_piece = holders[0].rank, holders[0].piece
-        w = weights.get((rank, dst))
-        for k, c in weight(rank, dst) if w is None else w:
+        w = run_weights.get(rank)
+        if w is None:
+            w = run_weights[rank] = weight(rank, dst)
+        for k, c in w:
             busy[k] += nbytes * c
+        cb = dst_piece.canonical_box
         out.append(
             Transfer(
                 rank,
                 dst,
                 src_piece.local,
                 map_sub_box(src_piece.canonical_box, src_piece.local_box, box),
-                dst_piece.local,
-                map_sub_box(dst_piece.canonical_box, dst_piece.local_box, box),
+                local,
+                dst_piece.local_box if box is cb else map_sub_box(cb, dst_piece.local_box, box),
                 dst_piece.canonical,
                 box,
                 dtype,
@@ -172,36 +190,60 @@ def assign_senders(
 
 
 def coalesce(transfers: list[Transfer]) -> list[Transfer]:
-    """Merge adjacent transfers between the same (src tensor, dst tensor) pair."""
-    groups: dict[tuple, list[Transfer]] = defaultdict(list)
-    for t in transfers:
-        groups[(t.src, t.dst, t.src_tensor, t.dst_tensor, t.canonical, t.dtype)].append(t)
+    """Merge adjacent transfers between the same (src tensor, dst tensor) pair.
+
+    Sorted by (src, dst, src tensor, dst tensor, canonical, dtype), then by source
+    box; where consecutive transfers share that key and their boxes continue each
+    other (:meth:`Box.followed_by`), they become one."""
+    ordered = sorted(transfers, key=_PAIR_KEY)
+    keys = list(map(_PAIR_KEY, ordered))
+    # Most keys are unique (one slice of one expert): find the runs of equal ones in C.
+    starts = list(compress(range(1, len(keys)), map(eq, keys, keys[1:])))
+    if not starts:
+        return ordered
     out: list[Transfer] = []
-    for key in sorted(groups):
-        run = groups[key]
-        if len(run) == 1:
-            out.append(run[0])
-            continue
-        run.sort(key=lambda t: t.src_box.offsets)
-        current = run[0]
-        for t in run[1:]:
-            src_box = current.src_box.followed_by(t.src_box)
-            dst_box = current.dst_box.followed_by(t.dst_box)
-            canonical_box = current.canonical_box.followed_by(t.canonical_box)
-            if src_box and dst_box and canonical_box:
-                current = Transfer(
-                    current.src,
-                    current.dst,
-                    current.src_tensor,
-                    src_box,
-                    current.dst_tensor,
-                    dst_box,
-                    current.canonical,
-                    canonical_box,
-                    current.dtype,
-                )
-            else:
-                out.append(current)
-                current = t
-        out.append(current)
+    done = 0
+    i = 0
+    while i < len(starts):
+        lo = starts[i] - 1  # the run starts one before its first repeat
+        hi = starts[i] + 1
+        i += 1
+        while i < len(starts) and starts[i] == hi:
+            hi += 1
+            i += 1
+        out.extend(ordered[done:lo])
+        out.extend(_merge_run(sorted(ordered[lo:hi], key=lambda t: t.src_box.offsets)))
+        done = hi
+    out.extend(ordered[done:])
+    return out
+
+
+# (src, dst, src_tensor, dst_tensor, canonical, dtype): transfers that may merge
+_PAIR_KEY = itemgetter(0, 1, 2, 4, 6, 8)
+
+
+def _merge_run(run: list[Transfer]) -> list[Transfer]:
+    """Transfers of one key in source-box order, merged where each continues the last."""
+    out: list[Transfer] = []
+    current = run[0]
+    for t in run[1:]:
+        src_box = current.src_box.followed_by(t.src_box)
+        dst_box = current.dst_box.followed_by(t.dst_box)
+        canonical_box = current.canonical_box.followed_by(t.canonical_box)
+        if src_box and dst_box and canonical_box:
+            current = Transfer(
+                current.src,
+                current.dst,
+                current.src_tensor,
+                src_box,
+                current.dst_tensor,
+                dst_box,
+                current.canonical,
+                canonical_box,
+                current.dtype,
+            )
+        else:
+            out.append(current)
+            current = t
+    out.append(current)
     return out

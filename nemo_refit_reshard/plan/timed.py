@@ -85,11 +85,32 @@ def _take(p: Pair, room: float, placed: list[list[Transfer]] | None, r: int) -> 
     return nbytes
 
 
+class Limit(NamedTuple):
+    """What a price fill must beat to matter: ``seconds``, or equal them where it wins
+    ties (it comes earlier in the order of budgets tried). ``totals[i]``: the busy
+    seconds every pair puts on time index ``i`` over all rounds (a fill places all of
+    them)."""
+
+    seconds: float
+    ties_win: bool
+    totals: list[float]
+
+    def beaten_by(self, spent: float, ahead: float) -> bool:
+        """Whether a fill whose finished rounds take ``spent`` and whose later rounds
+        must still carry ``ahead`` on one index cannot come in under the limit: its
+        total is at least ``spent + ahead`` (every round takes at least that index's
+        busy time in it). The bound is summed in another order than the total, hence
+        the margin."""
+        if spent > self.seconds or (spent == self.seconds and not self.ties_win):
+            return True
+        return spent + ahead > self.seconds * (1 + 1e-9)
+
+
 def _fill(
     pairs: list[Pair],
     rounds: RoundLoads,
     placed: list[list[Transfer]] | None,
-    stop_at: float | None = None,
+    limit: Limit | None = None,
 ) -> None:
     """Round after round, every sender fills its links: first the pairs it served in the
     previous round (a pair that continues costs no new peer), then the pairs whose
@@ -97,9 +118,10 @@ def _fill(
     the busiest links never wait while others finish early (longest remaining first).
 
     ``placed`` given: real transfers, cut at rows, are appended to ``placed[r]``;
-    otherwise pairs are divisible amounts (to price a round budget). ``stop_at``: raise
+    otherwise pairs are divisible amounts (to price a round budget). ``limit``: raise
     :class:`Outpriced` as soon as the rounds no later placement can change (those before
-    the current one) already take that long: this budget cannot beat it."""
+    the current one) and what the rounds after them must still carry show that this
+    budget cannot beat it."""
     by_src: dict[int, list[Pair]] = defaultdict(list)
     for p in pairs:
         if placed is not None:
@@ -185,6 +207,7 @@ def _fill(
     for p in pairs:
         p.stamp = -1
     spent = 0.0  # rounds before r, summed as ``RoundLoads.seconds`` sums them
+    ahead = list(limit.totals) if limit is not None else []  # busy seconds after them
     r = 0
     while any(left.values()):
         if placed is not None:
@@ -206,6 +229,17 @@ def _fill(
             for p in active[s]:
                 p.stamp = stamp  # served last round: tried above already
             ft, fs = full_time[r], full_stage[r]
+            if heap and not is_full and all(
+                q.left <= 0 or q.stamp == stamp or q.gate_mask & ft or q.sgate_mask & fs
+                for _, _, q in heap
+            ):
+                # Nothing can be placed: the loop below would pop every pair and put the
+                # live ones back with their current keys. Do just that.
+                heap[:] = [(-priority(q.rset), q.rank_in, q) for _, _, q in heap if q.left > 0]
+                heapq.heapify(heap)
+                active[s] = served
+                stamp += 1
+                continue
             entry = heappop(heap) if heap and not is_full else None
             while entry is not None:
                 key, rk, p = entry
@@ -233,10 +267,11 @@ def _fill(
                     heappush(heap, (-(priority(p.rset) if now is None else now), p.rank_in, p))
             active[s] = served
             stamp += 1
-        if stop_at is not None:
+        if limit is not None:
             # round r is final: later placements go to rounds after it
             spent += rounds.round_seconds(r)
-            if spent >= stop_at:
+            ahead = [a - b for a, b in zip(ahead, rounds.busy[r])]
+            if limit.beaten_by(spent, max(ahead)):
                 raise Outpriced
         r += 1
         if r > 64 * (len(rounds.busy) + 64):
@@ -331,15 +366,20 @@ def _choose(
     stop_at: float | None = None,
 ) -> tuple[float, float, int] | None:
     """(predicted seconds, round budget, round count) of the cheapest of a few budgets
-    (None if no budget lets every pair place a worthwhile chunk).
+    (None if no budget lets every pair place a worthwhile chunk; ``stop_at``: none
+    priced below it).
 
     ``R`` runs from the staging bound ``max staged / bucket`` up (``rounds`` given: that
     one only, as it is), the budget being the busiest link's seconds over ``R``; more
     rounds cost more messages, fewer leave less room to balance. Then the best count's
     budget is raised to hold what spilled past its rounds (latency, packing): a third of
-    a round spilled costs a whole one.
+    a round spilled costs a whole one. Ties go to the fewest rounds.
+
+    Which count wins does not depend on the order they are priced in, but the cost does:
+    a fill stops as soon as it cannot beat the best so far (:class:`Limit`), so the most
+    rounds, which win at scale, are priced first.
     """
-    busy: dict[int, float] = defaultdict(float)
+    busy = [0.0] * (2 * len(latency))
     staged: dict[int, float] = defaultdict(float)
     for p in pairs:
         for idx, _, c, _ in p.t0:
@@ -350,28 +390,42 @@ def _choose(
             busy[idx] += p.nbytes * c
         for _, idx, c in p.sl:
             staged[idx] += p.nbytes * c
-    longest = max(busy.values())
+    longest = max(busy)
     least = max(1, math.ceil(max(staged.values()) / bucket_bytes))
     # No budget below what one message of every pair needs (its latencies, and its bytes
     # up to a worthwhile chunk): small plans are latency-bound whatever the budget.
     floor = max(least_budget(p, latency) for p in pairs)
-    best: tuple[float, float, int] | None = None
+    # (seconds, order, budget, round count): ``order`` ranks equal seconds
+    best: tuple[float, int, float, int] | None = None
+    totals: dict[float, float | None] = {}  # budget -> its fill's total (None: too small)
 
-    def price(tau: float, num_rounds: int) -> None:
+    def price(tau: float, num_rounds: int, order: int) -> None:
         nonlocal best
-        state = RoundLoads(max(tau, floor), bucket_bytes, latency, ranks)
-        try:
-            # A budget wins only by a lower total: stop one as soon as it cannot.
-            _fill(pairs, state, None, best[0] if best is not None else stop_at)
-        except (TooSmall, Outpriced):
-            return
-        seconds = state.seconds()
-        if best is None or seconds < best[0]:
-            best = (seconds, state.tau, num_rounds)
+        tau = max(tau, floor)
+        if tau not in totals:
+            if best is not None:
+                limit = Limit(best[0], order < best[1], busy)
+            else:
+                limit = None if stop_at is None else Limit(stop_at, False, busy)
+            state = RoundLoads(tau, bucket_bytes, latency, ranks)
+            try:
+                _fill(pairs, state, None, limit)
+            except TooSmall:
+                totals[tau] = None
+            except Outpriced:
+                return  # (not kept: under another limit it may finish)
+            else:
+                totals[tau] = state.seconds()
+        seconds = totals[tau]  # the same fill again where the floor held two counts
+        if seconds is not None and (best is None or (seconds, order) < best[:2]):
+            best = (seconds, order, tau, num_rounds)
 
-    counts = {least, -(-5 * least // 4), -(-3 * least // 2), 2 * least}
-    for num_rounds in sorted(counts) if rounds is None else [max(rounds, least)]:
-        price(longest / num_rounds, num_rounds)
+    if rounds is None:
+        counts = sorted({least, -(-5 * least // 4), -(-3 * least // 2), 2 * least})
+    else:
+        counts = [max(rounds, least)]
+    for order, num_rounds in sorted(enumerate(counts), key=lambda c: -c[1]):
+        price(longest / num_rounds, num_rounds, order)
     if best is not None and rounds is None:
-        price(best[0] / best[2], best[2])
-    return best
+        price(best[0] / best[3], best[3], len(counts))
+    return None if best is None else (best[0], best[2], best[3])
