@@ -39,6 +39,7 @@ class Pair:
         "nbytes",
         "left",
         "queue",
+        "sizes",
         "t0",
         "s0",
         "m0",
@@ -68,6 +69,7 @@ class Pair:
         self.nbytes = sum(t.nbytes for t in transfers)
         self.left = float(self.nbytes)  # bytes not yet placed
         self.queue: list[Transfer] = []  # transfers not yet placed, last one next
+        self.sizes: list[int] = []  # their bytes
         # In the round the pair is placed in: (time index, key, seconds per byte, this
         # pair's messages on the key), (staging index, bytes per byte), and its
         # messages (code of (src, dst), src key, dst key). A pair is placed at most once
@@ -136,9 +138,10 @@ class RoundLoads:
                 return True
         return False
 
-    def room(self, p: Pair, r: int) -> float:
+    def room(self, p: Pair, r: int, need: float = 0.0) -> float:
         """Bytes of ``p`` that round ``r`` can still take (rounds up to ``r + horizon``
-        must be open)."""
+        must be open); where that is less than ``need``, possibly less still (the first
+        key found short decides: the pair does not go in this round either way)."""
         tau, lat, bucket = self.tau, self.latency, self.bucket
         busy, count = self.busy[r], self.count[r]
         x = math.inf
@@ -157,6 +160,8 @@ class RoundLoads:
                 return 0.0
             if left < x * c:
                 x = left / c
+        if x < need:
+            return x
         if p.tl:
             sent, codes = self.sent, self.codes
             for (o, idx, k, c), on_key in zip(p.tl, p.tl_codes):
@@ -172,6 +177,8 @@ class RoundLoads:
                     return 0.0
                 if left < x * c:
                     x = left / c
+                    if x < need:
+                        return x
             for o, idx, c in p.sl:
                 left = bucket - self.staged[r + o][idx]
                 if left <= 0:

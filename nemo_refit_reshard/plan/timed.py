@@ -38,6 +38,8 @@ import heapq
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from itertools import compress, repeat
+from operator import attrgetter, is_, neg
 from typing import NamedTuple
 
 from .carry import legs
@@ -63,15 +65,15 @@ def _take(p: Pair, room: float, placed: list[list[Transfer]] | None, r: int) -> 
         x = min(room, p.left)
         p.left -= x
         return x
-    queue, nbytes, taken = p.queue, 0, []
-    while queue and nbytes + queue[-1].nbytes <= room:
-        t = queue.pop()
-        taken.append(t)
-        nbytes += t.nbytes
+    queue, sizes, nbytes, taken = p.queue, p.sizes, 0, []
+    while queue and nbytes + sizes[-1] <= room:
+        taken.append(queue.pop())
+        nbytes += sizes.pop()
     if queue and room > nbytes:
         cut = cut_rows(queue[-1], room - nbytes)
         if cut is not None:
             queue[-1] = cut[1]
+            sizes[-1] = cut[1].nbytes
             taken.append(cut[0])
             nbytes += cut[0].nbytes
     if p.via < 0:
@@ -126,6 +128,7 @@ def _fill(
     for p in pairs:
         if placed is not None:
             p.queue = sorted(p.transfers, key=message_order, reverse=True)
+            p.sizes = [t.nbytes for t in p.queue]
         p.left = float(p.nbytes)
         if rounds.capacity(p) < min(p.left, p.chunk):
             raise TooSmall
@@ -176,13 +179,18 @@ def _fill(
     for heap in heaps.values():
         heapq.heapify(heap)
     left = {s: len(ps) for s, ps in by_src.items()}  # pairs with bytes left
+    # Each sender's live pairs -> their receivers' time and staging bits in one mask (time
+    # bits below ``shift``): a turn where every one meets a full bit places nothing.
+    shift = 2 * rounds.num_keys
+    gates = {s: {p: p.gate_mask | p.sgate_mask << shift for p in ps} for s, ps in by_src.items()}
 
     def place(s: int, p: Pair, r: int) -> bool:
         """Put what fits of ``p`` into round ``r``; whether anything went."""
         if rounds.blocked(p, r):
             return False
-        room = rounds.room(p, r)
-        if room < min(p.left, p.chunk):
+        need = min(p.left, p.chunk)
+        room = rounds.room(p, r, need)
+        if room < need:
             return False
         got = _take(p, room, placed, r)
         if not got:
@@ -195,6 +203,7 @@ def _fill(
                 ranks_of[rset] = None
         if p.left <= 0:
             left[s] -= 1
+            del gates[s][p]
         return True
 
     def full(s: int, r: int) -> bool:
@@ -203,6 +212,7 @@ def _fill(
         return bool(stage & rounds.full_stage[r]) or keys & rounds.full_time[r] == keys
 
     heappop, heappush, heappushpop = heapq.heappop, heapq.heappush, heapq.heappushpop
+    rset_of, rank_in_of = attrgetter("rset"), attrgetter("rank_in")
     stamp = 0  # marks the pairs a sender served in the previous round, per turn
     for p in pairs:
         p.stamp = -1
@@ -229,13 +239,21 @@ def _fill(
             for p in active[s]:
                 p.stamp = stamp  # served last round: tried above already
             ft, fs = full_time[r], full_stage[r]
-            if heap and not is_full and all(
-                q.left <= 0 or q.stamp == stamp or q.gate_mask & ft or q.sgate_mask & fs
-                for _, _, q in heap
-            ):
-                # Nothing can be placed: the loop below would pop every pair and put the
-                # live ones back with their current keys. Do just that.
-                heap[:] = [(-priority(q.rset), q.rank_in, q) for _, _, q in heap if q.left > 0]
+            if heap and not is_full and all(map((ft | fs << shift).__and__, gates[s].values())):
+                # Every receiver set has a full key, so nothing can be placed: the loop
+                # below would pop every pair and put the live ones back with their
+                # current keys. Do just that.
+                # (in C: every live pair's key is its receiver set's cached priority,
+                # computed first where a placement dropped it)
+                live = gates[s]
+                for rset in compress(
+                    rsets := list(map(rset_of, live)),
+                    map(is_, map(ranks_of.__getitem__, rsets), repeat(None)),
+                ):
+                    priority(rset)
+                heap[:] = zip(
+                    map(neg, map(ranks_of.__getitem__, rsets)), map(rank_in_of, live), live
+                )
                 heapq.heapify(heap)
                 active[s] = served
                 stamp += 1
