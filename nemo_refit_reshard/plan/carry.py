@@ -23,6 +23,8 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 from collections.abc import Callable, Mapping
+from itertools import groupby
+from operator import itemgetter
 
 from .transfer import LinkModel, Transfer, cut_rows
 
@@ -55,6 +57,9 @@ def legs(t: Transfer, via: int) -> tuple[Transfer, Transfer]:
     first = Transfer(src, via, src_tensor, src_box, name, dst_box, canonical, box, dtype)
     second = Transfer(via, dst, name, dst_box, dst_tensor, dst_box, canonical, box, dtype)
     return first, second
+
+
+_PAIR = itemgetter(0, 1)  # a transfer's (sender, receiver)
 
 
 def choose_carriers(
@@ -90,10 +95,15 @@ def choose_carriers(
         return c
 
     busy: dict[tuple[int, str], float] = defaultdict(float)
+    pair, weights = (-1, -1), []  # the (sender, receiver) before, and its charges
     for t in transfers:
         if t.src < num_sources:
-            for link, x in spb(t.src, t.dst).items():
-                busy[(t.src, link)] += t.nbytes * x
+            if t.src != pair[0] or t.dst != pair[1]:  # (runs of one pair are common)
+                pair = (t.src, t.dst)
+                weights = [((t.src, link), x) for link, x in spb(t.src, t.dst).items()]
+            nbytes = t.nbytes
+            for key, x in weights:
+                busy[key] += nbytes * x
     domains = node_groups_of(list(range(num_sources)), links)
     by_src: dict[int, list[int]] = defaultdict(list)
     for i, t in enumerate(transfers):
@@ -179,8 +189,8 @@ def choose_ingress_carriers(
         return out
 
     pair_bytes: dict[tuple[int, int], int] = defaultdict(int)
-    for t in transfers:
-        pair_bytes[(t.src, t.dst)] += t.nbytes
+    for (src, dst), ts in groupby(transfers, key=_PAIR):
+        pair_bytes[(src, dst)] += sum(t.nbytes for t in ts)
     for t, via in carried_before:
         pair_bytes[(via, t.dst)] += t.nbytes
     for (src, dst), nbytes in pair_bytes.items():

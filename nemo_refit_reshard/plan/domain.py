@@ -19,6 +19,8 @@ import heapq
 import math
 from collections import defaultdict
 from collections.abc import Mapping
+from itertools import count
+from operator import itemgetter, neg
 
 from .carry import node_groups_of
 from .overlap import Need, PlanError
@@ -74,6 +76,9 @@ def _entry_cost(load: list[list[int]], j: int) -> tuple[int, int, int]:
     return max(at), sum(at), j
 
 
+_SRC, _DST = itemgetter(0), itemgetter(1)  # a transfer's sender and receiver
+
+
 def domain_entries(
     transfers: list[Transfer], runs_of: dict[int, list[tuple[int, ...]]]
 ) -> tuple[list[Transfer], dict[int, tuple[int, ...]]]:
@@ -88,13 +93,13 @@ def domain_entries(
     per entry member, every run's entry for it (the receivers a sender serves with one
     stored transfer).
     """
-    order = sorted(
-        range(len(transfers)),
-        key=lambda i: (-transfers[i].nbytes, transfers[i].dst, transfers[i].src, i),
-    )
+    sizes = [t.nbytes for t in transfers]
+    # largest first, then by receiver, sender and position
+    keys = zip(map(neg, sizes), map(_DST, transfers), map(_SRC, transfers), count())
+    order = [i for _, _, _, i in sorted(keys)]
     total: dict[int, int] = defaultdict(int)
-    for t in transfers:
-        total[t.dst] += t.nbytes
+    for t, nbytes in zip(transfers, sizes):
+        total[t.dst] += nbytes
     heaps: dict[int, list[tuple[float, int]]] = {}
     for rep, runs in runs_of.items():
         weights = entry_weights(tuple(len(run) for run in runs))
@@ -109,7 +114,7 @@ def domain_entries(
             continue
         heap = heaps[t.dst]
         due, j = heap[0]
-        heapq.heapreplace(heap, (due + t.nbytes, j))
+        heapq.heapreplace(heap, (due + sizes[i], j))
         out[i] = Transfer(t[0], runs[0][j], *t[2:])  # (``_replace``, without its cost)
     targets = {
         run0[j]: tuple(run[j % len(run)] for run in runs)

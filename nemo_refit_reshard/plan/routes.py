@@ -44,14 +44,26 @@ class Routes:
         member, every run hop, both carried legs; with ``carried=False`` as if the
         carried transfers went direct). The predicted refit time (rounds run one after
         another, ``plan/predict.py``) is at least the largest of them."""
-        pairs: dict[tuple[int, int, int], int] = defaultdict(int)
+        return self._link_seconds(links, self._pair_bytes(), carried)
+
+    def _pair_bytes(self) -> dict[tuple[int, int], int]:
+        """Bytes per (sender, stored receiver) of the direct transfers and chain hops."""
+        pairs: dict[tuple[int, int], int] = defaultdict(int)
         for t in self.direct:
-            pairs[(t.src, t.dst, -1)] += t.nbytes
-        for t, via in self.carried:
-            pairs[(t.src, t.dst, via if carried else -1)] += t.nbytes
+            pairs[(t.src, t.dst)] += t.nbytes
         for level in self.hops:
             for t in level:
-                pairs[(t.src, t.dst, -1)] += t.nbytes
+                pairs[(t.src, t.dst)] += t.nbytes
+        return pairs
+
+    def _link_seconds(
+        self, links: LinkModel, direct: dict[tuple[int, int], int], carried: bool
+    ) -> dict[tuple, float]:
+        pairs: dict[tuple[int, int, int], int] = defaultdict(int)
+        for (src, dst), nbytes in direct.items():
+            pairs[(src, dst, -1)] = nbytes
+        for t, via in self.carried:
+            pairs[(t.src, t.dst, via if carried else -1)] += t.nbytes
         position = {m: (run, i) for run in self.chains for i, m in enumerate(run)}
         busy: dict[tuple, float] = defaultdict(float)
 
@@ -75,9 +87,10 @@ class Routes:
         """Seconds no schedule of these routes can beat: the busiest (rank, link,
         direction)'s total, with the carried legs or without them (the rounds pass
         may drop them), whichever is lower."""
-        bound = max(self.link_seconds(links).values(), default=0.0)
+        direct = self._pair_bytes()
+        bound = max(self._link_seconds(links, direct, True).values(), default=0.0)
         if self.carried:
-            bound = min(bound, max(self.link_seconds(links, carried=False).values()))
+            bound = min(bound, max(self._link_seconds(links, direct, False).values()))
         return bound
 
     def __str__(self) -> str:
