@@ -338,18 +338,22 @@ def timed_schedule(
         + [t.src for t, _ in carried]
     )
 
+    built: dict[tuple[int, int, int], Pair] = {}
+
     def pairs_of(direct: list[Transfer], through: Sequence[tuple[Transfer, int]]) -> list[Pair]:
         by_pair: dict[tuple[int, int, int], list[Transfer]] = defaultdict(list)
         for t in direct:
             by_pair[(t.src, t.dst, -1)].append(t)
         for t, via in through:
             by_pair[(t.src, t.dst, via)].append(t)
-        out = [
-            build_pair(src, dst, via, ts, links, members, position, key, ranks)
-            for (src, dst, via), ts in sorted(by_pair.items())
-        ]
-        for p in out:  # a chunk never needs more than a round's staging
-            p.chunk = min(p.chunk, bucket_bytes / max(c for _, c in p.s0))
+        out = []
+        for k, ts in sorted(by_pair.items()):
+            p = built.get(k)
+            if p is None or p.transfers != ts:  # (the same pair again: fills reset it)
+                p = built[k] = build_pair(*k, ts, links, members, position, key, ranks)
+                # a chunk never needs more than a round's staging
+                p.chunk = min(p.chunk, bucket_bytes / max(c for _, c in p.s0))
+            out.append(p)
         return out
 
     pairs = pairs_of(transfers, carried)
