@@ -97,3 +97,16 @@ def test_even_traffic_runs_at_the_busiest_links_time(recorded) -> None:
         floor = bandwidth_floor(plan, sources, destinations, cluster, placement).seconds
         predicted = predict_refit(plan, cluster, placement).seconds
         assert floor < bound <= predicted <= 1.02 * bound, bucket_mb
+
+
+def test_a_price_fill_stops_only_when_it_cannot_win() -> None:
+    """``Limit``: spent above the best loses; equal loses unless it ranks first on ties;
+    spent plus the busiest link's remaining work above the best (beyond rounding) loses."""
+    from nemo_refit_reshard.plan.timed import Limit
+
+    later, earlier = Limit(1.0, False, []), Limit(1.0, True, [])
+    assert later.beaten_by(1.0, 0.0) and not earlier.beaten_by(1.0, 0.0)
+    assert later.beaten_by(1.5, 0.0) and earlier.beaten_by(1.5, 0.0)
+    assert not later.beaten_by(0.6, 0.4)  # exactly the best: may still tie, keep filling
+    assert later.beaten_by(0.6, 0.41)
+    assert not later.beaten_by(0.5, 0.4)
