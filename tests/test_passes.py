@@ -179,3 +179,41 @@ def test_plan_refit_is_the_composition_of_the_passes(relay: str) -> None:
         for t in m.transfers
     )
     assert wire == sum(t.nbytes for ts in rounds.transfers for t in ts)
+
+
+def test_c_speed_helpers_equal_their_python_definitions() -> None:
+    """``sizes_of``, ``in_message_order``, ``Message.shared`` and the unchecked boxes of
+    ``map_sub_box`` / ``intersect`` give exactly what the plain definitions give, mixed
+    dtypes and relay buffers included."""
+    from nemo_refit_reshard.layouts.base import Box, map_sub_box
+    from nemo_refit_reshard.plan.carry import is_relay, legs
+    from nemo_refit_reshard.plan.messages import Message, in_message_order
+    from nemo_refit_reshard.plan.transfer import Transfer, sizes_of
+
+    def t(dst_tensor: str, row: int, dtype: str, src_tensor: str = "w") -> Transfer:
+        box = Box((row, 0), (2, 3))
+        return Transfer(0, 1, src_tensor, box, dst_tensor, box, "c", box, dtype)
+
+    one = [t("b", 4, "bfloat16"), t("a", 6, "bfloat16"), t("a", 2, "bfloat16", "v")]
+    mixed = [*one, t("a", 0, "float32"), t("b", 8, "float16")]
+    for ts in (one, mixed, []):
+        assert list(sizes_of(ts)) == [x.nbytes for x in ts]
+        for reverse in (False, True):
+            assert in_message_order(ts, reverse) == sorted(ts, key=message_order, reverse=reverse)
+    first, _ = legs(mixed[0], 5)  # into rank 5's relay buffer
+    m = Message(0, 0, 1, (first, *mixed))
+    assert m.nbytes == sum(x.nbytes for x in m.transfers) == 6 * (2 + 2 + 2 + 4 + 2 + 2)
+    assert m.shared == Message(0, 0, 1, tuple(mixed)) != m
+    assert [is_relay(x.dst_tensor) for x in m.transfers] == [True] + [False] * len(mixed)
+    plain = Message(0, 0, 1, tuple(mixed))
+    assert plain.shared is plain
+    assert Message(0, 0, 5, (first,)).shared is None
+    outer, image = Box((4, 0), (8, 6)), Box((0, 2, 0), (8, 1, 6))
+    mapped = map_sub_box(outer, image, Box((6, 1), (2, 5)))
+    assert mapped == Box((2, 2, 1), (2, 1, 5)) and mapped.numel == 10
+    shifted = map_sub_box(outer, Box((10, 0), (8, 6)), Box((6, 1), (2, 5)))
+    assert shifted == Box((12, 1), (2, 5)) and shifted.numel == 10
+    assert hash(shifted) == hash(Box((12, 1), (2, 5)))
+    common = Box((0, 0), (4, 4)).intersect(Box((2, 1), (4, 4)))
+    assert common == Box((2, 1), (2, 3)) and common.numel == 6
+    assert Box((0, 0), (1, 4)).followed_by(Box((1, 0), (1, 4))) == Box((0, 0), (2, 4))

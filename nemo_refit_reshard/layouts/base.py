@@ -17,6 +17,8 @@ import gc
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from operator import add
+from operator import sub as _sub
 from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -100,7 +102,7 @@ class Box:
                 return None
             offsets.append(lo)
             sizes.append(hi - lo)
-        return Box(tuple(offsets), tuple(sizes))
+        return _derived_box(tuple(offsets), tuple(sizes))
 
     def contained_in(self, other: Box) -> bool:
         for ao, as_, bo, bs in zip(self.offsets, self.sizes, other.offsets, other.sizes):
@@ -128,7 +130,7 @@ class Box:
             ):
                 sizes = list(self.sizes)
                 sizes[d] += other.sizes[d]
-                return Box(self.offsets, tuple(sizes))
+                return _derived_box(self.offsets, tuple(sizes))
             if self.sizes[d] != 1:
                 return None  # a non-unit dimension before d would interleave the parts
         return None
@@ -149,6 +151,18 @@ class Box:
         return cls(tuple(data[0]), tuple(data[1]))
 
 
+def _derived_box(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Box:
+    """``Box(offsets, sizes)`` for a box computed from valid boxes (an intersection, a
+    union, a mapped sub-box), without re-checking it: planners make millions of them,
+    and the checked constructor takes most of their cost."""
+    box = object.__new__(Box)
+    fields = box.__dict__  # (a frozen dataclass: its fields are set once, here)
+    fields["offsets"] = offsets
+    fields["sizes"] = sizes
+    fields["numel"] = math.prod(sizes)
+    return box
+
+
 def map_sub_box(outer: Box, image: Box, sub: Box) -> Box:
     """Where ``sub`` (a box inside ``outer``) lies in ``image``, ``outer``'s counterpart.
 
@@ -162,17 +176,15 @@ def map_sub_box(outer: Box, image: Box, sub: Box) -> Box:
         # Same shape (no unit dimensions to line up): a plain shift.
         if outer.offsets == image.offsets:
             return sub
-        return Box(
-            tuple(i + s - o for i, s, o in zip(image.offsets, sub.offsets, outer.offsets)),
-            sub.sizes,
-        )
+        shifted = map(_sub, map(add, image.offsets, sub.offsets), outer.offsets)
+        return _derived_box(tuple(shifted), sub.sizes)
     offsets, sizes = list(image.offsets), list(image.sizes)
     image_dims = [d for d, s in enumerate(image.sizes) if s != 1]
     outer_dims = [d for d, s in enumerate(outer.sizes) if s != 1]
     for od, idim in zip(outer_dims, image_dims):
         offsets[idim] = image.offsets[idim] + sub.offsets[od] - outer.offsets[od]
         sizes[idim] = sub.sizes[od]
-    return Box(tuple(offsets), tuple(sizes))
+    return _derived_box(tuple(offsets), tuple(sizes))
 
 
 @dataclass(frozen=True)

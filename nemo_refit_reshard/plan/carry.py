@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from itertools import groupby
 from operator import itemgetter
 
-from .transfer import LinkModel, Transfer, cut_rows
+from .transfer import LinkModel, Transfer, cut_rows, new_transfer, sizes_of
 
 RELAY = "@relay:"
 # A rank carries for a neighbour only to save more than this many message latencies.
@@ -54,8 +54,12 @@ def legs(t: Transfer, via: int) -> tuple[Transfer, Transfer]:
     """Leg 1 (``t.src -> via``, into the relay buffer) and leg 2 (``via -> t.dst``)."""
     name = relay_tensor(t.dst, t.dst_tensor)
     src, dst, src_tensor, src_box, dst_tensor, dst_box, canonical, box, dtype = t
-    first = Transfer(src, via, src_tensor, src_box, name, dst_box, canonical, box, dtype)
-    second = Transfer(via, dst, name, dst_box, dst_tensor, dst_box, canonical, box, dtype)
+    first = new_transfer(
+        Transfer, (src, via, src_tensor, src_box, name, dst_box, canonical, box, dtype)
+    )
+    second = new_transfer(
+        Transfer, (via, dst, name, dst_box, dst_tensor, dst_box, canonical, box, dtype)
+    )
     return first, second
 
 
@@ -96,12 +100,12 @@ def choose_carriers(
 
     busy: dict[tuple[int, str], float] = defaultdict(float)
     pair, weights = (-1, -1), []  # the (sender, receiver) before, and its charges
-    for t in transfers:
+    sizes = list(sizes_of(transfers))
+    for t, nbytes in zip(transfers, sizes):
         if t.src < num_sources:
             if t.src != pair[0] or t.dst != pair[1]:  # (runs of one pair are common)
                 pair = (t.src, t.dst)
                 weights = [((t.src, link), x) for link, x in spb(t.src, t.dst).items()]
-            nbytes = t.nbytes
             for key, x in weights:
                 busy[key] += nbytes * x
     domains = node_groups_of(list(range(num_sources)), links)
@@ -132,9 +136,11 @@ def choose_carriers(
                         for i in by_src[s]
                         if i not in record.moved and link in spb(s, transfers[i].dst)
                     ),
-                    key=lambda i: (-transfers[i].nbytes, transfers[i].dst, i),
+                    key=lambda i: (-sizes[i], transfers[i].dst, i),
                 )
                 for i in order:
+                    if excess <= floor:
+                        break  # (``_hand_over`` would hand over nothing more)
                     per_byte = spb(s, transfers[i].dst)[link]
                     moved, rest, excess = _hand_over(transfers[i], per_byte, excess, floor, room)
                     record.add(i, moved, rest)
@@ -190,7 +196,7 @@ def choose_ingress_carriers(
 
     pair_bytes: dict[tuple[int, int], int] = defaultdict(int)
     for (src, dst), ts in groupby(transfers, key=_PAIR):
-        pair_bytes[(src, dst)] += sum(t.nbytes for t in ts)
+        pair_bytes[(src, dst)] += sum(sizes_of(list(ts)))
     for t, via in carried_before:
         pair_bytes[(via, t.dst)] += t.nbytes
     for (src, dst), nbytes in pair_bytes.items():
@@ -220,6 +226,7 @@ def choose_ingress_carriers(
     for i, t in enumerate(transfers):
         if t.dst in lone_set:
             by_dst[t.dst].append(i)
+    sizes = {i: transfers[i].nbytes for ids in by_dst.values() for i in ids}
     record = _Moves()
     for domain in domains:
         heavy_here = [y for y in domain if y in lone_set]
@@ -230,8 +237,10 @@ def choose_ingress_carriers(
         room = _Carriers({r: mean - busy[r] for r in domain if r not in lone_set})
         for y in sorted(heavy_here, key=lambda r: (-busy[r], r)):
             excess = busy[y] - mean
-            order = sorted(by_dst[y], key=lambda i: (-transfers[i].nbytes, transfers[i].src, i))
+            order = sorted(by_dst[y], key=lambda i: (-sizes[i], transfers[i].src, i))
             for i in order:
+                if excess <= floor:
+                    break  # (``_hand_over`` would hand over nothing more)
                 link, per_byte = links.link(transfers[i].src, y)
                 if link == "nvlink":
                     continue

@@ -25,7 +25,7 @@ from operator import itemgetter, neg
 from .carry import node_groups_of
 from .overlap import Need, PlanError
 from .relay import node_groups
-from .transfer import DTYPE_BYTES, LinkModel, Transfer
+from .transfer import DTYPE_BYTES, LinkModel, Transfer, new_transfer, sizes_of
 
 
 def domain_runs(
@@ -93,7 +93,7 @@ def domain_entries(
     per entry member, every run's entry for it (the receivers a sender serves with one
     stored transfer).
     """
-    sizes = [t.nbytes for t in transfers]
+    sizes = list(sizes_of(transfers))
     # largest first, then by receiver, sender and position
     keys = zip(map(neg, sizes), map(_DST, transfers), map(_SRC, transfers), count())
     order = [i for _, _, _, i in sorted(keys)]
@@ -115,7 +115,7 @@ def domain_entries(
         heap = heaps[t.dst]
         due, j = heap[0]
         heapq.heapreplace(heap, (due + sizes[i], j))
-        out[i] = Transfer(t[0], runs[0][j], *t[2:])  # (``_replace``, without its cost)
+        out[i] = new_transfer(Transfer, (t[0], runs[0][j], *t[2:]))  # (``_replace``, cheaper)
     targets = {
         run0[j]: tuple(run[j % len(run)] for run in runs)
         for runs in runs_of.values()

@@ -25,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from functools import cached_property
 
-from .messages import Message, message_order
+from .messages import Message, in_message_order
 
 
 class Expansion:
@@ -148,4 +148,4 @@ def _merge(r: int, src: int, dst: int, parts: list[tuple[Message, bool]]) -> Mes
         m, fwd = parts[0]
         return _content(m, r, src, dst, fwd)
     transfers = [t for m, fwd in parts for t in _content(m, r, src, dst, fwd).transfers]
-    return Message(r, src, dst, tuple(sorted(transfers, key=message_order)))
+    return Message(r, src, dst, tuple(in_message_order(transfers)))

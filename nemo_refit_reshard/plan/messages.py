@@ -3,12 +3,14 @@ to back in a fixed order."""
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import compress, groupby
+from operator import attrgetter, itemgetter, methodcaller, not_
 
-from .carry import is_relay
-from .transfer import DTYPE_BYTES, Transfer
+from .carry import RELAY
+from .transfer import DTYPE_BYTES, Transfer, new_transfer, sizes_of
 
 
 @dataclass(frozen=True)
@@ -27,16 +29,18 @@ class Message:
 
     @cached_property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.transfers)
+        return sum(sizes_of(self.transfers))
 
     @cached_property
     def shared(self) -> Message | None:
         """What ``dst``'s replicas and relay run receive too (``plan/expand.py``): every
         transfer except those into ``dst``'s relay buffer (``plan/carry.py``), which only
         ``dst`` itself receives. ``None`` if that leaves nothing."""
-        keep = tuple(t for t in self.transfers if not is_relay(t.dst_tensor))
-        if len(keep) == len(self.transfers):
+        # (``is_relay`` of every destination tensor, in C: messages hold millions)
+        relayed = list(map(_STARTS_RELAY, map(_DST_TENSOR, self.transfers)))
+        if not any(relayed):
             return self
+        keep = tuple(compress(self.transfers, map(not_, relayed)))
         return Message(self.round, self.src, self.dst, keep) if keep else None
 
     def forwarded(self, src: int, dst: int, round_index: int) -> Message:
@@ -47,14 +51,14 @@ class Message:
             round_index,
             src,
             dst,
-            tuple(Transfer(src, dst, *t[4:6], *t[4:]) for t in self.transfers),
+            tuple(new_transfer(Transfer, (src, dst, *t[4:6], *t[4:])) for t in self.transfers),
         )
 
     def to(self, dst: int) -> Message:
         """This message as sent to ``dst``, a replica of its receiver (same local boxes)."""
         if dst == self.dst:
             return self
-        transfers = tuple(Transfer(t[0], dst, *t[2:]) for t in self.transfers)
+        transfers = tuple(new_transfer(Transfer, (t[0], dst, *t[2:])) for t in self.transfers)
         return Message(self.round, self.src, dst, transfers)
 
 
@@ -64,15 +68,26 @@ def message_order(t: Transfer) -> tuple:
     return (-DTYPE_BYTES[t.dtype], t.dst_tensor, t.dst_box.offsets, t.src_tensor, t.src_box.offsets)
 
 
+_PAIR = itemgetter(0, 1)  # (sender, receiver)
+_DST_TENSOR = itemgetter(4)
+_STARTS_RELAY = methodcaller("startswith", RELAY)  # ``carry.is_relay``
+
+# message_order without its first field, a key computed in C: where every transfer has
+# one dtype (most messages), sorting on it gives the same order.
+_WITHIN_DTYPE = attrgetter("dst_tensor", "dst_box.offsets", "src_tensor", "src_box.offsets")
+_DTYPE = attrgetter("dtype")
+
+
+def in_message_order(transfers: Sequence[Transfer], reverse: bool = False) -> list[Transfer]:
+    """``sorted(transfers, key=message_order, reverse=reverse)``."""
+    one_dtype = len(set(map(_DTYPE, transfers))) <= 1
+    return sorted(transfers, key=_WITHIN_DTYPE if one_dtype else message_order, reverse=reverse)
+
+
 def round_messages(r: int, transfers: list[Transfer]) -> list[Message]:
     """One round's transfers as one message per (sender, receiver), in that order."""
-    pairs: dict[tuple[int, int], list[Transfer]] = defaultdict(list)
-    for t in transfers:
-        pairs[(t.src, t.dst)].append(t)
-    return [
-        Message(r, src, dst, tuple(sorted(ts, key=message_order)))
-        for (src, dst), ts in sorted(pairs.items())
-    ]
+    by_pair = groupby(sorted(transfers, key=_PAIR), key=_PAIR)  # (a stable sort: C keys)
+    return [Message(r, src, dst, tuple(in_message_order(list(ts)))) for (src, dst), ts in by_pair]
 
 
 def to_messages(rounds: list[list[Transfer]]) -> list[list[Message]]:

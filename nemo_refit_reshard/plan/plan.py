@@ -18,6 +18,7 @@ pass 5 only for those whose routes could still win (``plan/choice.py``).
 from __future__ import annotations
 
 from collections import defaultdict
+from operator import itemgetter
 
 from ..layouts.base import RankLayout, paused_gc
 from ..spec.model import ModelSpec
@@ -34,6 +35,7 @@ from .senders import choose_senders
 from .transfer import DTYPE_BYTES, LinkModel
 
 RELAY_CHOICES = ("auto", *RELAY_MODES)
+_SRC_TENSOR = itemgetter(2)  # a transfer's source tensor
 
 
 def plan_refit(
@@ -126,7 +128,7 @@ def _assemble(
     for msgs in messages:
         for m in msgs:
             if m.src < s:
-                used_src[m.src].update(t.src_tensor for t in m.transfers)
+                used_src[m.src].update(map(_SRC_TENSOR, m.transfers))
             for key in expansion.deliveries(m):
                 whole = not key[3] and key[2] == m.dst  # else only its shared part
                 content = m if whole or m.shared is None else m.shared

@@ -13,7 +13,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 
-from .transfer import LinkModel, Transfer
+from .transfer import LinkModel, Transfer, sizes_of
 
 # A round where a key has less than this fraction of its budget left (or less than a
 # worthwhile chunk's time) counts as full for it: pairs skip it without pricing it.
@@ -66,7 +66,7 @@ class Pair:
         self.src, self.dst = src, dst
         self.via = via  # the rank that carries it (``plan/carry.py``), or -1
         self.transfers = transfers
-        self.nbytes = sum(t.nbytes for t in transfers)
+        self.nbytes = sum(sizes_of(transfers))
         self.left = float(self.nbytes)  # bytes not yet placed
         self.queue: list[Transfer] = []  # transfers not yet placed, last one next
         self.sizes: list[int] = []  # their bytes

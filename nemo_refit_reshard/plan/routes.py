@@ -23,7 +23,7 @@ from .domain import domain_entries
 from .fanout import FanOut
 from .relay import chain_replicas
 from .senders import Senders
-from .transfer import LinkModel, Transfer
+from .transfer import LinkModel, Transfer, sizes_of
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,8 @@ class Routes:
     def _pair_bytes(self) -> dict[tuple[int, int], int]:
         """Bytes per (sender, stored receiver) of the direct transfers and chain hops."""
         pairs: dict[tuple[int, int], int] = defaultdict(int)
-        for t in self.direct:
-            pairs[(t.src, t.dst)] += t.nbytes
+        for t, nbytes in zip(self.direct, sizes_of(self.direct)):
+            pairs[(t.src, t.dst)] += nbytes
         for level in self.hops:
             for t in level:
                 pairs[(t.src, t.dst)] += t.nbytes

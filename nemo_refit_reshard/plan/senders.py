@@ -24,7 +24,7 @@ from ..layouts.base import Box, map_sub_box
 from .fanout import FanOut
 from .needs import Needs
 from .overlap import Holder, Need
-from .transfer import DTYPE_BYTES, LinkModel, Transfer, split_box
+from .transfer import DTYPE_BYTES, LinkModel, Transfer, new_transfer, split_box
 
 
 @dataclass(frozen=True)
@@ -152,16 +152,19 @@ def assign_senders(
             busy[k] += nbytes * c
         cb = dst_piece.canonical_box
         out.append(
-            Transfer(
-                rank,
-                dst,
-                src_piece.local,
-                map_sub_box(src_piece.canonical_box, src_piece.local_box, box),
-                local,
-                dst_piece.local_box if box is cb else map_sub_box(cb, dst_piece.local_box, box),
-                dst_piece.canonical,
-                box,
-                dtype,
+            new_transfer(
+                Transfer,
+                (
+                    rank,
+                    dst,
+                    src_piece.local,
+                    map_sub_box(src_piece.canonical_box, src_piece.local_box, box),
+                    local,
+                    dst_piece.local_box if box is cb else map_sub_box(cb, dst_piece.local_box, box),
+                    dst_piece.canonical,
+                    box,
+                    dtype,
+                ),
             )
         )
     share = max(1, total // max(1, len(senders)))

@@ -43,9 +43,9 @@ from operator import attrgetter, is_, neg
 from typing import NamedTuple
 
 from .carry import legs
-from .messages import message_order
+from .messages import in_message_order
 from .round_loads import Outpriced, Pair, RoundLoads, TooSmall, build_pair, least_budget
-from .transfer import LinkModel, Transfer, cut_rows
+from .transfer import LinkModel, Transfer, cut_rows, sizes_of
 
 
 class TimedRounds(NamedTuple):
@@ -127,8 +127,8 @@ def _fill(
     by_src: dict[int, list[Pair]] = defaultdict(list)
     for p in pairs:
         if placed is not None:
-            p.queue = sorted(p.transfers, key=message_order, reverse=True)
-            p.sizes = [t.nbytes for t in p.queue]
+            p.queue = in_message_order(p.transfers, reverse=True)
+            p.sizes = list(sizes_of(p.queue))
         p.left = float(p.nbytes)
         if rounds.capacity(p) < min(p.left, p.chunk):
             raise TooSmall
