@@ -8,7 +8,9 @@ one core (``taskset``), this code and the baseline one after the other. With a c
 this code plans with ``relay="auto"`` (it picks the relay mode, ``plan/choice.py``)
 and the baseline with ``relay="domain"``, the best mode it could build at this scale;
 without one both plan with ``relay="none"``. Reported: seconds (wall and CPU), the
-relay used, the predicted refit time on the cluster model, rounds and peak memory.
+relay used, the predicted refit time on the cluster model, rounds, peak memory, and the
+seconds of a fixed Python loop (3 million dictionary updates) run just before the plan:
+this machine's speed drifts, and the loop shows how fast it was for that row.
 Layouts are built before the clock starts (as in ``benchmarks/plan_build.py``).
 """
 
@@ -54,6 +56,13 @@ if cluster_text != "none":
     cluster = Cluster.parse(cluster_text)
     placement = Placement.packed(len(src), len(dst), cluster)
     links = Topology(cluster, placement)
+# How fast this core runs plain Python right now (machines here drift 1.5-2x): a fixed
+# dictionary loop, timed just before the plan.
+loop = time.perf_counter()
+d = {}
+for i in range(3_000_000):
+    d[i & 4095] = d.get(i & 4095, 0) + i
+loop = time.perf_counter() - loop
 wall, cpu = time.perf_counter(), time.process_time()
 plan = plan_refit(spec, src, dst, relay=relay, links=links)
 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
@@ -61,6 +70,7 @@ choice = getattr(plan, "relay_choice", None)
 print(json.dumps({
     "wall": wall,
     "cpu": cpu,
+    "loop": loop,
     "relay": choice.chosen if choice is not None else relay,
     "predicted": predict_refit(plan, cluster, placement).seconds if cluster else None,
     "rounds": plan.num_rounds,
@@ -88,9 +98,9 @@ def main() -> int:
     args = parser.parse_args()
     print(
         "| model | training → inference | cluster | code | relay | plan (wall) | plan (CPU) "
-        "| predicted refit | rounds | peak memory | this / baseline |"
+        "| predicted refit | rounds | peak memory | reference loop | this / baseline |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model, train, infer in CASES[:1] if args.quick else CASES:
         for name, cluster in CLUSTERS.items():
             runs = {}
@@ -106,7 +116,8 @@ def main() -> int:
                 print(
                     f"| {model} | {train} → {infer} | {name} | {code} | {r['relay']} "
                     f"| {r['wall']:.1f} s | {r['cpu']:.1f} s | {pred} | {r['rounds']} "
-                    f"| {r['peak_gib']:.1f} GiB | {f'{ratio:.2f}x' if code == 'this' else ''} |"
+                    f"| {r['peak_gib']:.1f} GiB | {r['loop']:.2f} s "
+                    f"| {f'{ratio:.2f}x' if code == 'this' else ''} |"
                 )
                 sys.stdout.flush()
     return 0
