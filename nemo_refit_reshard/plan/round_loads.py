@@ -60,6 +60,7 @@ class Pair:
         "stamp",
         "rset",
         "tl_codes",
+        "capacity_terms",
     )
 
     def __init__(self, src: int, dst: int, via: int, transfers: list[Transfer]) -> None:
@@ -99,6 +100,9 @@ class Pair:
         self.stamp = -1  # ``_fill``'s marker of the pairs a sender served last round
         self.rset = -1  # ``_fill``'s number of its receiver set (``rkey``)
         self.tl_codes: list[list[int]] = []  # per ``tl`` entry: codes of ``ml`` on its key
+        # ``RoundLoads.capacity``'s terms, which no budget changes: (latency seconds,
+        # seconds per byte) per time index, bytes per byte per staging index
+        self.capacity_terms: tuple[list[tuple[float, float]], list[int]] | None = None
 
 
 class RoundLoads:
@@ -189,19 +193,13 @@ class RoundLoads:
 
     def capacity(self, p: Pair) -> float:
         """Bytes of ``p`` a round with nothing else in it takes."""
+        terms = _capacity_terms(p, self.latency)
+        tau, bucket = self.tau, self.bucket
         x = math.inf
-        for _, k, c, n in p.t0:
-            x = min(x, (self.tau - self.latency[k] * n) / c)
-        for _, c in p.s0:
-            x = min(x, self.bucket / c)
-        later: dict[tuple[int, int], int] = defaultdict(int)
-        for o, _, ka, kb in p.ml:
-            later[(o, ka)] += 1
-            later[(o, kb)] += 1
-        for o, _, k, c in p.tl:
-            x = min(x, (self.tau - self.latency[k] * later[(o, k)]) / c)
-        for _, _, c in p.sl:
-            x = min(x, self.bucket / c)
+        for wait, c in terms[0]:
+            x = min(x, (tau - wait) / c)
+        for c in terms[1]:
+            x = min(x, bucket / c)
         return x
 
     def add(self, p: Pair, r: int, nbytes: float) -> None:
@@ -269,18 +267,25 @@ class Outpriced(Exception):
     """The rounds filled so far already take at least the best budget's total time."""
 
 
+def _capacity_terms(p: Pair, latency: list[float]) -> tuple[list[tuple[float, float]], list[int]]:
+    """``p.capacity_terms``, computed on first use (every price fill asks for them)."""
+    terms = p.capacity_terms
+    if terms is None:
+        later: dict[tuple[int, int], int] = defaultdict(int)
+        for o, _, ka, kb in p.ml:
+            later[(o, ka)] += 1
+            later[(o, kb)] += 1
+        times = [(latency[k] * n, c) for _, k, c, n in p.t0]
+        times += [(latency[k] * later[(o, k)], c) for o, _, k, c in p.tl]
+        terms = p.capacity_terms = (times, [c for _, c in p.s0] + [c for _, _, c in p.sl])
+    return terms
+
+
 def least_budget(p: Pair, latency: list[float]) -> float:
     """Smallest round budget in which an empty round takes ``min(bytes, chunk)`` of
     ``p`` (``RoundLoads.capacity`` at least that)."""
     need = min(p.nbytes, p.chunk)
-    budget = max(latency[k] * n + c * need for _, k, c, n in p.t0)
-    later: dict[tuple[int, int], int] = defaultdict(int)
-    for o, _, ka, kb in p.ml:
-        later[(o, ka)] += 1
-        later[(o, kb)] += 1
-    for o, _, k, c in p.tl:
-        budget = max(budget, latency[k] * later[(o, k)] + c * need)
-    return budget * (1 + 1e-9)
+    return max(wait + c * need for wait, c in _capacity_terms(p, latency)[0]) * (1 + 1e-9)
 
 
 def build_pair(
