@@ -1,10 +1,13 @@
 """Plan build time at 256 GPUs per side, this code against an earlier checkout, side by side.
 
     git worktree add /tmp/base b7de692    # the code before the planner passes (#15)
-    python benchmarks/plan_speed.py --baseline /tmp/base [--cpu 0] [--quick]
+    python benchmarks/plan_speed.py --baseline /tmp/base [--cpu 0] [--quick] [--paired]
+                                    [--cluster none|H100|GB200 ...]
 
 Every row is one ``plan_refit`` over every rank of both sides, in a fresh process on
-one core (``taskset``), this code and the baseline one after the other. With a cluster
+one core (``taskset``), this code and the baseline one after the other; with
+``--paired`` both at the same time, on cores ``cpu`` and ``cpu + 1``, so a drift of the
+machine's speed hits both alike (each then shares the machine with the other). With a cluster
 this code plans with ``relay="auto"`` (it picks the relay mode, ``plan/choice.py``)
 and the baseline with ``relay="domain"``, the best mode it could build at this scale;
 without one both plan with ``relay="none"``. Reported: seconds (wall and CPU), the
@@ -79,15 +82,20 @@ print(json.dumps({
 """
 
 
-def measure(src_root: str, args: list[str], cpu: int | None) -> dict:
+def start(src_root: str, args: list[str], cpu: int | None) -> subprocess.Popen:
+    """One row's plan in a fresh process, pinned to ``cpu``."""
     cmd = [sys.executable, "-c", CHILD, *args]
     if cpu is not None and shutil.which("taskset"):
         cmd = ["taskset", "-c", str(cpu), *cmd]
     env = dict(os.environ, PYTHONPATH=src_root)
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise SystemExit(f"{src_root}: {' '.join(args)} failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def result(src_root: str, args: list[str], proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        raise SystemExit(f"{src_root}: {' '.join(args)} failed:\n{err[-2000:]}")
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> int:
@@ -95,6 +103,14 @@ def main() -> int:
     parser.add_argument("--baseline", required=True, help="a checkout of the earlier code")
     parser.add_argument("--cpu", type=int, default=0, help="core to pin every run to")
     parser.add_argument("--quick", action="store_true", help="the DeepSeek-V3 rows only")
+    parser.add_argument(
+        "--paired",
+        action="store_true",
+        help="run this code and the baseline at the same time on cores CPU and CPU+1",
+    )
+    parser.add_argument(
+        "--cluster", action="append", choices=list(CLUSTERS), help="only these clusters' rows"
+    )
     args = parser.parse_args()
     print(
         "| model | training → inference | cluster | code | relay | plan (wall) | plan (CPU) "
@@ -103,13 +119,25 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model, train, infer in CASES[:1] if args.quick else CASES:
         for name, cluster in CLUSTERS.items():
-            runs = {}
-            for code, root, relay in (
+            if args.cluster and name not in args.cluster:
+                continue
+            codes = (
                 ("this", ROOT, "auto" if cluster else "none"),
                 ("baseline", os.path.abspath(args.baseline), "domain" if cluster else "none"),
-            ):
-                argv = [model, train, infer, cluster or "none", relay]
-                runs[code] = measure(root, argv, args.cpu)
+            )
+            runs = {}
+            if args.paired:  # both at once, one core each: the same machine for both
+                procs = [
+                    (code, root, argv, start(root, argv, args.cpu + i))
+                    for i, (code, root, relay) in enumerate(codes)
+                    for argv in [[model, train, infer, cluster or "none", relay]]
+                ]
+                for code, root, argv, proc in procs:
+                    runs[code] = result(root, argv, proc)
+            else:  # one after the other on one core
+                for code, root, relay in codes:
+                    argv = [model, train, infer, cluster or "none", relay]
+                    runs[code] = result(root, argv, start(root, argv, args.cpu))
             for code, r in runs.items():
                 pred = f"{r['predicted']:.4f} s" if r["predicted"] is not None else "—"
                 ratio = runs["this"]["cpu"] / runs["baseline"]["cpu"]
