@@ -1,8 +1,8 @@
 """Plan build time at 256 GPUs per side, this code against an earlier checkout, side by side.
 
     git worktree add /tmp/base b7de692    # the code before the planner passes (#15)
-    python benchmarks/plan_speed.py --baseline /tmp/base [--cpu 0] [--quick] [--paired]
-                                    [--cluster none|H100|GB200 ...]
+    python benchmarks/plan_speed.py --baseline /tmp/base [--cpu 0] [--quick]
+                                    [--paired [--swap]] [--cluster none|H100|GB200 ...]
 
 Every row is one ``plan_refit`` over every rank of both sides, in a fresh process on
 one core (``taskset``), this code and the baseline one after the other; with
@@ -109,6 +109,9 @@ def main() -> int:
         help="run this code and the baseline at the same time on cores CPU and CPU+1",
     )
     parser.add_argument(
+        "--swap", action="store_true", help="with --paired: the baseline on CPU, this on CPU+1"
+    )
+    parser.add_argument(
         "--cluster", action="append", choices=list(CLUSTERS), help="only these clusters' rows"
     )
     args = parser.parse_args()
@@ -129,7 +132,7 @@ def main() -> int:
             if args.paired:  # both at once, one core each: the same machine for both
                 procs = [
                     (code, root, argv, start(root, argv, args.cpu + i))
-                    for i, (code, root, relay) in enumerate(codes)
+                    for i, (code, root, relay) in enumerate(codes[::-1] if args.swap else codes)
                     for argv in [[model, train, infer, cluster or "none", relay]]
                 ]
                 for code, root, argv, proc in procs:
