@@ -102,7 +102,7 @@ def test_even_traffic_runs_at_the_busiest_links_time(recorded) -> None:
 def test_a_price_fill_stops_only_when_it_cannot_win() -> None:
     """``Limit``: spent above the best loses; equal loses unless it ranks first on ties;
     spent plus the busiest link's remaining work above the best (beyond rounding) loses."""
-    from nemo_refit_reshard.plan.timed import Limit
+    from nemo_refit_reshard.plan.price_limit import Limit
 
     later, earlier = Limit(1.0, False, []), Limit(1.0, True, [])
     assert later.beaten_by(1.0, 0.0) and not earlier.beaten_by(1.0, 0.0)
@@ -110,3 +110,68 @@ def test_a_price_fill_stops_only_when_it_cannot_win() -> None:
     assert not later.beaten_by(0.6, 0.4)  # exactly the best: may still tie, keep filling
     assert later.beaten_by(0.6, 0.41)
     assert not later.beaten_by(0.5, 0.4)
+
+
+def test_a_price_fills_later_bound_never_exceeds_what_its_later_rounds_take(monkeypatch):
+    """``LaterBound``: after every finished round of a price fill, its time so far plus
+    the bound on the rounds after it stays within the fill's total; message latencies
+    (a pair goes in at least ``ceil(left / cap)`` more rounds) make the bound tighter
+    than the busy seconds alone."""
+    import math
+
+    import nemo_refit_reshard.plan.price_limit as price_limit
+    import nemo_refit_reshard.plan.timed as timed
+
+    chosen = []
+    real_choose = timed._choose
+    monkeypatch.setattr(
+        timed, "_choose", lambda *a, **k: chosen.append(a[:4]) or real_choose(*a, **k)
+    )
+    tp, ip = TrainParallel.parse("ep=2,dp=2"), InferParallel.parse("tp=2,dp=2")
+    sources = [megatron_layout(MOE, tp, r) for r in range(tp.world_size)]
+    destinations = [vllm_layout(MOE, ip, r) for r in range(ip.world_size)]
+    # latencies small enough that no budget sits at the latency floor: five budgets
+    cluster = Cluster(gpus_per_node=2, nvlink_latency_us=0.0001, nic_latency_us=0.0002)
+    placement = Placement.packed(len(sources), len(destinations), cluster)
+    links = Topology(cluster, placement)
+    plan_refit(MOE, sources, destinations, 0.02, relay="domain", links=links)
+
+    fills = []
+
+    class NeverStop:  # records what ``Limit.beaten_by`` is asked, and lets the fill finish
+        def __init__(self, seconds: float, ties_win: bool, totals: list[float]) -> None:
+            self.totals, self.steps, self.total, self.exact = totals, [], None, 0
+            fills.append(self)
+
+        def beaten_by(self, spent: float, ahead: float) -> bool:
+            self.steps.append((spent, ahead))
+            return False
+
+    real_fill, real_finish = timed._fill, price_limit.LaterBound.finish
+    message_terms, counted = [], []  # messages the bound counts after each round
+
+    def fill(pairs, rounds, placed, limit=None):
+        counted.clear()
+        real_fill(pairs, rounds, placed, limit)
+        limit.total = rounds.seconds()
+        # the messages every key really has in the rounds after each finished one
+        for r, bound in enumerate(counted):
+            later = [sum(c[k] for c in rounds.count[r + 1 :]) for k in range(len(bound))]
+            assert all(b <= n for b, n in zip(bound, later))
+            limit.exact += sum(b == n > 0 for b, n in zip(bound, later))
+
+    def finish(self, busy):
+        bound = real_finish(self, busy)
+        message_terms.append(bound - max(self.ahead))
+        counted.append(list(self.messages))
+        return bound
+
+    monkeypatch.setattr(timed, "Limit", NeverStop)
+    monkeypatch.setattr(timed, "_fill", fill)
+    monkeypatch.setattr(price_limit.LaterBound, "finish", finish)
+    real_choose(*chosen[0], stop_at=math.inf)  # every budget priced under a limit
+    assert len(fills) == 5
+    for f in fills:
+        assert all(spent + ahead <= f.total * (1 + 1e-9) for spent, ahead in f.steps)
+    assert max(message_terms) > 0 and min(message_terms) >= 0
+    assert all(f.exact for f in fills)  # and it counts some key's messages exactly

@@ -38,14 +38,17 @@ import heapq
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from itertools import compress, repeat
-from operator import attrgetter, is_, neg
+from itertools import compress, groupby, repeat
+from operator import attrgetter, is_, itemgetter, neg
 from typing import NamedTuple
 
 from .carry import legs
 from .messages import in_message_order
+from .price_limit import LaterBound, Limit
 from .round_loads import Outpriced, Pair, RoundLoads, TooSmall, build_pair, least_budget
 from .transfer import LinkModel, Transfer, cut_rows, sizes_of
+
+_SRC, _DST, _ENDS = itemgetter(0), itemgetter(1), itemgetter(0, 1)  # of a transfer
 
 
 class TimedRounds(NamedTuple):
@@ -85,27 +88,6 @@ def _take(p: Pair, room: float, placed: list[list[Transfer]] | None, r: int) -> 
             placed[r + 1].append(second)
     p.left -= nbytes
     return nbytes
-
-
-class Limit(NamedTuple):
-    """What a price fill must beat to matter: ``seconds``, or equal them where it wins
-    ties (it comes earlier in the order of budgets tried). ``totals[i]``: the busy
-    seconds every pair puts on time index ``i`` over all rounds (a fill places all of
-    them)."""
-
-    seconds: float
-    ties_win: bool
-    totals: list[float]
-
-    def beaten_by(self, spent: float, ahead: float) -> bool:
-        """Whether a fill whose finished rounds take ``spent`` and whose later rounds
-        must still carry ``ahead`` on one index cannot come in under the limit: its
-        total is at least ``spent + ahead`` (every round takes at least that index's
-        busy time in it). The bound is summed in another order than the total, hence
-        the margin."""
-        if spent > self.seconds or (spent == self.seconds and not self.ties_win):
-            return True
-        return spent + ahead > self.seconds * (1 + 1e-9)
 
 
 def _fill(
@@ -196,6 +178,8 @@ def _fill(
         if not got:
             return False
         rounds.add(p, r, got)
+        if later is not None:
+            later.placed(p)
         send_left[s] -= got * p.send_cost
         for idx, c in p.recv:
             recv_left[idx] -= got * c
@@ -217,7 +201,7 @@ def _fill(
     for p in pairs:
         p.stamp = -1
     spent = 0.0  # rounds before r, summed as ``RoundLoads.seconds`` sums them
-    ahead = list(limit.totals) if limit is not None else []  # busy seconds after them
+    later = None if limit is None else LaterBound(pairs, rounds, limit.totals)
     r = 0
     while any(left.values()):
         if placed is not None:
@@ -287,9 +271,9 @@ def _fill(
             stamp += 1
         if limit is not None:
             # round r is final: later placements go to rounds after it
+            assert later is not None
             spent += rounds.round_seconds(r)
-            ahead = [a - b for a, b in zip(ahead, rounds.busy[r])]
-            if limit.beaten_by(spent, max(ahead)):
+            if limit.beaten_by(spent, later.finish(rounds.busy[r])):
                 raise Outpriced
         r += 1
         if r > 64 * (len(rounds.busy) + 64):
@@ -330,20 +314,20 @@ def timed_schedule(
         return k
 
     ranks = 1 + max(
-        [t.src for t in transfers]
-        + [m for g in members.values() for m in g]
-        + [t.dst for t in transfers]
-        + [m for run in runs for m in run]
-        + [via for _, via in carried]
-        + [t.src for t, _ in carried]
+        max(map(_SRC, transfers), default=0),
+        max(map(_DST, transfers), default=0),
+        *(m for g in members.values() for m in g),
+        *(m for run in runs for m in run),
+        *(via for _, via in carried),
+        *(t.src for t, _ in carried),
     )
 
     built: dict[tuple[int, int, int], Pair] = {}
 
     def pairs_of(direct: list[Transfer], through: Sequence[tuple[Transfer, int]]) -> list[Pair]:
         by_pair: dict[tuple[int, int, int], list[Transfer]] = defaultdict(list)
-        for t in direct:
-            by_pair[(t.src, t.dst, -1)].append(t)
+        for (src, dst), ts in groupby(sorted(direct, key=_ENDS), key=_ENDS):  # (stable)
+            by_pair[(src, dst, -1)] = list(ts)
         for t, via in through:
             by_pair[(t.src, t.dst, via)].append(t)
         out = []
