@@ -39,7 +39,8 @@ CLUSTERS = {
 }
 
 CHILD = r"""
-import dataclasses, json, resource, sys, time
+import dataclasses, json, os, resource, sys, time
+import nemo_refit_reshard
 from nemo_refit_reshard.layouts import MegatronOptions, megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import plan_refit
 from nemo_refit_reshard.plan.predict import predict_refit
@@ -71,6 +72,7 @@ plan = plan_refit(spec, src, dst, relay=relay, links=links)
 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
 choice = getattr(plan, "relay_choice", None)
 print(json.dumps({
+    "package": os.path.dirname(os.path.dirname(os.path.abspath(nemo_refit_reshard.__file__))),
     "wall": wall,
     "cpu": cpu,
     "loop": loop,
@@ -87,15 +89,24 @@ def start(src_root: str, args: list[str], cpu: int | None) -> subprocess.Popen:
     cmd = [sys.executable, "-c", CHILD, *args]
     if cpu is not None and shutil.which("taskset"):
         cmd = ["taskset", "-c", str(cpu), *cmd]
+    # In the checkout's own directory: ``python -c`` puts the working directory first on
+    # ``sys.path``, ahead of PYTHONPATH, so started from this repository the child would
+    # import this code whatever ``src_root`` is. (Before this was fixed, every baseline
+    # row of docs/benchmarks.md's planner-time tables ran this code.)
     env = dict(os.environ, PYTHONPATH=src_root)
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        cmd, cwd=src_root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def result(src_root: str, args: list[str], proc: subprocess.Popen) -> dict:
     out, err = proc.communicate()
     if proc.returncode != 0:
         raise SystemExit(f"{src_root}: {' '.join(args)} failed:\n{err[-2000:]}")
-    return json.loads(out.strip().splitlines()[-1])
+    row = json.loads(out.strip().splitlines()[-1])
+    if os.path.realpath(row["package"]) != os.path.realpath(src_root):
+        raise SystemExit(f"the run for {src_root} imported the code in {row['package']}")
+    return row
 
 
 def main() -> int:
