@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from .round_loads import Pair, RoundLoads
+from .round_loads import Pair, RoundLoads, _capacity_terms
 
 
 class Limit(NamedTuple):
@@ -46,12 +46,15 @@ def round_cap(p: Pair, rounds: RoundLoads) -> float:
     """Most bytes of ``p`` one round takes (``RoundLoads.room`` never exceeds it): its own
     messages' latencies and its bytes within the budget on every key it loads in the
     round, its staging within the bucket."""
-    lat, tau = rounds.latency, rounds.tau
+    # ``RoundLoads.capacity``'s terms of the round itself (they come first), without the
+    # later rounds' hops, whose messages may already be open there
+    times, stages = _capacity_terms(p, rounds.latency)
+    tau, bucket = rounds.tau, rounds.bucket
     cap = math.inf
-    for _, k, c, n in p.t0:
-        cap = min(cap, (tau - lat[k] * n) / c)
-    for _, c in p.s0:
-        cap = min(cap, rounds.bucket / c)
+    for wait, c in times[: len(p.t0)]:
+        cap = min(cap, (tau - wait) / c)
+    for c in stages[: len(p.s0)]:
+        cap = min(cap, bucket / c)
     return cap
 
 
