@@ -112,6 +112,36 @@ def test_a_price_fill_stops_only_when_it_cannot_win() -> None:
     assert not later.beaten_by(0.5, 0.4)
 
 
+def _moe_budget_args(monkeypatch) -> tuple:
+    """The arguments of the first budget choice of a small MoE plan whose latencies are
+    small enough that no budget sits at the latency floor (five budgets priced)."""
+    import nemo_refit_reshard.plan.timed as timed
+
+    chosen = []
+    real_choose = timed.choose_budget
+    monkeypatch.setattr(
+        timed, "choose_budget", lambda *a, **k: chosen.append(a[:4]) or real_choose(*a, **k)
+    )
+    tp, ip = TrainParallel.parse("ep=2,dp=2"), InferParallel.parse("tp=2,dp=2")
+    sources = [megatron_layout(MOE, tp, r) for r in range(tp.world_size)]
+    destinations = [vllm_layout(MOE, ip, r) for r in range(ip.world_size)]
+    cluster = Cluster(gpus_per_node=2, nvlink_latency_us=0.0001, nic_latency_us=0.0002)
+    placement = Placement.packed(len(sources), len(destinations), cluster)
+    plan_refit(MOE, sources, destinations, 0.02, relay="domain", links=Topology(cluster, placement))
+    monkeypatch.undo()
+    return chosen[0]
+
+
+class _NeverStop:
+    """A ``Limit`` that lets every price fill run to its end."""
+
+    def __init__(self, seconds: float, ties_win: bool, totals: list[float]) -> None:
+        pass
+
+    def beaten_by(self, spent: float, ahead: float) -> bool:
+        return False
+
+
 def test_a_price_fills_later_bound_never_exceeds_what_its_later_rounds_take(monkeypatch):
     """``LaterBound``: after every finished round of a price fill, its time so far plus
     the bound on the rounds after it stays within the fill's total; message latencies
@@ -119,59 +149,82 @@ def test_a_price_fills_later_bound_never_exceeds_what_its_later_rounds_take(monk
     than the busy seconds alone."""
     import math
 
+    import nemo_refit_reshard.plan.budget as budget
     import nemo_refit_reshard.plan.price_limit as price_limit
-    import nemo_refit_reshard.plan.timed as timed
 
-    chosen = []
-    real_choose = timed._choose
-    monkeypatch.setattr(
-        timed, "_choose", lambda *a, **k: chosen.append(a[:4]) or real_choose(*a, **k)
-    )
-    tp, ip = TrainParallel.parse("ep=2,dp=2"), InferParallel.parse("tp=2,dp=2")
-    sources = [megatron_layout(MOE, tp, r) for r in range(tp.world_size)]
-    destinations = [vllm_layout(MOE, ip, r) for r in range(ip.world_size)]
-    # latencies small enough that no budget sits at the latency floor: five budgets
-    cluster = Cluster(gpus_per_node=2, nvlink_latency_us=0.0001, nic_latency_us=0.0002)
-    placement = Placement.packed(len(sources), len(destinations), cluster)
-    links = Topology(cluster, placement)
-    plan_refit(MOE, sources, destinations, 0.02, relay="domain", links=links)
+    args = _moe_budget_args(monkeypatch)
+    bounds = []  # every fill's ``LaterBound``, with what it returned after each round
+    real_init, real_finish = price_limit.LaterBound.__init__, price_limit.LaterBound.finish
 
-    fills = []
-
-    class NeverStop:  # records what ``Limit.beaten_by`` is asked, and lets the fill finish
-        def __init__(self, seconds: float, ties_win: bool, totals: list[float]) -> None:
-            self.totals, self.steps, self.total, self.exact = totals, [], None, 0
-            fills.append(self)
-
-        def beaten_by(self, spent: float, ahead: float) -> bool:
-            self.steps.append((spent, ahead))
-            return False
-
-    real_fill, real_finish = timed._fill, price_limit.LaterBound.finish
-    message_terms, counted = [], []  # messages the bound counts after each round
-
-    def fill(pairs, rounds, placed, limit=None):
-        counted.clear()
-        real_fill(pairs, rounds, placed, limit)
-        limit.total = rounds.seconds()
-        # the messages every key really has in the rounds after each finished one
-        for r, bound in enumerate(counted):
-            later = [sum(c[k] for c in rounds.count[r + 1 :]) for k in range(len(bound))]
-            assert all(b <= n for b, n in zip(bound, later))
-            limit.exact += sum(b == n > 0 for b, n in zip(bound, later))
+    def init(self, pairs, rounds, totals):
+        real_init(self, pairs, rounds, totals)
+        self.rounds, self.steps, self.counted = rounds, [], []
+        bounds.append(self)
 
     def finish(self, busy):
         bound = real_finish(self, busy)
-        message_terms.append(bound - max(self.ahead))
-        counted.append(list(self.messages))
+        self.steps.append((bound, bound - max(self.ahead)))
+        self.counted.append(list(self.messages))  # messages it counts after the round
         return bound
 
-    monkeypatch.setattr(timed, "Limit", NeverStop)
-    monkeypatch.setattr(timed, "_fill", fill)
+    monkeypatch.setattr(budget, "Limit", _NeverStop)
+    monkeypatch.setattr(price_limit.LaterBound, "__init__", init)
     monkeypatch.setattr(price_limit.LaterBound, "finish", finish)
-    real_choose(*chosen[0], stop_at=math.inf)  # every budget priced under a limit
-    assert len(fills) == 5
-    for f in fills:
-        assert all(spent + ahead <= f.total * (1 + 1e-9) for spent, ahead in f.steps)
+    budget.choose_budget(*args, stop_at=math.inf)  # every budget priced under a limit
+    assert len(bounds) == 5
+    message_terms = [term for b in bounds for _, term in b.steps]
     assert max(message_terms) > 0 and min(message_terms) >= 0
-    assert all(f.exact for f in fills)  # and it counts some key's messages exactly
+    for b in bounds:
+        rounds = b.rounds
+        total, spent, exact = rounds.seconds(), 0.0, 0
+        for r, ((ahead, _), counted) in enumerate(zip(b.steps, b.counted)):
+            spent += rounds.round_seconds(r)
+            assert spent + ahead <= total * (1 + 1e-9)
+            # the messages every key really has in the rounds after round r
+            later = [sum(c[k] for c in rounds.count[r + 1 :]) for k in range(len(counted))]
+            assert all(n <= m for n, m in zip(counted, later))
+            exact += sum(n == m > 0 for n, m in zip(counted, later))
+        assert exact  # it counts some key's messages exactly
+
+
+def test_price_fills_side_by_side_choose_what_full_fills_choose_and_stop_losers_early(
+    monkeypatch,
+):
+    """``choose_budget`` fills its budgets side by side, the lowest bound first, and
+    stops a fill once its bound shows it cannot win: the budget it returns is the one
+    every fill run to its end picks, with fewer rounds filled; a fill that cannot beat
+    ``stop_at`` ends early and nothing is returned."""
+    import nemo_refit_reshard.plan.budget as budget
+
+    args = _moe_budget_args(monkeypatch)
+    filled = []  # (budget, rounds filled, finished) of every price fill
+    real_fill = budget.fill
+
+    def fill(pairs, rounds, placed, totals=None):
+        steps, done = 0, False
+        try:
+            for step in real_fill(pairs, rounds, placed, totals):
+                steps += 1
+                yield step
+            done = True
+        finally:
+            filled.append((rounds.tau, steps, done))
+
+    monkeypatch.setattr(budget, "fill", fill)
+    pruned = budget.choose_budget(*args)
+    pruned_fills = list(filled)
+    filled.clear()
+    with monkeypatch.context() as m:
+        m.setattr(budget, "Limit", _NeverStop)
+        full = budget.choose_budget(*args)
+    assert pruned == full
+    assert len(filled) == 5 and all(done for _, _, done in filled)
+    stopped = [(tau, steps) for tau, steps, done in pruned_fills if not done]
+    assert stopped  # some fill stopped before its end
+    full_steps = {tau: steps for tau, steps, _ in filled}
+    assert all(steps < full_steps[tau] for tau, steps in stopped)
+    assert sum(s for _, s, _ in pruned_fills) < sum(full_steps.values())
+    # a limit no fill can beat: every fill stops early, none is chosen
+    filled.clear()
+    assert budget.choose_budget(*args, stop_at=full[0] * 0.9) is None
+    assert filled and not any(done for _, _, done in filled)

@@ -96,13 +96,21 @@ class Pair:
         self.gate_mask = 0
         self.sgate_mask = 0
         self.later_masks: list[tuple[int, int, int]] = []
-        self.rank_in = 0  # position in its sender's rotated order (ties in ``_fill``)
-        self.stamp = -1  # ``_fill``'s marker of the pairs a sender served last round
-        self.rset = -1  # ``_fill``'s number of its receiver set (``rkey``)
+        self.rank_in = 0  # position in its sender's rotated order (ties in ``plan/fill.py``)
+        self.stamp = -1  # the fill's marker of the pairs a sender served last round
+        self.rset = -1  # the fill's number of its receiver set (``rkey``)
         self.tl_codes: list[list[int]] = []  # per ``tl`` entry: codes of ``ml`` on its key
         # ``RoundLoads.capacity``'s terms, which no budget changes: (latency seconds,
         # seconds per byte) per time index, bytes per byte per staging index
         self.capacity_terms: tuple[list[tuple[float, float]], list[int]] | None = None
+
+    def clone(self) -> Pair:
+        """A pair with the same transfers and effects, for a fill that runs beside
+        another one (a fill keeps its progress on the pairs)."""
+        twin = Pair.__new__(Pair)
+        for name in Pair.__slots__:
+            setattr(twin, name, getattr(self, name))
+        return twin
 
 
 class RoundLoads:
@@ -133,7 +141,7 @@ class RoundLoads:
 
     def blocked(self, p: Pair, r: int) -> bool:
         """Whether a receiving key of ``p`` has no room left in round ``r`` (a cheap
-        test before :meth:`room`; ``_fill`` tests the sender's own keys itself)."""
+        test before :meth:`room`; the fill tests the sender's own keys itself)."""
         if p.gate_mask & self.full_time[r] or p.sgate_mask & self.full_stage[r]:
             return True
         ft, fs = self.full_time, self.full_stage
@@ -261,10 +269,6 @@ class RoundLoads:
 
 class TooSmall(Exception):
     """An empty round cannot take a worthwhile chunk: the round budget is below latency."""
-
-
-class Outpriced(Exception):
-    """The rounds filled so far already take at least the best budget's total time."""
 
 
 def _capacity_terms(p: Pair, latency: list[float]) -> tuple[list[tuple[float, float]], list[int]]:

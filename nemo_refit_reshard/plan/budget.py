@@ -1,0 +1,131 @@
+"""The round budget of a timed schedule (``plan/timed.py``, step 4): a few budgets priced
+by filling them with divisible pairs (``plan/fill.py``), the cheapest kept.
+
+A budget's price is the cluster model's time of its fill. Fills of several budgets run
+side by side, one round at a time, the one whose lower bound (``plan/price_limit.py``)
+is lowest going next; once a fill is done, every fill whose bound shows it cannot beat
+the best total stops. The cheapest budget is the one a fill of each budget in turn would
+find, but the losing fills stop as early as their bounds allow, whichever budget wins.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterator
+
+from .fill import fill
+from .price_limit import Limit
+from .round_loads import Pair, RoundLoads, TooSmall, least_budget
+
+
+class _PriceFill:
+    """One budget's price fill in progress: its state, its steps, and where it stands
+    (``spent + ahead``: a lower bound on its total)."""
+
+    def __init__(self, tau: float, order: int, num_rounds: int) -> None:
+        self.tau = tau
+        self.entries = [(order, num_rounds)]  # every count whose budget this is
+        self.order = order  # the first of them: ties rank by it
+        self.state: RoundLoads | None = None
+        self.steps: Iterator[tuple[float, float]] | None = None
+        self.spent = 0.0
+        self.ahead = 0.0
+
+
+def choose_budget(
+    pairs: list[Pair],
+    bucket_bytes: int,
+    latency: list[float],
+    ranks: int,
+    rounds: int | None = None,
+    stop_at: float | None = None,
+) -> tuple[float, float, int] | None:
+    """(predicted seconds, round budget, round count) of the cheapest of a few budgets
+    (None if no budget lets every pair place a worthwhile chunk; ``stop_at``: none
+    priced below it).
+
+    ``R`` runs from the staging bound ``max staged / bucket`` up (``rounds`` given: that
+    one only, as it is), the budget being the busiest link's seconds over ``R``; more
+    rounds cost more messages, fewer leave less room to balance. Then the best count's
+    budget is raised to hold what spilled past its rounds (latency, packing): a third of
+    a round spilled costs a whole one. Ties go to the fewest rounds.
+    """
+    busy = [0.0] * (2 * len(latency))
+    staged: dict[int, float] = defaultdict(float)
+    for p in pairs:
+        for idx, _, c, _ in p.t0:
+            busy[idx] += p.nbytes * c
+        for idx, c in p.s0:
+            staged[idx] += p.nbytes * c
+        for _, idx, _, c in p.tl:
+            busy[idx] += p.nbytes * c
+        for _, idx, c in p.sl:
+            staged[idx] += p.nbytes * c
+    longest = max(busy)
+    least = max(1, math.ceil(max(staged.values()) / bucket_bytes))
+    # No budget below what one message of every pair needs (its latencies, and its bytes
+    # up to a worthwhile chunk): small plans are latency-bound whatever the budget.
+    floor = max(least_budget(p, latency) for p in pairs)
+    # (seconds, order, budget, round count): ``order`` ranks equal seconds
+    best: tuple[float, int, float, int] | None = None
+    totals: dict[float, float | None] = {}  # budget -> its fill's total (None: too small)
+
+    def settle(tau: float, entries: list[tuple[int, int]]) -> None:
+        nonlocal best
+        seconds = totals[tau]
+        for order, num_rounds in entries:
+            if seconds is not None and (best is None or (seconds, order) < best[:2]):
+                best = (seconds, order, tau, num_rounds)
+
+    def beaten(f: _PriceFill) -> bool:
+        if best is not None:
+            limit = Limit(best[0], f.order < best[1], busy)
+        elif stop_at is not None:
+            limit = Limit(stop_at, False, busy)
+        else:
+            return False
+        return limit.beaten_by(f.spent, f.ahead)
+
+    def price(budgets: list[tuple[float, int, int]]) -> None:
+        """Fill the budgets ``(tau, round count, order)`` side by side (module docstring);
+        a budget filled before is not filled again (two counts may share one)."""
+        fills: dict[float, _PriceFill] = {}
+        for tau, num_rounds, order in budgets:
+            tau = max(tau, floor)
+            if tau in totals:
+                settle(tau, [(order, num_rounds)])
+            elif tau in fills:
+                fills[tau].entries.append((order, num_rounds))
+            else:
+                fills[tau] = _PriceFill(tau, order, num_rounds)
+        # bounds only where a fill can lose before it ends
+        bounded = len(fills) > 1 or best is not None or stop_at is not None
+        for i, f in enumerate(fills.values()):
+            own = pairs if i == 0 else [p.clone() for p in pairs]
+            f.state = RoundLoads(f.tau, bucket_bytes, latency, ranks)
+            f.steps = fill(own, f.state, None, busy if bounded else None)
+        live = list(fills.values())
+        while live:
+            f = min(live, key=lambda x: (x.spent + x.ahead, x.order))
+            assert f.steps is not None and f.state is not None
+            try:
+                f.spent, f.ahead = next(f.steps)
+            except TooSmall:
+                totals[f.tau] = None
+                live.remove(f)
+            except StopIteration:
+                totals[f.tau] = f.state.seconds()
+                settle(f.tau, f.entries)
+                live.remove(f)
+            # (a fill stopped here is not kept: under another limit it may finish)
+            live = [x for x in live if not beaten(x)]
+
+    if rounds is None:
+        counts = sorted({least, -(-5 * least // 4), -(-3 * least // 2), 2 * least})
+    else:
+        counts = [max(rounds, least)]
+    price([(longest / num_rounds, num_rounds, order) for order, num_rounds in enumerate(counts)])
+    if best is not None and rounds is None:
+        price([(best[0] / best[3], best[3], len(counts))])
+    return None if best is None else (best[0], best[2], best[3])

@@ -1,0 +1,242 @@
+"""The fill behind ``plan/timed.py``: round after round, every sender fills its links
+with the pairs whose receivers have the most work left, within one round budget.
+
+:func:`fill` with ``placed`` cuts real transfers at rows (the schedule); without it,
+pairs are divisible amounts and the fill prices a budget (``plan/budget.py``).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from collections.abc import Iterator
+from itertools import compress, repeat
+from operator import attrgetter, is_, neg
+
+from .carry import legs
+from .messages import in_message_order
+from .price_limit import LaterBound
+from .round_loads import Pair, RoundLoads, TooSmall
+from .transfer import Transfer, cut_rows, sizes_of
+
+
+def take(p: Pair, room: float, placed: list[list[Transfer]] | None, r: int) -> float:
+    """Take up to ``room`` bytes off ``p``: a divisible amount, or (``placed`` given)
+    whole transfers and whole rows of the next one, appended to ``placed[r]`` (a
+    carried pair: leg 1 to ``placed[r]``, leg 2 to ``placed[r + 1]``)."""
+    if placed is None:
+        x = min(room, p.left)
+        p.left -= x
+        return x
+    queue, sizes, nbytes, taken = p.queue, p.sizes, 0, []
+    while queue and nbytes + sizes[-1] <= room:
+        taken.append(queue.pop())
+        nbytes += sizes.pop()
+    if queue and room > nbytes:
+        cut = cut_rows(queue[-1], room - nbytes)
+        if cut is not None:
+            queue[-1] = cut[1]
+            sizes[-1] = cut[1].nbytes
+            taken.append(cut[0])
+            nbytes += cut[0].nbytes
+    if p.via < 0:
+        placed[r].extend(taken)
+    else:
+        for t in taken:
+            first, second = legs(t, p.via)
+            placed[r].append(first)
+            placed[r + 1].append(second)
+    p.left -= nbytes
+    return nbytes
+
+
+def fill(
+    pairs: list[Pair],
+    rounds: RoundLoads,
+    placed: list[list[Transfer]] | None,
+    totals: list[float] | None = None,
+) -> Iterator[tuple[float, float]]:
+    """Round after round, every sender fills its links: first the pairs it served in the
+    previous round (a pair that continues costs no new peer), then the pairs whose
+    receivers have the most work left. Senders with the most work left go first, so
+    the busiest links never wait while others finish early (longest remaining first).
+
+    ``placed`` given: real transfers, cut at rows, are appended to ``placed[r]``;
+    otherwise pairs are divisible amounts (to price a round budget).
+
+    A generator: it fills a round per step. ``totals`` given (the busy seconds every pair
+    puts on each time index over all rounds), each step yields, once the round is final
+    (later placements go to rounds after it), ``(spent, ahead)``: the seconds of the
+    rounds so far and a lower bound on those still to come (:class:`LaterBound`), so the
+    caller can stop a fill that cannot beat another (``plan/budget.py``). Raises
+    :class:`TooSmall` on the first step if an empty round cannot take a pair's chunk."""
+    by_src: dict[int, list[Pair]] = defaultdict(list)
+    for p in pairs:
+        if placed is not None:
+            p.queue = in_message_order(p.transfers, reverse=True)
+            p.sizes = list(sizes_of(p.queue))
+        p.left = float(p.nbytes)
+        if rounds.capacity(p) < min(p.left, p.chunk):
+            raise TooSmall
+        by_src[p.src].append(p)
+    send_left = {s: sum(p.left * p.send_cost for p in ps) for s, ps in by_src.items()}
+    # Work left per receiving link (time index): a pair ranks by its busiest receiver,
+    # so members that several stored receivers share are seen as the sum of them all.
+    recv_left: dict[int, float] = defaultdict(float)
+    for p in pairs:
+        for idx, c in p.recv:
+            recv_left[idx] += p.left * c
+    # Each sender's pairs in turn from a different receiver: the order between equals.
+    for i, src in enumerate(sorted(by_src)):
+        ps = by_src[src]
+        k = i * len(ps) // len(by_src)
+        for j, p in enumerate(ps[k:] + ps[:k]):
+            p.rank_in = j
+    # A sender whose own links (or send staging) are full this round is skipped whole.
+    own: dict[int, tuple[int, int]] = {}  # sender -> (mask of its out keys, its staging bit)
+    for src, ps in by_src.items():
+        keys = {idx for p in ps for idx, _, _, _ in p.t0 if idx % 2 == 0}
+        own[src] = (sum(1 << k for k in keys), 1 << (2 * src))
+    horizon = max(p.horizon for p in pairs)
+    active: dict[int, list[Pair]] = defaultdict(list)
+    # A pair's receivers' work left, the busiest of them: cached per receiver set (many
+    # pairs share one; ``p.rset`` numbers them), dropped for the sets a placement changes.
+    set_id: dict[tuple[int, ...], int] = {}
+    for p in pairs:
+        p.rset = set_id.setdefault(p.rkey, len(set_id))
+    receiver_sets = list(set_id)
+    ranks_of: list[float | None] = [None] * len(receiver_sets)
+    sets_with: dict[int, list[int]] = defaultdict(list)  # time index -> sets holding it
+    for rset, rkey in enumerate(receiver_sets):
+        for idx in set(rkey):
+            sets_with[idx].append(rset)
+
+    def priority(rset: int) -> float:
+        x = ranks_of[rset]
+        if x is None:
+            x = ranks_of[rset] = max(recv_left[i] for i in receiver_sets[rset])
+        return x
+
+    # Each sender's pairs in a heap by (-(busiest receiver's work left), rotation). Work
+    # left only shrinks, so a stored key is an upper bound: a popped pair whose key has
+    # gone stale goes back in with its current one (lazy re-ranking instead of sorting
+    # every sender's pairs every round).
+    heaps = {s: [(-priority(p.rset), p.rank_in, p) for p in ps] for s, ps in by_src.items()}
+    for heap in heaps.values():
+        heapq.heapify(heap)
+    left = {s: len(ps) for s, ps in by_src.items()}  # pairs with bytes left
+    # Each sender's live pairs -> their receivers' time and staging bits in one mask (time
+    # bits below ``shift``): a turn where every one meets a full bit places nothing.
+    shift = 2 * rounds.num_keys
+    gates = {s: {p: p.gate_mask | p.sgate_mask << shift for p in ps} for s, ps in by_src.items()}
+
+    def place(s: int, p: Pair, r: int) -> bool:
+        """Put what fits of ``p`` into round ``r``; whether anything went."""
+        if rounds.blocked(p, r):
+            return False
+        need = min(p.left, p.chunk)
+        room = rounds.room(p, r, need)
+        if room < need:
+            return False
+        got = take(p, room, placed, r)
+        if not got:
+            return False
+        rounds.add(p, r, got)
+        if later is not None:
+            later.placed(p)
+        send_left[s] -= got * p.send_cost
+        for idx, c in p.recv:
+            recv_left[idx] -= got * c
+            for rset in sets_with[idx]:
+                ranks_of[rset] = None
+        if p.left <= 0:
+            left[s] -= 1
+            del gates[s][p]
+        return True
+
+    def full(s: int, r: int) -> bool:
+        """Whether sender ``s``'s own links (or its send staging) have no room in ``r``."""
+        keys, stage = own[s]
+        return bool(stage & rounds.full_stage[r]) or keys & rounds.full_time[r] == keys
+
+    heappop, heappush, heappushpop = heapq.heappop, heapq.heappush, heapq.heappushpop
+    rset_of, rank_in_of = attrgetter("rset"), attrgetter("rank_in")
+    stamp = 0  # marks the pairs a sender served in the previous round, per turn
+    for p in pairs:
+        p.stamp = -1
+    spent = 0.0  # rounds before r, summed as ``RoundLoads.seconds`` sums them
+    later = None if totals is None else LaterBound(pairs, rounds, totals)
+    r = 0
+    while any(left.values()):
+        if placed is not None:
+            while len(placed) <= r + 1:
+                placed.append([])
+        rounds.open(r + horizon)
+        full_time, full_stage = rounds.full_time, rounds.full_stage
+        for s in sorted((x for x in left if left[x]), key=lambda x: (-send_left[x], x)):
+            # first the pairs it served last round (no new peer), then by priority.
+            # Within a round only the sender's own placements fill its own keys, so
+            # whether it is full changes only when it places something.
+            is_full = full(s, r)
+            served = []
+            for p in active[s]:
+                if p.left > 0 and not is_full and place(s, p, r):
+                    served.append(p)
+                    is_full = full(s, r)
+            heap, examined = heaps[s], []
+            for p in active[s]:
+                p.stamp = stamp  # served last round: tried above already
+            ft, fs = full_time[r], full_stage[r]
+            if heap and not is_full and all(map((ft | fs << shift).__and__, gates[s].values())):
+                # Every receiver set has a full key, so nothing can be placed: the loop
+                # below would pop every pair and put the live ones back with their
+                # current keys. Do just that.
+                # (in C: every live pair's key is its receiver set's cached priority,
+                # computed first where a placement dropped it)
+                live = gates[s]
+                for rset in compress(
+                    rsets := list(map(rset_of, live)),
+                    map(is_, map(ranks_of.__getitem__, rsets), repeat(None)),
+                ):
+                    priority(rset)
+                heap[:] = zip(
+                    map(neg, map(ranks_of.__getitem__, rsets)), map(rank_in_of, live), live
+                )
+                heapq.heapify(heap)
+                active[s] = served
+                stamp += 1
+                continue
+            entry = heappop(heap) if heap and not is_full else None
+            while entry is not None:
+                key, rk, p = entry
+                if p.left > 0:
+                    now = ranks_of[p.rset]
+                    if now is None:
+                        now = priority(p.rset)
+                    now = -now
+                    if now > key and heap and now > heap[0][0]:
+                        # stale: back in with its current key, and on to the next
+                        entry = heappushpop(heap, (now, rk, p))
+                        continue
+                    examined.append(p)
+                    # (a receiver with no room left: ``rounds.blocked``'s first test)
+                    if not (p.stamp == stamp or p.gate_mask & ft or p.sgate_mask & fs):
+                        if place(s, p, r):
+                            served.append(p)
+                            if full(s, r):
+                                break
+                            ft, fs = full_time[r], full_stage[r]
+                entry = heappop(heap) if heap else None
+            for p in examined:
+                if p.left > 0:
+                    now = ranks_of[p.rset]
+                    heappush(heap, (-(priority(p.rset) if now is None else now), p.rank_in, p))
+            active[s] = served
+            stamp += 1
+        if later is not None:
+            # round r is final: later placements go to rounds after it
+            spent += rounds.round_seconds(r)
+            yield spent, later.finish(rounds.busy[r])
+        r += 1
+        if r > 64 * (len(rounds.busy) + 64):
+            raise AssertionError("round filling made no progress")
