@@ -19,6 +19,22 @@ from .price_limit import LaterBound
 from .round_loads import Pair, RoundLoads, TooSmall
 from .transfer import Transfer, cut_rows, sizes_of
 
+# ``stuck``'s margin: a group counts as not fitting only if its least ask exceeds the
+# room by more than rounding could account for
+_SHORT = 1 - 1e-9
+
+
+class _OwnGroup:
+    """Pairs of one sender with the same costs on its own links and the same chunk."""
+
+    __slots__ = ("terms", "chunk", "live", "tails")
+
+    def __init__(self, terms: tuple[tuple[int, int, float, int], ...], chunk: float) -> None:
+        self.terms = terms  # their ``t0`` entries on the sender's out keys
+        self.chunk = chunk
+        self.live = 0  # pairs with bytes left
+        self.tails: dict[Pair, float] = {}  # live pairs with fewer bytes left than a chunk
+
 
 def take(p: Pair, room: float, placed: list[list[Transfer]] | None, r: int) -> float:
     """Take up to ``room`` bytes off ``p``: a divisible amount, or (``placed`` given)
@@ -130,6 +146,59 @@ def fill(
     shift = 2 * rounds.num_keys
     gates = {s: {p: p.gate_mask | p.sgate_mask << shift for p in ps} for s, ps in by_src.items()}
 
+    # Each sender's pairs grouped by what a byte of them costs its own links (their
+    # ``t0`` terms on its out keys) and their chunk: with the tails of the live ones
+    # whose bytes left are below it, a group's least ask ``min(left, chunk)``. A turn in
+    # which every group's least ask overflows one of those links places nothing.
+    groups: dict[int, list[_OwnGroup]] = {}
+    group_of: dict[Pair, _OwnGroup] = {}
+    for src, ps in by_src.items():
+        by_terms: dict[tuple, _OwnGroup] = {}
+        for p in ps:
+            terms = tuple(t for t in p.t0 if t[0] % 2 == 0)
+            g = by_terms.get((terms, p.chunk))
+            if g is None:
+                g = by_terms[(terms, p.chunk)] = _OwnGroup(terms, p.chunk)
+            g.live += 1
+            if p.left < p.chunk:
+                g.tails[p] = p.left
+            group_of[p] = g
+        groups[src] = list(by_terms.values())
+
+    def stuck(s: int, r: int) -> bool:
+        """Whether no live pair of ``s`` fits on its own links in round ``r``: for each
+        group, one of them leaves less than its least ask, as ``RoundLoads.room`` counts
+        (a margin keeps rounding from claiming a pair that ``room`` would take)."""
+        tau, lat = rounds.tau, rounds.latency
+        busy, count = rounds.busy[r], rounds.count[r]
+        for g in groups[s]:
+            if not g.live:
+                continue
+            least = min(g.chunk, *g.tails.values()) if g.tails else g.chunk
+            for idx, k, c, n in g.terms:
+                spare = tau - lat[k] * (count[k] + n)
+                room = spare - busy[idx]
+                if room <= 0 or (n and spare <= busy[idx ^ 1]) or room / c < least * _SHORT:
+                    break  # this group cannot go
+            else:
+                return False
+        return True
+
+    def requeue(s: int) -> None:
+        """Sender ``s``'s live pairs back in its heap with their current keys: what
+        popping every pair would leave in a turn that places nothing more."""
+        # (in C: every live pair's key is its receiver set's cached priority, computed
+        # first where a placement dropped it)
+        live = gates[s]
+        for rset in compress(
+            rsets := list(map(rset_of, live)),
+            map(is_, map(ranks_of.__getitem__, rsets), repeat(None)),
+        ):
+            priority(rset)
+        heap = heaps[s]
+        heap[:] = zip(map(neg, map(ranks_of.__getitem__, rsets)), map(rank_in_of, live), live)
+        heapq.heapify(heap)
+
     def place(s: int, p: Pair, r: int) -> bool:
         """Put what fits of ``p`` into round ``r``; whether anything went."""
         if rounds.blocked(p, r):
@@ -149,9 +218,14 @@ def fill(
             recv_left[idx] -= got * c
             for rset in sets_with[idx]:
                 ranks_of[rset] = None
+        g = group_of[p]
         if p.left <= 0:
             left[s] -= 1
             del gates[s][p]
+            g.live -= 1
+            g.tails.pop(p, None)
+        elif p.left < g.chunk:
+            g.tails[p] = p.left
         return True
 
     def full(s: int, r: int) -> bool:
@@ -187,22 +261,15 @@ def fill(
             for p in active[s]:
                 p.stamp = stamp  # served last round: tried above already
             ft, fs = full_time[r], full_stage[r]
-            if heap and not is_full and all(map((ft | fs << shift).__and__, gates[s].values())):
-                # Every receiver set has a full key, so nothing can be placed: the loop
-                # below would pop every pair and put the live ones back with their
-                # current keys. Do just that.
-                # (in C: every live pair's key is its receiver set's cached priority,
-                # computed first where a placement dropped it)
-                live = gates[s]
-                for rset in compress(
-                    rsets := list(map(rset_of, live)),
-                    map(is_, map(ranks_of.__getitem__, rsets), repeat(None)),
-                ):
-                    priority(rset)
-                heap[:] = zip(
-                    map(neg, map(ranks_of.__getitem__, rsets)), map(rank_in_of, live), live
-                )
-                heapq.heapify(heap)
+            if (
+                heap
+                and not is_full
+                and (all(map((ft | fs << shift).__and__, gates[s].values())) or stuck(s, r))
+            ):
+                # Every receiver set has a full key, or no pair fits on the sender's own
+                # links: nothing can be placed, and the loop below would pop every pair
+                # and put the live ones back with their current keys. Do just that.
+                requeue(s)
                 active[s] = served
                 stamp += 1
                 continue
@@ -224,6 +291,12 @@ def fill(
                         if place(s, p, r):
                             served.append(p)
                             if full(s, r):
+                                break
+                            if stuck(s, r):
+                                # the rest of the turn would place nothing: every pair
+                                # popped, the live ones back with their current keys
+                                examined = []
+                                requeue(s)
                                 break
                             ft, fs = full_time[r], full_stage[r]
                 entry = heappop(heap) if heap else None
