@@ -8,9 +8,10 @@ pairs are divisible amounts and the fill prices a budget (``plan/budget.py``).
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Iterator
-from itertools import compress, repeat
+from itertools import accumulate, compress, repeat
 from operator import attrgetter, is_, neg
 
 from .carry import legs
@@ -44,17 +45,25 @@ def take(p: Pair, room: float, placed: list[list[Transfer]] | None, r: int) -> f
         x = min(room, p.left)
         p.left -= x
         return x
-    queue, sizes, nbytes, taken = p.queue, p.sizes, 0, []
-    while queue and nbytes + sizes[-1] <= room:
-        taken.append(queue.pop())
-        nbytes += sizes.pop()
-    if queue and room > nbytes:
-        cut = cut_rows(queue[-1], room - nbytes)
+    queue, ends, head = p.queue, p.ends, p.head
+    # bytes before the next transfer, counting the rows already cut off it
+    base = ends[head] + p.head_taken
+    # the most whole transfers that fit: the last end within ``room`` (exact: int minus
+    # int, compared with the float room, as summing them one by one would)
+    stop = bisect_right(ends, room, head + 1, len(ends), key=lambda end: end - base) - 1
+    taken = queue[head:stop]
+    nbytes = 0
+    if stop > head:
+        nbytes = ends[stop] - base
+        p.head_taken = 0
+    if stop < len(queue) and room > nbytes:
+        cut = cut_rows(queue[stop], room - nbytes)
         if cut is not None:
-            queue[-1] = cut[1]
-            sizes[-1] = cut[1].nbytes
+            queue[stop] = cut[1]
+            p.head_taken += cut[0].nbytes
             taken.append(cut[0])
             nbytes += cut[0].nbytes
+    p.head = stop
     if p.via < 0:
         placed[r].extend(taken)
     else:
@@ -89,8 +98,10 @@ def fill(
     by_src: dict[int, list[Pair]] = defaultdict(list)
     for p in pairs:
         if placed is not None:
-            p.queue = in_message_order(p.transfers, reverse=True)
-            p.sizes = list(sizes_of(p.queue))
+            # (the order a pop from the end of the descending order gives)
+            p.queue = in_message_order(p.transfers, reverse=True)[::-1]
+            p.ends = [0, *accumulate(sizes_of(p.queue))]
+            p.head = p.head_taken = 0
         p.left = float(p.nbytes)
         if rounds.capacity(p) < min(p.left, p.chunk):
             raise TooSmall

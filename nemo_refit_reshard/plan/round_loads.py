@@ -39,7 +39,9 @@ class Pair:
         "nbytes",
         "left",
         "queue",
-        "sizes",
+        "ends",
+        "head",
+        "head_taken",
         "t0",
         "s0",
         "m0",
@@ -69,8 +71,13 @@ class Pair:
         self.transfers = transfers
         self.nbytes = sum(sizes_of(transfers))
         self.left = float(self.nbytes)  # bytes not yet placed
-        self.queue: list[Transfer] = []  # transfers not yet placed, last one next
-        self.sizes: list[int] = []  # their bytes
+        # The final fill's transfers in the order they go, ``head`` the next one (of which
+        # ``head_taken`` bytes already went, cut at rows): ``ends[i]`` the bytes of the
+        # first ``i`` of them as they were.
+        self.queue: list[Transfer] = []
+        self.ends: list[int] = [0]
+        self.head = 0
+        self.head_taken = 0
         # In the round the pair is placed in: (time index, key, seconds per byte, this
         # pair's messages on the key), (staging index, bytes per byte), and its
         # messages (code of (src, dst), src key, dst key). A pair is placed at most once
