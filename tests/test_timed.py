@@ -228,3 +228,51 @@ def test_price_fills_side_by_side_choose_what_full_fills_choose_and_stop_losers_
     filled.clear()
     assert budget.choose_budget(*args, stop_at=full[0] * 0.9) is None
     assert filled and not any(done for _, _, done in filled)
+
+
+def test_the_final_fill_takes_whole_transfers_in_message_order_then_whole_rows():
+    """``fill.take`` with real transfers: per call, every next transfer (in message
+    order) that fits whole, then as many whole rows of the one after as fit (of a
+    one-row rest, whole elements of its next dimension: ``cut_rows``); what is left of a
+    cut transfer goes first next time. Checked against taking them one by one (the plain
+    loop it replaces) over a run of rooms, including rooms that fit no whole transfer,
+    rooms inside a cut transfer's rest, and rooms past the end."""
+    from nemo_refit_reshard.layouts.base import Box
+    from nemo_refit_reshard.plan.fill import queue_transfers, take
+    from nemo_refit_reshard.plan.round_loads import Pair
+    from nemo_refit_reshard.plan.transfer import Transfer, cut_rows
+
+    def transfer(name: str, rows: int) -> Transfer:  # float32 rows of 4: 16 bytes a row
+        box = Box((0, 0), (rows, 4))
+        return Transfer(0, 1, name, box, name, box, name, box, "float32")
+
+    # message order is by destination tensor: b, c, d, e (given shuffled)
+    transfers = [transfer("d", 2), transfer("b", 8), transfer("e", 5), transfer("c", 3)]
+    rooms = [40.0, 100.0, 130.0, 20.0, 15.9, 64.0, 48.0, 1000.0]
+
+    pair = Pair(0, 1, -1, transfers)
+    queue_transfers(pair)
+    placed: list[list[Transfer]] = [[] for _ in rooms]
+    got = [take(pair, room, placed, r) for r, room in enumerate(rooms)]
+
+    # one by one
+    queue = sorted(transfers, key=lambda t: t.dst_tensor)
+    expected_placed: list[list[Transfer]] = []
+    expected_got = []
+    for room in rooms:
+        taken, nbytes = [], 0
+        while queue and nbytes + queue[0].nbytes <= room:
+            nbytes += queue[0].nbytes
+            taken.append(queue.pop(0))
+        if queue and room > nbytes:
+            cut = cut_rows(queue[0], room - nbytes)
+            if cut is not None:
+                taken.append(cut[0])
+                queue[0] = cut[1]
+                nbytes += cut[0].nbytes
+        expected_placed.append(taken)
+        expected_got.append(nbytes)
+    assert got == expected_got == [32, 96, 128, 16, 12, 4, 0, 0]
+    assert placed == expected_placed
+    assert pair.left == 0
+    assert [t.dst_tensor for ts in placed for t in ts] == list("bbcdeeee")

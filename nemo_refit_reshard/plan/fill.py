@@ -37,6 +37,15 @@ class _OwnGroup:
         self.tails: dict[Pair, float] = {}  # live pairs with fewer bytes left than a chunk
 
 
+def queue_transfers(p: Pair) -> None:
+    """Line ``p``'s transfers up for :func:`take`: in message order (``plan/messages.py``;
+    equal keys in the order popping the end of the descending order gives), with their
+    running byte ends."""
+    p.queue = in_message_order(p.transfers, reverse=True)[::-1]
+    p.ends = [0, *accumulate(sizes_of(p.queue))]
+    p.head = p.head_taken = 0
+
+
 def take(p: Pair, room: float, placed: list[list[Transfer]] | None, r: int) -> float:
     """Take up to ``room`` bytes off ``p``: a divisible amount, or (``placed`` given)
     whole transfers and whole rows of the next one, appended to ``placed[r]`` (a
@@ -98,10 +107,7 @@ def fill(
     by_src: dict[int, list[Pair]] = defaultdict(list)
     for p in pairs:
         if placed is not None:
-            # (the order a pop from the end of the descending order gives)
-            p.queue = in_message_order(p.transfers, reverse=True)[::-1]
-            p.ends = [0, *accumulate(sizes_of(p.queue))]
-            p.head = p.head_taken = 0
+            queue_transfers(p)
         p.left = float(p.nbytes)
         if rounds.capacity(p) < min(p.left, p.chunk):
             raise TooSmall

@@ -20,16 +20,17 @@ messages. Here:
 2. **Budget.** With ``R`` rounds every (GPU, link) may be busy ``tau = B / R`` seconds
    per round, ``B`` the busiest link's total time, and every (rank, direction) may stage
    ``bucket`` bytes. ``R`` starts at the staging bound ``max_k staged_k / bucket``.
-3. **Fill.** Round after round, senders with the most work left first, each sender fills
-   its links: first with the pairs it served in the previous round, then with those
-   whose receivers have the most work left. A pair takes the bytes that fit every effect
-   after one message latency on each key where it is new in the round. Longest
-   remaining first keeps the busiest links busy to the end; continuing pairs keep the
-   number of peers, and so of message latencies, low.
-4. **Choice.** Several ``R`` are filled with pairs as divisible amounts and priced by
-   the formula above (relay hops and message counts included), with and without the
-   carried legs; the cheapest is filled again with the real transfers, cut at row
-   boundaries where a round's room ends.
+3. **Fill** (``plan/fill.py``). Round after round, senders with the most work left
+   first, each sender fills its links: first with the pairs it served in the previous
+   round, then with those whose receivers have the most work left. A pair takes the
+   bytes that fit every effect after one message latency on each key where it is new in
+   the round. Longest remaining first keeps the busiest links busy to the end;
+   continuing pairs keep the number of peers, and so of message latencies, low.
+4. **Choice** (``plan/budget.py``). Several ``R`` are filled with pairs as divisible
+   amounts and priced by the formula above (relay hops and message counts included),
+   side by side, each stopped once it cannot win, with and without the carried legs;
+   the cheapest is filled again with the real transfers, cut at row boundaries where a
+   round's room ends.
 """
 
 from __future__ import annotations
