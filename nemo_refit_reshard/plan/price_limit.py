@@ -1,5 +1,5 @@
-"""When a price fill (``plan/timed.py``) can stop: a lower bound on the rounds it has not
-finished yet, and the best total it must beat.
+"""When a price fill (``plan/fill.py``, run by ``plan/budget.py``) can stop: a lower
+bound on the rounds it has not finished yet, and the best total it must beat.
 
 A fill's total is ``T = sum_r max_{g,L} t_r(g, L)`` with
 ``t_r(g, L) = max(out, in) / bw + lat_L * n_r(g, L)`` (``predict.round_time``). After

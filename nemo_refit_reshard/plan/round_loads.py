@@ -1,5 +1,5 @@
 """What a topology-aware schedule prices: pairs and their per-byte effects, and the
-per-round load of every (GPU, link) and (rank, direction) (``plan/timed.py`` fills them).
+per-round load of every (GPU, link) and (rank, direction) (``plan/fill.py`` fills them).
 
 Keys: a time key is a (rank, link) with a latency; ``2 * key + direction`` indexes a
 round's busy seconds (direction 0 out, 1 in) and the key's message count is shared by
