@@ -23,12 +23,18 @@ class _PriceFill:
     """One budget's price fill in progress: its state, its steps, and where it stands
     (``spent + ahead``: a lower bound on its total)."""
 
-    def __init__(self, tau: float, order: int, num_rounds: int) -> None:
+    def __init__(
+        self,
+        tau: float,
+        entries: list[tuple[int, int]],
+        state: RoundLoads,
+        steps: Iterator[tuple[float, float]],
+    ) -> None:
         self.tau = tau
-        self.entries = [(order, num_rounds)]  # every count whose budget this is
-        self.order = order  # the first of them: ties rank by it
-        self.state: RoundLoads | None = None
-        self.steps: Iterator[tuple[float, float]] | None = None
+        self.entries = entries  # (order, round count) of every count whose budget this is
+        self.order = entries[0][0]  # the first of them: ties rank by it
+        self.state = state
+        self.steps = steps
         self.spent = 0.0
         self.ahead = 0.0
 
@@ -90,25 +96,23 @@ def choose_budget(
     def price(budgets: list[tuple[float, int, int]]) -> None:
         """Fill the budgets ``(tau, round count, order)`` side by side (module docstring);
         a budget filled before is not filled again (two counts may share one)."""
-        fills: dict[float, _PriceFill] = {}
+        entries: dict[float, list[tuple[int, int]]] = defaultdict(list)
         for tau, num_rounds, order in budgets:
             tau = max(tau, floor)
             if tau in totals:
                 settle(tau, [(order, num_rounds)])
-            elif tau in fills:
-                fills[tau].entries.append((order, num_rounds))
             else:
-                fills[tau] = _PriceFill(tau, order, num_rounds)
+                entries[tau].append((order, num_rounds))
         # bounds only where a fill can lose before it ends
-        bounded = len(fills) > 1 or best is not None or stop_at is not None
-        for i, f in enumerate(fills.values()):
+        bounded = len(entries) > 1 or best is not None or stop_at is not None
+        live = []
+        for i, (tau, counts) in enumerate(entries.items()):
             own = pairs if i == 0 else [p.clone() for p in pairs]
-            f.state = RoundLoads(f.tau, bucket_bytes, latency, ranks)
-            f.steps = fill(own, f.state, None, busy if bounded else None)
-        live = list(fills.values())
+            state = RoundLoads(tau, bucket_bytes, latency, ranks)
+            steps = fill(own, state, None, busy if bounded else None)
+            live.append(_PriceFill(tau, counts, state, steps))
         while live:
             f = min(live, key=lambda x: (x.spent + x.ahead, x.order))
-            assert f.steps is not None and f.state is not None
             try:
                 f.spent, f.ahead = next(f.steps)
             except TooSmall:

@@ -20,10 +20,6 @@ from .price_limit import LaterBound
 from .round_loads import Pair, RoundLoads, TooSmall
 from .transfer import Transfer, cut_rows, sizes_of
 
-# ``stuck``'s margin: a group counts as not fitting only if its least ask exceeds the
-# room by more than rounding could account for
-_SHORT = 1 - 1e-9
-
 
 class _OwnGroup:
     """Pairs of one sender with the same costs on its own links and the same chunk."""
@@ -125,11 +121,6 @@ def fill(
         k = i * len(ps) // len(by_src)
         for j, p in enumerate(ps[k:] + ps[:k]):
             p.rank_in = j
-    # A sender whose own links (or send staging) are full this round is skipped whole.
-    own: dict[int, tuple[int, int]] = {}  # sender -> (mask of its out keys, its staging bit)
-    for src, ps in by_src.items():
-        keys = {idx for p in ps for idx, _, _, _ in p.t0 if idx % 2 == 0}
-        own[src] = (sum(1 << k for k in keys), 1 << (2 * src))
     horizon = max(p.horizon for p in pairs)
     active: dict[int, list[Pair]] = defaultdict(list)
     # A pair's receivers' work left, the busiest of them: cached per receiver set (many
@@ -181,24 +172,20 @@ def fill(
                 g.tails[p] = p.left
             group_of[p] = g
         groups[src] = list(by_terms.values())
+    # A sender whose own links (or send staging) are full this round is skipped whole.
+    own: dict[int, tuple[int, int]] = {}  # sender -> (mask of its out keys, its staging bit)
+    for src, gs in groups.items():
+        keys = {idx for g in gs for idx, _, _, _ in g.terms}
+        own[src] = (sum(1 << k for k in keys), 1 << (2 * src))
 
     def stuck(s: int, r: int) -> bool:
         """Whether no live pair of ``s`` fits on its own links in round ``r``: for each
-        group, one of them leaves less than its least ask, as ``RoundLoads.room`` counts
-        (a margin keeps rounding from claiming a pair that ``room`` would take)."""
-        tau, lat = rounds.tau, rounds.latency
-        busy, count = rounds.busy[r], rounds.count[r]
+        group, one of them leaves less than its least ask."""
         for g in groups[s]:
-            if not g.live:
-                continue
-            least = min(g.chunk, *g.tails.values()) if g.tails else g.chunk
-            for idx, k, c, n in g.terms:
-                spare = tau - lat[k] * (count[k] + n)
-                room = spare - busy[idx]
-                if room <= 0 or (n and spare <= busy[idx ^ 1]) or room / c < least * _SHORT:
-                    break  # this group cannot go
-            else:
-                return False
+            if g.live:
+                least = min(g.chunk, *g.tails.values()) if g.tails else g.chunk
+                if not rounds.short(g.terms, r, least):
+                    return False
         return True
 
     def requeue(s: int) -> None:

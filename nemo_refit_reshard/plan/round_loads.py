@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from .transfer import LinkModel, Transfer, sizes_of
 
@@ -21,6 +21,9 @@ FULL = 1 / 64
 # A pair does not open a message for fewer bytes than take this many latencies to move
 # (unless that is all it has left): a sliver of a round costs more than it carries.
 MIN_CHUNK_LATENCIES = 4
+# ``RoundLoads.short``'s margin: a key counts as too short only if the ask exceeds its
+# room by more than rounding could account for
+_SHORT = 1 - 1e-9
 
 
 class Pair:
@@ -205,6 +208,20 @@ class RoundLoads:
                 if left < x * c:
                     x = left / c
         return x
+
+    def short(self, terms: Sequence[tuple[int, int, float, int]], r: int, least: float) -> bool:
+        """Whether round ``r`` leaves less than ``least`` bytes on one of ``terms``
+        (``t0`` entries), counted as :meth:`room` counts them: then ``room`` is below the
+        ask of every pair with these terms that asks for ``least`` or more. A margin
+        keeps rounding from claiming a pair that ``room`` would take."""
+        tau, lat = self.tau, self.latency
+        busy, count = self.busy[r], self.count[r]
+        for idx, k, c, n in terms:
+            spare = tau - lat[k] * (count[k] + n)
+            left = spare - busy[idx]
+            if left <= 0 or (n and spare <= busy[idx ^ 1]) or left / c < least * _SHORT:
+                return True
+        return False
 
     def capacity(self, p: Pair) -> float:
         """Bytes of ``p`` a round with nothing else in it takes."""
