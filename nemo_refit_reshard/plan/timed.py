@@ -102,12 +102,7 @@ def timed_schedule(
 
     built: dict[tuple[int, int, int], Pair] = {}
 
-    def pairs_of(direct: list[Transfer], through: Sequence[tuple[Transfer, int]]) -> list[Pair]:
-        by_pair: dict[tuple[int, int, int], list[Transfer]] = defaultdict(list)
-        for (src, dst), ts in groupby(sorted(direct, key=_ENDS), key=_ENDS):  # (stable)
-            by_pair[(src, dst, -1)] = list(ts)
-        for t, via in through:
-            by_pair[(t.src, t.dst, via)].append(t)
+    def pairs_of(by_pair: Mapping[tuple[int, int, int], list[Transfer]]) -> list[Pair]:
         out = []
         for k, ts in sorted(by_pair.items()):
             p = built.get(k)
@@ -118,12 +113,24 @@ def timed_schedule(
             out.append(p)
         return out
 
-    pairs = pairs_of(transfers, carried)
+    # Each (sender, receiver)'s direct transfers in their order (one stable sort), then
+    # its carried ones: one pair per carrier, or (sent directly) after the direct ones.
+    direct = {
+        (src, dst, -1): list(ts)
+        for (src, dst), ts in groupby(sorted(transfers, key=_ENDS), key=_ENDS)
+    }
+    through: dict[tuple[int, int, int], list[Transfer]] = defaultdict(list, direct)
+    for t, via in carried:
+        through[(t.src, t.dst, via)].append(t)
+    pairs = pairs_of(through)
     best = choose_budget(pairs, bucket_bytes, latency, ranks)
     if carried:
         # Carrying pays in NIC time but costs a round of lag and more staging; where the
         # staging bound or latency rules, sending everything directly can come out ahead.
-        plain = pairs_of(transfers + [t for t, _ in carried], ())
+        sent_directly = defaultdict(list, {k: list(ts) for k, ts in direct.items()})
+        for t, _ in carried:
+            sent_directly[(t.src, t.dst, -1)].append(t)
+        plain = pairs_of(sent_directly)
         alternative = choose_budget(
             plain, bucket_bytes, latency, ranks, rounds=best and best[2], stop_at=best and best[0]
         )
