@@ -200,10 +200,10 @@ def test_price_fills_side_by_side_choose_what_full_fills_choose_and_stop_losers_
     filled = []  # (budget, rounds filled, finished) of every price fill
     real_fill = budget.fill
 
-    def fill(pairs, rounds, placed, totals=None):
+    def fill(pairs, rounds, placed, totals=None, log=None):
         steps, done = 0, False
         try:
-            for step in real_fill(pairs, rounds, placed, totals):
+            for step in real_fill(pairs, rounds, placed, totals, log):
                 steps += 1
                 yield step
             done = True
@@ -222,7 +222,8 @@ def test_price_fills_side_by_side_choose_what_full_fills_choose_and_stop_losers_
     stopped = [(tau, steps) for tau, steps, done in pruned_fills if not done]
     assert stopped  # some fill stopped before its end
     full_steps = {tau: steps for tau, steps, _ in filled}
-    assert all(steps < full_steps[tau] for tau, steps in stopped)
+    # (a fill may be stopped right after its last round, before it says it is done)
+    assert all(steps <= full_steps[tau] for tau, steps in stopped)
     assert sum(s for _, s, _ in pruned_fills) < sum(full_steps.values())
     # a limit no fill can beat: every fill stops early, none is chosen
     filled.clear()
@@ -230,13 +231,14 @@ def test_price_fills_side_by_side_choose_what_full_fills_choose_and_stop_losers_
     assert filled and not any(done for _, _, done in filled)
 
 
-def test_the_final_fill_takes_whole_transfers_in_message_order_then_whole_rows():
+def test_a_fill_takes_whole_transfers_in_message_order_then_whole_rows():
     """``fill.take`` with real transfers: per call, every next transfer (in message
     order) that fits whole, then as many whole rows of the one after as fit (of a
     one-row rest, whole elements of its next dimension: ``cut_rows``); what is left of a
     cut transfer goes first next time. Checked against taking them one by one (the plain
     loop it replaces) over a run of rooms, including rooms that fit no whole transfer,
-    rooms inside a cut transfer's rest, and rooms past the end."""
+    rooms inside a cut transfer's rest, and rooms past the end. A price fill's take
+    (no ``placed``: bytes only) takes the same bytes call by call."""
     from nemo_refit_reshard.layouts.base import Box
     from nemo_refit_reshard.plan.fill import queue_transfers, take
     from nemo_refit_reshard.plan.round_loads import Pair
@@ -253,7 +255,11 @@ def test_the_final_fill_takes_whole_transfers_in_message_order_then_whole_rows()
     pair = Pair(0, 1, -1, transfers)
     queue_transfers(pair)
     placed: list[list[Transfer]] = [[] for _ in rooms]
-    got = [take(pair, room, placed, r) for r, room in enumerate(rooms)]
+    got, cut_at = [], []  # per call: bytes, and (next transfer, bytes cut off it, what is left)
+    for r, room in enumerate(rooms):
+        got.append(take(pair, room, placed, r))
+        rest = None if pair.cut is None else pair.cut.canonical_box.sizes
+        cut_at.append((pair.head, pair.head_taken, rest))
 
     # one by one
     queue = sorted(transfers, key=lambda t: t.dst_tensor)
@@ -276,3 +282,64 @@ def test_the_final_fill_takes_whole_transfers_in_message_order_then_whole_rows()
     assert placed == expected_placed
     assert pair.left == 0
     assert [t.dst_tensor for ts in placed for t in ts] == list("bbcdeeee")
+
+    counted = Pair(0, 1, -1, transfers)
+    queue_transfers(counted)
+    states = []
+    for r, room in enumerate(rooms):
+        states.append(take(counted, room, None, r))
+        assert (counted.head, counted.head_taken, counted.rest) == cut_at[r]
+    assert states == expected_got
+    # b cut after 2 of its 8 rows; e after 3 of its 5, then 1 more, then 3 of the last
+    # row's 4 elements
+    assert [rest for *_, rest in cut_at] == [(6, 4), None, (2, 4), (1, 4), (1, 1), None, None, None]
+    assert counted.left == 0
+
+
+def test_a_price_fills_placements_replayed_are_the_fill_with_transfers(monkeypatch):
+    """A price fill counts the bytes a fill with the real transfers takes, so the
+    schedule is its placements replayed (``fill.replay``): the same rounds of transfers,
+    cuts included, and the same predicted seconds, as filling the budget again with the
+    transfers built."""
+    from nemo_refit_reshard.plan.budget import choose_budget
+    from nemo_refit_reshard.plan.fill import fill, replay
+    from nemo_refit_reshard.plan.round_loads import RoundLoads
+
+    pairs, bucket, latency, ranks = _moe_budget_args(monkeypatch)
+    chosen = choose_budget(pairs, bucket, latency, ranks)
+    assert chosen is not None
+
+    built: list = []
+    with_transfers = RoundLoads(chosen.budget, bucket, latency, ranks)
+    for _ in fill(pairs, with_transfers, built):
+        pass
+    while built and not built[-1]:
+        built.pop()
+
+    log: list = []
+    counted = RoundLoads(chosen.budget, bucket, latency, ranks)
+    for _ in fill(pairs, counted, None, None, log):
+        pass
+    index = {p: i for i, p in enumerate(pairs)}
+    placements = [(r, index[p], room) for r, p, room in log]
+    assert placements == chosen.placements
+    assert replay(pairs, placements) == built
+    assert counted.seconds() == with_transfers.seconds() == chosen.seconds
+    whole = {t for p in pairs for t in p.transfers}
+    assert any(t not in whole for ts in built for t in ts)  # some transfers were cut
+
+
+def test_a_bucket_below_one_row_is_refused_not_filled_forever():
+    """Staging buckets of 100 bytes hold no 256-byte row of the embedding: no budget's
+    rounds can take it, so every budget is refused (rounds that stay empty while bytes
+    are left end the fill) and the planner says to raise ``bucket_mb``."""
+    tp, ip = TrainParallel.parse("dp=2"), InferParallel.parse("tp=2,dp=2")
+    sources = [megatron_layout(SPEC, tp, r) for r in range(tp.world_size)]
+    destinations = [vllm_layout(SPEC, ip, r) for r in range(ip.world_size)]
+    assert SPEC.tensor("model.embed_tokens.weight").shape == (256, 64)  # float32 rows
+    cluster = Cluster(gpus_per_node=2, nvlink_latency_us=0.01, nic_latency_us=0.02)
+    links = Topology(cluster, Placement.packed(len(sources), len(destinations), cluster))
+    with pytest.raises(ValueError, match=r"next whole row within the bucket\); raise bucket_mb"):
+        plan_refit(SPEC, sources, destinations, 100 / 2**20, relay="none", links=links)
+    plan = plan_refit(SPEC, sources, destinations, 1024 / 2**20, relay="none", links=links)
+    verify_plan(plan, sources, destinations)

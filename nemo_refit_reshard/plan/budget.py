@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterator
+from typing import NamedTuple
 
 from .fill import fill
 from .price_limit import Limit
@@ -27,16 +27,34 @@ class _PriceFill:
         self,
         tau: float,
         entries: list[tuple[int, int]],
+        pairs: list[Pair],
         state: RoundLoads,
-        steps: Iterator[tuple[float, float]],
+        totals: list[float] | None,
     ) -> None:
         self.tau = tau
         self.entries = entries  # (order, round count) of every count whose budget this is
         self.order = entries[0][0]  # the first of them: ties rank by it
+        self.pairs = pairs  # its own pairs (a fill keeps its progress on them)
         self.state = state
-        self.steps = steps
+        self.log: list[tuple[int, Pair, float]] = []  # its placements (``fill.replay``)
+        self.steps = fill(pairs, state, None, totals, self.log)
         self.spent = 0.0
         self.ahead = 0.0
+
+    def placements(self) -> list[tuple[int, int, float]]:
+        """Its placements as ``(round, index of the pair, room)``."""
+        index = {p: i for i, p in enumerate(self.pairs)}
+        return [(r, index[p], room) for r, p, room in self.log]
+
+
+class Priced(NamedTuple):
+    """The cheapest budget: its fill's predicted seconds, the budget, the round count it
+    was derived from, and the fill's placements (``fill.replay`` builds its transfers)."""
+
+    seconds: float
+    budget: float
+    count: int
+    placements: list[tuple[int, int, float]]
 
 
 def choose_budget(
@@ -46,10 +64,9 @@ def choose_budget(
     ranks: int,
     rounds: int | None = None,
     stop_at: float | None = None,
-) -> tuple[float, float, int] | None:
-    """(predicted seconds, round budget, round count) of the cheapest of a few budgets
-    (None if no budget lets every pair place a worthwhile chunk; ``stop_at``: none
-    priced below it).
+) -> Priced | None:
+    """The cheapest of a few budgets (None if no budget lets every pair place a
+    worthwhile chunk; ``stop_at``: none priced below it).
 
     ``R`` runs from the staging bound ``max staged / bucket`` up (``rounds`` given: that
     one only, as it is), the budget being the busiest link's seconds over ``R``; more
@@ -76,6 +93,7 @@ def choose_budget(
     # (seconds, order, budget, round count): ``order`` ranks equal seconds
     best: tuple[float, int, float, int] | None = None
     totals: dict[float, float | None] = {}  # budget -> its fill's total (None: too small)
+    logs: dict[float, list[tuple[int, int, float]]] = {}  # budget -> its fill's placements
 
     def settle(tau: float, entries: list[tuple[int, int]]) -> None:
         nonlocal best
@@ -109,8 +127,7 @@ def choose_budget(
         for i, (tau, counts) in enumerate(entries.items()):
             own = pairs if i == 0 else [p.clone() for p in pairs]
             state = RoundLoads(tau, bucket_bytes, latency, ranks)
-            steps = fill(own, state, None, busy if bounded else None)
-            live.append(_PriceFill(tau, counts, state, steps))
+            live.append(_PriceFill(tau, counts, own, state, busy if bounded else None))
         while live:
             f = min(live, key=lambda x: (x.spent + x.ahead, x.order))
             try:
@@ -120,6 +137,7 @@ def choose_budget(
                 live.remove(f)
             except StopIteration:
                 totals[f.tau] = f.state.seconds()
+                logs[f.tau] = f.placements()
                 settle(f.tau, f.entries)
                 live.remove(f)
             # (a fill stopped here is not kept: under another limit it may finish)
@@ -132,4 +150,4 @@ def choose_budget(
     price([(longest / num_rounds, num_rounds, order) for order, num_rounds in enumerate(counts)])
     if best is not None and rounds is None:
         price([(best[0] / best[3], best[3], len(counts))])
-    return None if best is None else (best[0], best[2], best[3])
+    return None if best is None else Priced(best[0], best[2], best[3], logs[best[2]])

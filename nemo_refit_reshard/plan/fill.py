@@ -18,7 +18,7 @@ from .carry import legs
 from .messages import in_message_order
 from .price_limit import LaterBound
 from .round_loads import Pair, RoundLoads, TooSmall
-from .transfer import Transfer, cut_rows, sizes_of
+from .transfer import Transfer, cut_rows, rows_that_fit, sizes_of
 
 
 class _OwnGroup:
@@ -40,42 +40,61 @@ def queue_transfers(p: Pair) -> None:
     p.queue = in_message_order(p.transfers, reverse=True)[::-1]
     p.ends = [0, *accumulate(sizes_of(p.queue))]
     p.head = p.head_taken = 0
+    p.rest = p.cut = None
 
 
 def take(p: Pair, room: float, placed: list[list[Transfer]] | None, r: int) -> float:
-    """Take up to ``room`` bytes off ``p``: a divisible amount, or (``placed`` given)
-    whole transfers and whole rows of the next one, appended to ``placed[r]`` (a
-    carried pair: leg 1 to ``placed[r]``, leg 2 to ``placed[r + 1]``)."""
-    if placed is None:
-        x = min(room, p.left)
-        p.left -= x
-        return x
+    """Take up to ``room`` bytes off ``p``: its next transfers (:func:`queue_transfers`)
+    that fit whole, then whole rows of the one after (``cut_rows``). With ``placed``,
+    they go to ``placed[r]`` (a carried pair: leg 1 to ``placed[r]``, leg 2 to
+    ``placed[r + 1]``); without, only their bytes are counted (a price fill: the same
+    bytes, no transfers built)."""
     queue, ends, head = p.queue, p.ends, p.head
+    rest_of_head = p.cut
     # bytes before the next transfer, counting the rows already cut off it
     base = ends[head] + p.head_taken
     # the most whole transfers that fit: the last end within ``room`` (exact: int minus
     # int, compared with the float room, as summing them one by one would)
     stop = bisect_right(ends, room, head + 1, len(ends), key=lambda end: end - base) - 1
-    taken = queue[head:stop]
     nbytes = 0
     if stop > head:
         nbytes = ends[stop] - base
         p.head_taken = 0
+        p.rest = p.cut = None
+    cut = None
     if stop < len(queue) and room > nbytes:
-        cut = cut_rows(queue[stop], room - nbytes)
+        if placed is not None:
+            cut = cut_rows(queue[stop] if p.cut is None else p.cut, room - nbytes)
+            if cut is not None:
+                p.cut = cut[1]
+                p.head_taken += cut[0].nbytes
+                nbytes += cut[0].nbytes
+        else:
+            # ``cut_rows``'s arithmetic on what is left of the transfer (``p.rest``: its
+            # sizes once rows were cut off it)
+            sizes = queue[stop].canonical_box.sizes if p.rest is None else p.rest
+            total = ends[stop + 1] - ends[stop] - p.head_taken
+            fit = rows_that_fit(sizes, total, room - nbytes)
+            if fit is not None:
+                lead, rows = fit
+                row = total // sizes[lead]
+                p.rest = (*sizes[:lead], sizes[lead] - rows, *sizes[lead + 1 :])
+                p.head_taken += rows * row
+                nbytes += rows * row
+    if placed is not None:
+        taken = queue[head:stop]
+        if taken and rest_of_head is not None:
+            taken[0] = rest_of_head
         if cut is not None:
-            queue[stop] = cut[1]
-            p.head_taken += cut[0].nbytes
             taken.append(cut[0])
-            nbytes += cut[0].nbytes
+        if p.via < 0:
+            placed[r].extend(taken)
+        else:
+            for t in taken:
+                first, second = legs(t, p.via)
+                placed[r].append(first)
+                placed[r + 1].append(second)
     p.head = stop
-    if p.via < 0:
-        placed[r].extend(taken)
-    else:
-        for t in taken:
-            first, second = legs(t, p.via)
-            placed[r].append(first)
-            placed[r + 1].append(second)
     p.left -= nbytes
     return nbytes
 
@@ -85,25 +104,30 @@ def fill(
     rounds: RoundLoads,
     placed: list[list[Transfer]] | None,
     totals: list[float] | None = None,
+    log: list[tuple[int, Pair, float]] | None = None,
 ) -> Iterator[tuple[float, float]]:
     """Round after round, every sender fills its links: first the pairs it served in the
     previous round (a pair that continues costs no new peer), then the pairs whose
     receivers have the most work left. Senders with the most work left go first, so
     the busiest links never wait while others finish early (longest remaining first).
 
-    ``placed`` given: real transfers, cut at rows, are appended to ``placed[r]``;
-    otherwise pairs are divisible amounts (to price a round budget).
+    A pair's bytes go in whole transfers and whole rows (:func:`take`; the pairs' queues
+    set up by :func:`queue_transfers`). ``placed`` given, the transfers are appended to
+    ``placed[r]``; otherwise only bytes are counted (to price a round budget), and
+    ``log`` gets ``(round, pair, room)`` of every placement: :func:`take` with those
+    rooms, in that order, builds the transfers of the same fill (:func:`replay`).
 
     A generator: it fills a round per step. ``totals`` given (the busy seconds every pair
     puts on each time index over all rounds), each step yields, once the round is final
     (later placements go to rounds after it), ``(spent, ahead)``: the seconds of the
     rounds so far and a lower bound on those still to come (:class:`LaterBound`), so the
     caller can stop a fill that cannot beat another (``plan/budget.py``). Raises
-    :class:`TooSmall` on the first step if an empty round cannot take a pair's chunk."""
+    :class:`TooSmall` on the first step if an empty round cannot take a pair's chunk, and
+    once rounds stay empty while a pair has bytes left (its next row fits no round)."""
     by_src: dict[int, list[Pair]] = defaultdict(list)
     for p in pairs:
-        if placed is not None:
-            queue_transfers(p)
+        p.head = p.head_taken = 0
+        p.rest = p.cut = None
         p.left = float(p.nbytes)
         if rounds.capacity(p) < min(p.left, p.chunk):
             raise TooSmall
@@ -215,6 +239,10 @@ def fill(
         if not got:
             return False
         rounds.add(p, r, got)
+        nonlocal placements
+        placements += 1
+        if log is not None:
+            log.append((r, p, room))
         if later is not None:
             later.placed(p)
         send_left[s] -= got * p.send_cost
@@ -244,6 +272,7 @@ def fill(
         p.stamp = -1
     spent = 0.0  # rounds before r, summed as ``RoundLoads.seconds`` sums them
     later = None if totals is None else LaterBound(pairs, rounds, totals)
+    placements = before = idle = 0  # placements so far, before this round; empty rounds
     r = 0
     while any(left.values()):
         if placed is not None:
@@ -315,5 +344,27 @@ def fill(
             spent += rounds.round_seconds(r)
             yield spent, later.finish(rounds.busy[r])
         r += 1
-        if r > 64 * (len(rounds.busy) + 64):
-            raise AssertionError("round filling made no progress")
+        # Rounds after ``horizon`` empty ones are as empty as they: a pair that none of
+        # them took (a row bigger than any round's room) never goes.
+        idle = idle + 1 if placements == before else 0
+        if idle > horizon + 1:
+            raise TooSmall
+        before = placements
+
+
+def replay(pairs: list[Pair], log: list[tuple[int, int, float]]) -> list[list[Transfer]]:
+    """The transfers of a fill that only counted bytes: ``log`` its placements as
+    ``(round, index in pairs, room)``, taken again in order with the transfers built.
+    Each take cuts the same bytes as the fill's, as both start from the same queue."""
+    placed: list[list[Transfer]] = []
+    for p in pairs:
+        p.head = p.head_taken = 0
+        p.rest = p.cut = None
+        p.left = float(p.nbytes)
+    for r, i, room in log:
+        while len(placed) <= r + 1:
+            placed.append([])
+        take(pairs[i], room, placed, r)
+    while placed and not placed[-1]:
+        placed.pop()
+    return placed

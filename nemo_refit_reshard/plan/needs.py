@@ -38,10 +38,17 @@ class Needs:
 
     def group_bytes(self, rep: int) -> int:
         """Bytes one member of ``rep``'s group receives."""
-        return sum(
-            n.canonical_box.numel * DTYPE_BYTES[self.dtype_of[(rep, n.dst_piece.local)]]
-            for n in self.by_group[rep]
-        )
+        total = self._group_bytes.get(rep)
+        if total is None:
+            total = self._group_bytes[rep] = sum(
+                n.canonical_box.numel * DTYPE_BYTES[self.dtype_of[(rep, n.dst_piece.local)]]
+                for n in self.by_group[rep]
+            )
+        return total
+
+    @cached_property
+    def _group_bytes(self) -> dict[int, int]:
+        return {}
 
     @cached_property
     def _group_of(self) -> dict[int, int]:

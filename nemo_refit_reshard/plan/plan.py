@@ -17,8 +17,8 @@ pass 5 only for those whose routes could still win (``plan/choice.py``).
 
 from __future__ import annotations
 
-from collections import defaultdict
-from operator import itemgetter
+from collections import Counter, defaultdict
+from operator import attrgetter, itemgetter
 
 from ..layouts.base import RankLayout, paused_gc
 from ..spec.model import ModelSpec
@@ -36,6 +36,7 @@ from .transfer import DTYPE_BYTES, LinkModel
 
 RELAY_CHOICES = ("auto", *RELAY_MODES)
 _SRC_TENSOR = itemgetter(2)  # a transfer's source tensor
+_CANONICAL, _NUMEL = attrgetter("canonical"), attrgetter("canonical_box.numel")  # a piece's
 
 
 def plan_refit(
@@ -137,10 +138,9 @@ def _assemble(
                 num_transfers += len(content.transfers)
                 pairs.add(key[:3])
     min_bytes = sum(
-        len(g) * p.canonical_box.numel * DTYPE_BYTES[t.dtype]
+        len(g) * sum(map(_NUMEL, t.pieces)) * DTYPE_BYTES[t.dtype]
         for g in groups
         for t in destinations[g[0] - s].tensors
-        for p in t.pieces
     )
     stats = PlanStats(
         bytes_sent=tuple(sent),
@@ -187,16 +187,22 @@ def _baseline_bytes(
         for p in layout.pieces():
             per = held.setdefault(p.canonical, {})
             per[layout.rank] = per.get(layout.rank, 0) + p.canonical_box.numel
-    readers: dict[str, int] = defaultdict(int)
     itemsize: dict[str, int] = {}
     s = len(sources)
+    # per group size, how many groups read each tensor (counted in C: a layout has a
+    # piece per expert slice)
+    groups_reading: dict[int, Counter[str]] = defaultdict(Counter)
     for g in groups:
         layout = destinations[g[0] - s]
-        for name in {p.canonical for p in layout.pieces()}:
-            readers[name] += len(g)
+        names: set[str] = set()
         for t in layout.tensors:
-            for p in t.pieces:
-                itemsize[p.canonical] = DTYPE_BYTES[t.dtype]
+            names.update(map(_CANONICAL, t.pieces))
+            itemsize.update(dict.fromkeys(map(_CANONICAL, t.pieces), DTYPE_BYTES[t.dtype]))
+        groups_reading[len(g)].update(names)
+    readers: dict[str, int] = defaultdict(int)
+    for size, counts in groups_reading.items():
+        for name, count in counts.items():
+            readers[name] += size * count
     total = 0
     for name, count in readers.items():
         t = spec.tensor(name)

@@ -45,6 +45,8 @@ class Pair:
         "ends",
         "head",
         "head_taken",
+        "rest",
+        "cut",
         "t0",
         "s0",
         "m0",
@@ -74,13 +76,16 @@ class Pair:
         self.transfers = transfers
         self.nbytes = sum(sizes_of(transfers))
         self.left = float(self.nbytes)  # bytes not yet placed
-        # The final fill's transfers in the order they go, ``head`` the next one (of which
-        # ``head_taken`` bytes already went, cut at rows): ``ends[i]`` the bytes of the
-        # first ``i`` of them as they were.
+        # Its transfers in the order a fill takes them (``fill.queue_transfers``),
+        # ``head`` the next one, of which ``head_taken`` bytes already went, cut at rows:
+        # what is left of it is ``cut`` (a transfer) where the fill builds transfers,
+        # else ``rest`` (its sizes); ``ends[i]`` the bytes of the first ``i`` of them.
         self.queue: list[Transfer] = []
         self.ends: list[int] = [0]
         self.head = 0
         self.head_taken = 0
+        self.rest: tuple[int, ...] | None = None
+        self.cut: Transfer | None = None
         # In the round the pair is placed in: (time index, key, seconds per byte, this
         # pair's messages on the key), (staging index, bytes per byte), and its
         # messages (code of (src, dst), src key, dst key). A pair is placed at most once
@@ -292,7 +297,8 @@ class RoundLoads:
 
 
 class TooSmall(Exception):
-    """An empty round cannot take a worthwhile chunk: the round budget is below latency."""
+    """An empty round cannot take a worthwhile chunk (the round budget is below latency),
+    or a pair's next row (``plan/fill.py``)."""
 
 
 def _capacity_terms(p: Pair, latency: list[float]) -> tuple[list[tuple[float, float]], list[int]]:

@@ -42,8 +42,8 @@ from operator import itemgetter
 from typing import NamedTuple
 
 from .budget import choose_budget
-from .fill import fill
-from .round_loads import Pair, RoundLoads, build_pair
+from .fill import queue_transfers, replay
+from .round_loads import Pair, build_pair
 from .transfer import LinkModel, Transfer
 
 _SRC, _DST, _ENDS = itemgetter(0), itemgetter(1), itemgetter(0, 1)  # of a transfer
@@ -110,6 +110,7 @@ def timed_schedule(
                 p = built[k] = build_pair(*k, ts, links, members, position, key, ranks)
                 # a chunk never needs more than a round's staging
                 p.chunk = min(p.chunk, bucket_bytes / max(c for _, c in p.s0))
+                queue_transfers(p)
             out.append(p)
         return out
 
@@ -132,18 +133,18 @@ def timed_schedule(
             sent_directly[(t.src, t.dst, -1)].append(t)
         plain = pairs_of(sent_directly)
         alternative = choose_budget(
-            plain, bucket_bytes, latency, ranks, rounds=best and best[2], stop_at=best and best[0]
+            plain,
+            bucket_bytes,
+            latency,
+            ranks,
+            rounds=best and best.count,
+            stop_at=best and best.seconds,
         )
-        if alternative is not None and (best is None or alternative[0] < best[0]):
+        if alternative is not None and (best is None or alternative.seconds < best.seconds):
             pairs, best = plain, alternative
     if best is None:
         raise ValueError(
-            "no round count gives a round budget above the message latency; raise bucket_mb"
+            "no round count gives a round budget that holds every pair's message (its "
+            "latency, and its next whole row within the bucket); raise bucket_mb"
         )
-    placed: list[list[Transfer]] = []
-    final = RoundLoads(best[1], bucket_bytes, latency, ranks)
-    for _ in fill(pairs, final, placed):
-        pass
-    while placed and not placed[-1]:
-        placed.pop()
-    return TimedRounds(placed, final.tau, final.seconds())
+    return TimedRounds(replay(pairs, best.placements), best.budget, best.seconds)

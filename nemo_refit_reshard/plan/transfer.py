@@ -88,17 +88,26 @@ def split_box(box: Box, parts: int) -> list[Box]:
     return out
 
 
+def rows_that_fit(sizes: tuple[int, ...], total: int, nbytes: float) -> tuple[int, int] | None:
+    """``(lead, rows)``: the lead (first non-unit) dim of a box of ``sizes`` holding
+    ``total`` bytes, and how many of its whole rows fit in ``nbytes``; None if not even one
+    row fits or the box is one row (the arithmetic of :func:`cut_rows`)."""
+    lead = next((d for d, n in enumerate(sizes) if n != 1), None)
+    if lead is None:
+        return None
+    rows = sizes[lead]
+    take = min(rows - 1, int(nbytes // (total // rows)))
+    return None if take < 1 else (lead, take)
+
+
 def cut_rows(t: Transfer, nbytes: float) -> tuple[Transfer, Transfer] | None:
     """``t`` cut after as many whole rows of its lead (first non-unit) dim as fit in
     ``nbytes``: (head, tail), or None if not even one row fits or ``t`` is one row."""
     box = t.canonical_box
-    lead = next((d for d, n in enumerate(box.sizes) if n != 1), None)
-    if lead is None:
+    fit = rows_that_fit(box.sizes, t.nbytes, nbytes)
+    if fit is None:
         return None
-    rows = box.sizes[lead]
-    take = min(rows - 1, int(nbytes // (t.nbytes // rows)))
-    if take < 1:
-        return None
+    lead, take = fit
     head = list(box.sizes)
     head[lead] = take
     offsets, rest = list(box.offsets), list(box.sizes)
