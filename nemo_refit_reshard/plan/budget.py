@@ -1,7 +1,8 @@
 """The round budget of a timed schedule (``plan/timed.py``, step 4): a few budgets priced
-by filling them with divisible pairs (``plan/fill.py``), the cheapest kept.
+by filling them (``plan/fill.py``, counting bytes in whole transfers and rows, as the
+schedule takes them), the cheapest kept with its fill's placements.
 
-A budget's price is the cluster model's time of its fill. Fills of several budgets run
+A budget's price is the cluster model's time of its fill: the plan it gives. Fills of several budgets run
 side by side, one round at a time, the one whose lower bound (``plan/price_limit.py``)
 is lowest going next; once a fill is done, every fill whose bound shows it cannot beat
 the best total stops. The cheapest budget is the one a fill of each budget in turn would

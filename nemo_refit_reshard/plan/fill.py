@@ -1,8 +1,10 @@
 """The fill behind ``plan/timed.py``: round after round, every sender fills its links
 with the pairs whose receivers have the most work left, within one round budget.
 
-:func:`fill` with ``placed`` cuts real transfers at rows (the schedule); without it,
-pairs are divisible amounts and the fill prices a budget (``plan/budget.py``).
+:func:`fill` takes a pair's bytes in whole transfers and whole rows. Without ``placed``
+it only counts them, to price a budget (``plan/budget.py``), and logs its placements;
+:func:`replay` takes them again with the transfers built: the schedule of the budget
+that wins.
 """
 
 from __future__ import annotations

@@ -26,11 +26,12 @@ messages. Here:
    bytes that fit every effect after one message latency on each key where it is new in
    the round. Longest remaining first keeps the busiest links busy to the end;
    continuing pairs keep the number of peers, and so of message latencies, low.
-4. **Choice** (``plan/budget.py``). Several ``R`` are filled with pairs as divisible
-   amounts and priced by the formula above (relay hops and message counts included),
-   side by side, each stopped once it cannot win, with and without the carried legs;
-   the cheapest is filled again with the real transfers, cut at row boundaries where a
-   round's room ends.
+4. **Choice** (``plan/budget.py``). Several ``R`` are filled, counting the bytes a
+   pair takes in whole transfers and rows (cut where a round's room ends), and priced
+   by the formula above (relay hops and message counts included), side by side, each
+   stopped once it cannot win, with and without the carried legs; the cheapest fill's
+   placements are taken again with the transfers built (``fill.replay``): its price is
+   the plan's predicted time.
 """
 
 from __future__ import annotations
