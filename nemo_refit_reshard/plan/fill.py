@@ -55,9 +55,16 @@ def take(p: Pair, room: float, placed: list[list[Transfer]] | None, r: int) -> f
     rest_of_head = p.cut
     # bytes before the next transfer, counting the rows already cut off it
     base = ends[head] + p.head_taken
-    # the most whole transfers that fit: the last end within ``room`` (exact: int minus
-    # int, compared with the float room, as summing them one by one would)
-    stop = bisect_right(ends, room, head + 1, len(ends), key=lambda end: end - base) - 1
+    # the most whole transfers that fit: the last end within ``room``, found on
+    # ``room + base`` (a float sum, which may round) and settled by the exact test
+    # ``end - base <= room`` (int minus int against the float room, as summing them
+    # one by one would)
+    last = len(ends) - 1
+    stop = bisect_right(ends, room + base, head + 1) - 1
+    while stop < last and ends[stop + 1] - base <= room:
+        stop += 1
+    while stop > head and ends[stop] - base > room:
+        stop -= 1
     nbytes = 0
     if stop > head:
         nbytes = ends[stop] - base
