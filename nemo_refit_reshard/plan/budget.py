@@ -2,11 +2,12 @@
 by filling them (``plan/fill.py``, counting bytes in whole transfers and rows, as the
 schedule takes them), the cheapest kept with its fill's placements.
 
-A budget's price is the cluster model's time of its fill: the plan it gives. Fills of several budgets run
-side by side, one round at a time, the one whose lower bound (``plan/price_limit.py``)
-is lowest going next; once a fill is done, every fill whose bound shows it cannot beat
-the best total stops. The cheapest budget is the one a fill of each budget in turn would
-find, but the losing fills stop as early as their bounds allow, whichever budget wins.
+A budget's price is the cluster model's time of its fill: the plan it gives. Fills of
+several budgets run side by side, one round at a time, the one whose lower bound
+(``plan/price_limit.py``) is lowest going next; once a fill is done, every fill whose
+bound shows it cannot beat the best total stops. The cheapest budget is the one a fill
+of each budget in turn would find, but the losing fills stop as early as their bounds
+allow, whichever budget wins.
 """
 
 from __future__ import annotations

@@ -238,6 +238,7 @@ def fill(
 
     def place(s: int, p: Pair, r: int) -> bool:
         """Put what fits of ``p`` into round ``r``; whether anything went."""
+        nonlocal placements
         if rounds.blocked(p, r):
             return False
         need = min(p.left, p.chunk)
@@ -248,7 +249,6 @@ def fill(
         if not got:
             return False
         rounds.add(p, r, got)
-        nonlocal placements
         placements += 1
         if log is not None:
             log.append((r, p, room))
@@ -353,8 +353,9 @@ def fill(
             spent += rounds.round_seconds(r)
             yield spent, later.finish(rounds.busy[r])
         r += 1
-        # Rounds after ``horizon`` empty ones are as empty as they: a pair that none of
-        # them took (a row bigger than any round's room) never goes.
+        # Once more than ``horizon`` rounds in a row took nothing, every later round is as
+        # empty as the last of them: a pair it did not take (a row bigger than any
+        # round's room) never goes.
         idle = idle + 1 if placements == before else 0
         if idle > horizon + 1:
             raise TooSmall
