@@ -47,8 +47,16 @@ def plan_rounds(routes: Routes, bucket_bytes: int, links: LinkModel | None) -> R
         return Rounds(placed, None, None if links is None else predicted_seconds(placed, links))
     if links is None:
         return Rounds(schedule(routes.direct, bucket_bytes, members=routes.members))
+    # what no schedule can beat with every carried transfer sent directly
+    direct_floor = max(routes.link_seconds(links, carried=False).values()) if routes.carried else 0
     timed = timed_schedule(
-        routes.direct, bucket_bytes, links, routes.members, routes.chains, routes.carried
+        routes.direct,
+        bucket_bytes,
+        links,
+        routes.members,
+        routes.chains,
+        routes.carried,
+        direct_floor,
     )
     return Rounds(timed.rounds, timed.budget, timed.seconds)
 

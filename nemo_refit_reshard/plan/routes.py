@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from .carry import choose_carriers, choose_ingress_carriers
 from .domain import domain_entries
@@ -44,8 +45,9 @@ class Routes:
         member, every run hop, both carried legs; with ``carried=False`` as if the
         carried transfers went direct). The predicted refit time (rounds run one after
         another, ``plan/predict.py``) is at least the largest of them."""
-        return self._link_seconds(links, self._pair_bytes(), carried)
+        return self._link_seconds(links, self._pair_bytes, carried)
 
+    @cached_property
     def _pair_bytes(self) -> dict[tuple[int, int], int]:
         """Bytes per (sender, stored receiver) of the direct transfers and chain hops."""
         pairs: dict[tuple[int, int], int] = defaultdict(int)
@@ -87,7 +89,7 @@ class Routes:
         """Seconds no schedule of these routes can beat: the busiest (rank, link,
         direction)'s total, with the carried legs or without them (the rounds pass
         may drop them), whichever is lower."""
-        direct = self._pair_bytes()
+        direct = self._pair_bytes
         bound = max(self._link_seconds(links, direct, True).values(), default=0.0)
         if self.carried:
             bound = min(bound, max(self._link_seconds(links, direct, False).values()))

@@ -66,6 +66,7 @@ def timed_schedule(
     members: Mapping[int, tuple[int, ...]] | None = None,
     runs: Sequence[tuple[int, ...]] = (),
     carried: Sequence[tuple[Transfer, int]] = (),
+    direct_floor: float = 0.0,
 ) -> TimedRounds:
     """Rounds of messages for a known topology (module docstring).
 
@@ -75,6 +76,9 @@ def timed_schedule(
     from position ``p+k-1`` to ``p+k`` in round ``r+k`` (``plan/expand.py``).
     ``carried``: ``(transfer, via)``, sent through ``via``'s relay buffer
     (``plan/carry.py``): leg 1 in some round, leg 2 (and what follows it) one later.
+    ``direct_floor``: seconds no schedule that sends the carried transfers directly can
+    beat (the busiest link's total, ``Routes.link_seconds``); where the carried schedule
+    is already that fast, the direct one is not priced.
     """
     if bucket_bytes <= 0:
         raise ValueError("bucket size must be positive")
@@ -126,7 +130,8 @@ def timed_schedule(
         through[(t.src, t.dst, via)].append(t)
     pairs = pairs_of(through)
     best = choose_budget(pairs, bucket_bytes, latency, ranks)
-    if carried:
+    # (the floor is summed in another order than a fill's total, hence the margin)
+    if carried and (best is None or direct_floor * (1 - 1e-9) < best.seconds):
         # Carrying pays in NIC time but costs a round of lag and more staging; where the
         # staging bound or latency rules, sending everything directly can come out ahead.
         sent_directly = defaultdict(list, {k: list(ts) for k, ts in direct.items()})
