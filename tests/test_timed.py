@@ -343,3 +343,41 @@ def test_a_bucket_below_one_row_is_refused_not_filled_forever():
         plan_refit(SPEC, sources, destinations, 100 / 2**20, relay="none", links=links)
     plan = plan_refit(SPEC, sources, destinations, 1024 / 2**20, relay="none", links=links)
     verify_plan(plan, sources, destinations)
+
+
+def test_the_schedule_without_carried_legs_is_priced_only_where_it_could_win(monkeypatch):
+    """With carried transfers, the budgets are priced again with those transfers sent
+    directly, unless that schedule's busiest link alone (``direct_floor``) already takes
+    as long as the carried schedule: skipping it then leaves the plan as it was."""
+    import nemo_refit_reshard.plan.timed as timed
+
+    spec, train, infer, gpus, (nvlink_us, nic_us), relay = CASES[0]  # carried legs
+    tp, ip = TrainParallel.parse(train), InferParallel.parse(infer)
+    opts = MegatronOptions(num_layers_in_first_pipeline_stage=1)
+    sources = [megatron_layout(spec, tp, r, opts) for r in range(tp.world_size)]
+    destinations = [vllm_layout(spec, ip, r) for r in range(ip.world_size)]
+    cluster = Cluster(gpus_per_node=gpus, nvlink_latency_us=nvlink_us, nic_latency_us=nic_us)
+    links = Topology(cluster, Placement.packed(len(sources), len(destinations), cluster))
+
+    priced: list[int] = []  # pairs of every budget choice
+    real_choose = timed.choose_budget
+    monkeypatch.setattr(
+        timed, "choose_budget", lambda *a, **k: priced.append(len(a[0])) or real_choose(*a, **k)
+    )
+
+    def plan(bucket_mb: float, floor: bool) -> tuple[str, list[int]]:
+        priced.clear()
+        real = timed.timed_schedule
+        with monkeypatch.context() as m:
+            if not floor:  # always price the direct schedule
+                m.setattr(rounds_module, "timed_schedule", lambda *a: real(*a[:6], 0.0))
+            fingerprint = plan_refit(
+                spec, sources, destinations, bucket_mb, relay=relay, links=links
+            ).fingerprint
+        return fingerprint, list(priced)
+
+    # 0.1 MB: the direct schedule's busiest link takes longer than the carried plan
+    skipped, always = plan(0.1, True), plan(0.1, False)
+    assert len(skipped[1]) == 1 and len(always[1]) == 2 and skipped[0] == always[0]
+    # 0.01 MB: it might win, so it is priced (and loses)
+    assert len(plan(0.01, True)[1]) == 2
