@@ -71,7 +71,7 @@ def take(p: Pair, room: float, placed: list[list[Transfer]] | None, r: int) -> f
         p.head_taken = 0
         p.rest = p.cut = None
     cut = None
-    if stop < len(queue) and room > nbytes:
+    if stop < last and room > nbytes:
         if placed is not None:
             cut = cut_rows(queue[stop] if p.cut is None else p.cut, room - nbytes)
             if cut is not None:

@@ -196,8 +196,9 @@ def _baseline_bytes(
         layout = destinations[g[0] - s]
         names: set[str] = set()
         for t in layout.tensors:
-            names.update(map(_CANONICAL, t.pieces))
-            itemsize.update(dict.fromkeys(map(_CANONICAL, t.pieces), DTYPE_BYTES[t.dtype]))
+            sized = dict.fromkeys(map(_CANONICAL, t.pieces), DTYPE_BYTES[t.dtype])
+            names.update(sized)
+            itemsize.update(sized)
         groups_reading[len(g)].update(names)
     readers: dict[str, int] = defaultdict(int)
     for size, counts in groups_reading.items():

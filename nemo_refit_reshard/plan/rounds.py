@@ -48,7 +48,9 @@ def plan_rounds(routes: Routes, bucket_bytes: int, links: LinkModel | None) -> R
     if links is None:
         return Rounds(schedule(routes.direct, bucket_bytes, members=routes.members))
     # what no schedule can beat with every carried transfer sent directly
-    direct_floor = max(routes.link_seconds(links, carried=False).values()) if routes.carried else 0
+    direct_floor = 0.0
+    if routes.carried:
+        direct_floor = max(routes.link_seconds(links, carried=False).values())
     timed = timed_schedule(
         routes.direct,
         bucket_bytes,
