@@ -156,8 +156,10 @@ def test_a_price_fills_later_bound_never_exceeds_what_its_later_rounds_take(monk
     bounds = []  # every fill's ``LaterBound``, with what it returned after each round
     real_init, real_finish = price_limit.LaterBound.__init__, price_limit.LaterBound.finish
 
-    def init(self, pairs, rounds, totals):
-        real_init(self, pairs, rounds, totals)
+    def init(self, pairs, rounds, totals, caps=None):
+        # the caps the fill passes (one per capacity class) are every pair's own
+        assert caps == [price_limit.round_cap(p, rounds) for p in pairs]
+        real_init(self, pairs, rounds, totals, caps)
         self.rounds, self.steps, self.counted = rounds, [], []
         bounds.append(self)
 
@@ -200,10 +202,10 @@ def test_price_fills_side_by_side_choose_what_full_fills_choose_and_stop_losers_
     filled = []  # (budget, rounds filled, finished) of every price fill
     real_fill = budget.fill
 
-    def fill(pairs, rounds, placed, totals=None, log=None):
+    def fill(pairs, rounds, placed, totals=None, log=None, setup=None):
         steps, done = 0, False
         try:
-            for step in real_fill(pairs, rounds, placed, totals, log):
+            for step in real_fill(pairs, rounds, placed, totals, log, setup):
                 steps += 1
                 yield step
             done = True
@@ -327,6 +329,35 @@ def test_a_price_fills_placements_replayed_are_the_fill_with_transfers(monkeypat
     assert counted.seconds() == with_transfers.seconds() == chosen.seconds
     whole = {t for p in pairs for t in p.transfers}
     assert any(t not in whole for ts in built for t in ts)  # some transfers were cut
+
+
+def test_fills_over_clones_share_one_setup_and_fill_as_each_would_alone(monkeypatch):
+    """``FillSetup`` holds what no budget changes, by pair index: fills of several
+    budgets over clones of the pairs, sharing the one built from the originals, place
+    exactly what each fill builds for itself (same log, same seconds)."""
+    from nemo_refit_reshard.plan.fill import FillSetup, fill
+    from nemo_refit_reshard.plan.round_loads import RoundLoads
+
+    pairs, bucket, latency, ranks = _moe_budget_args(monkeypatch)
+    setup = FillSetup(pairs, latency)
+    assert len(setup.capacity_firsts) < len(pairs)  # pairs do share capacity terms
+    longest = max(sum(p.nbytes * c for _, _, c, _ in p.t0) for p in pairs)
+    for tau in (longest / 3, longest / 5, longest / 8):
+        alone, shared = [], []
+        own = RoundLoads(tau, bucket, latency, ranks)
+        for _ in fill(pairs, own, None, None, alone):
+            pass
+        clones = [p.clone() for p in pairs]
+        with_setup = RoundLoads(tau, bucket, latency, ranks)
+        for _ in fill(clones, with_setup, None, None, shared, setup):
+            pass
+        index = {p: i for i, p in enumerate(pairs)} | {p: i for i, p in enumerate(clones)}
+        assert [(r, index[p], room) for r, p, room in shared] == [
+            (r, index[p], room) for r, p, room in alone
+        ]
+        assert with_setup.seconds() == own.seconds()
+        assert shared and {p for _, p, _ in shared} <= set(clones)  # the clones' own bytes
+        assert all(p.left == 0 for p in clones)
 
 
 def test_a_bucket_below_one_row_is_refused_not_filled_forever():

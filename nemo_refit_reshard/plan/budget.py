@@ -16,7 +16,7 @@ import math
 from collections import defaultdict
 from typing import NamedTuple
 
-from .fill import fill
+from .fill import FillSetup, fill
 from .price_limit import Limit
 from .round_loads import Pair, RoundLoads, TooSmall, least_budget
 
@@ -32,6 +32,7 @@ class _PriceFill:
         pairs: list[Pair],
         state: RoundLoads,
         totals: list[float] | None,
+        setup: FillSetup,
     ) -> None:
         self.tau = tau
         self.entries = entries  # (order, round count) of every count whose budget this is
@@ -39,7 +40,7 @@ class _PriceFill:
         self.pairs = pairs  # its own pairs (a fill keeps its progress on them)
         self.state = state
         self.log: list[tuple[int, Pair, float]] = []  # its placements (``fill.replay``)
-        self.steps = fill(pairs, state, None, totals, self.log)
+        self.steps = fill(pairs, state, None, totals, self.log, setup)
         self.spent = 0.0
         self.ahead = 0.0
 
@@ -96,6 +97,7 @@ def choose_budget(
     best: tuple[float, int, float, int] | None = None
     totals: dict[float, float | None] = {}  # budget -> its fill's total (None: too small)
     logs: dict[float, list[tuple[int, int, float]]] = {}  # budget -> its fill's placements
+    setup = FillSetup(pairs, latency)  # what every budget's fill shares
 
     def settle(tau: float, entries: list[tuple[int, int]]) -> None:
         nonlocal best
@@ -129,7 +131,7 @@ def choose_budget(
         for i, (tau, counts) in enumerate(entries.items()):
             own = pairs if i == 0 else [p.clone() for p in pairs]
             state = RoundLoads(tau, bucket_bytes, latency, ranks)
-            live.append(_PriceFill(tau, counts, own, state, busy if bounded else None))
+            live.append(_PriceFill(tau, counts, own, state, busy if bounded else None, setup))
         while live:
             f = min(live, key=lambda x: (x.spent + x.ahead, x.order))
             try:

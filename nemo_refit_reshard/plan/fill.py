@@ -18,8 +18,8 @@ from operator import attrgetter, is_, neg
 
 from .carry import legs
 from .messages import in_message_order
-from .price_limit import LaterBound
-from .round_loads import Pair, RoundLoads, TooSmall
+from .price_limit import LaterBound, round_cap
+from .round_loads import Pair, RoundLoads, TooSmall, _capacity_terms
 from .transfer import Transfer, cut_rows, rows_that_fit, sizes_of
 
 
@@ -108,12 +108,93 @@ def take(p: Pair, room: float, placed: list[list[Transfer]] | None, r: int) -> f
     return nbytes
 
 
+class FillSetup:
+    """What a fill needs of its pairs that no round budget changes, by pair index: built
+    once for the fills of one list of pairs (``plan/budget.py`` fills several budgets,
+    each over its own clones of the same list)."""
+
+    def __init__(self, pairs: list[Pair], latency: list[float]) -> None:
+        # Per pair, the first pair with its capacity terms (``round_loads._capacity_terms``,
+        # and how many of them its own round has): what a budget lets one round take of a
+        # pair depends on nothing else, and most pairs share them with many others.
+        first: dict[tuple, int] = {}
+        self.same_capacity = [
+            first.setdefault((*map(tuple, _capacity_terms(p, latency)), len(p.t0), len(p.s0)), i)
+            for i, p in enumerate(pairs)
+        ]
+        self.capacity_firsts = list(first.values())
+        by_src: dict[int, list[int]] = defaultdict(list)
+        for i, p in enumerate(pairs):
+            by_src[p.src].append(i)
+        self.by_src = dict(by_src)  # sender -> its pairs, in order
+        # What every pair has left at the start: its sender's link time, and each
+        # receiving link's (time index) work, so that a pair ranks by its busiest
+        # receiver, members that several stored receivers share seen as the sum of them.
+        self.send_left = {
+            s: sum(float(pairs[i].nbytes) * pairs[i].send_cost for i in ids)
+            for s, ids in by_src.items()
+        }
+        recv_left: dict[int, float] = defaultdict(float)
+        for p in pairs:
+            for idx, c in p.recv:
+                recv_left[idx] += float(p.nbytes) * c
+        self.recv_left = dict(recv_left)
+        # Each sender's pairs in turn from a different receiver: the order between equals.
+        self.rank_in = [0] * len(pairs)
+        for i, src in enumerate(sorted(by_src)):
+            ids = by_src[src]
+            k = i * len(ids) // len(by_src)
+            for j, x in enumerate(ids[k:] + ids[:k]):
+                self.rank_in[x] = j
+        self.horizon = max(p.horizon for p in pairs)
+        # Pairs numbered by receiver set (many pairs share one), and the sets holding
+        # each time index.
+        set_id: dict[tuple[int, ...], int] = {}
+        self.rset = [set_id.setdefault(p.rkey, len(set_id)) for p in pairs]
+        self.receiver_sets = list(set_id)
+        self.sets_with: dict[int, list[int]] = defaultdict(list)
+        for rset, rkey in enumerate(self.receiver_sets):
+            for idx in set(rkey):
+                self.sets_with[idx].append(rset)
+        # Each set's busiest receiver's work at the start, and each sender's pairs by it
+        # (negated) and rotation: a fill's first heaps.
+        self.priorities = [max(recv_left[i] for i in rkey) for rkey in self.receiver_sets]
+        self.heaps = {
+            s: [(-self.priorities[self.rset[i]], self.rank_in[i], i) for i in ids]
+            for s, ids in by_src.items()
+        }
+        # A pair's receivers' time and staging bits in one mask (time bits below
+        # ``shift``).
+        self.shift = 2 * len(latency)
+        self.gates = [p.gate_mask | p.sgate_mask << self.shift for p in pairs]
+        # Each sender's pairs grouped by what a byte of them costs its own links (their
+        # ``t0`` terms on its out keys) and their chunk: (terms, chunk, the pairs, those
+        # with fewer bytes than a chunk).
+        self.groups: dict[int, list[tuple[tuple, float, list[int], list[int]]]] = {}
+        self.own: dict[int, tuple[int, int]] = {}  # sender -> (its out keys, staging bit)
+        for src, ids in by_src.items():
+            by_terms: dict[tuple, tuple[tuple, float, list[int], list[int]]] = {}
+            for i in ids:
+                p = pairs[i]
+                terms = tuple(t for t in p.t0 if t[0] % 2 == 0)
+                g = by_terms.get((terms, p.chunk))
+                if g is None:
+                    g = by_terms[(terms, p.chunk)] = (terms, p.chunk, [], [])
+                g[2].append(i)
+                if float(p.nbytes) < p.chunk:
+                    g[3].append(i)
+            self.groups[src] = list(by_terms.values())
+            keys = {idx for g in by_terms.values() for idx, _, _, _ in g[0]}
+            self.own[src] = (sum(1 << k for k in keys), 1 << (2 * src))
+
+
 def fill(
     pairs: list[Pair],
     rounds: RoundLoads,
     placed: list[list[Transfer]] | None,
     totals: list[float] | None = None,
     log: list[tuple[int, Pair, float]] | None = None,
+    setup: FillSetup | None = None,
 ) -> Iterator[tuple[float, float]]:
     """Round after round, every sender fills its links: first the pairs it served in the
     previous round (a pair that continues costs no new peer), then the pairs whose
@@ -125,6 +206,8 @@ def fill(
     ``placed[r]``; otherwise only bytes are counted (to price a round budget), and
     ``log`` gets ``(round, pair, room)`` of every placement: :func:`take` with those
     rooms, in that order, builds the transfers of the same fill (:func:`replay`).
+    ``setup``: :class:`FillSetup` of ``pairs`` (or of the pairs they are clones of, in
+    the same order), built here if not given.
 
     A generator: it fills a round per step. ``totals`` given (the busy seconds every pair
     puts on each time index over all rounds), each step yields, once the round is final
@@ -133,40 +216,29 @@ def fill(
     caller can stop a fill that cannot beat another (``plan/budget.py``). Raises
     :class:`TooSmall` on the first step if an empty round cannot take a pair's chunk, and
     once rounds stay empty while a pair has bytes left (its next row fits no round)."""
-    by_src: dict[int, list[Pair]] = defaultdict(list)
-    for p in pairs:
+    if setup is None:
+        setup = FillSetup(pairs, rounds.latency)
+    at = pairs.__getitem__
+    # what a round with nothing else in it takes of a pair (the same for pairs with the
+    # same capacity terms)
+    firsts = setup.capacity_firsts
+    capacity = dict(zip(firsts, map(rounds.capacity, map(at, firsts))))
+    for p, k in zip(pairs, setup.same_capacity):
         p.head = p.head_taken = 0
         p.rest = p.cut = None
         p.left = float(p.nbytes)
-        if rounds.capacity(p) < min(p.left, p.chunk):
+        if capacity[k] < min(p.left, p.chunk):
             raise TooSmall
-        by_src[p.src].append(p)
-    send_left = {s: sum(p.left * p.send_cost for p in ps) for s, ps in by_src.items()}
-    # Work left per receiving link (time index): a pair ranks by its busiest receiver,
-    # so members that several stored receivers share are seen as the sum of them all.
-    recv_left: dict[int, float] = defaultdict(float)
-    for p in pairs:
-        for idx, c in p.recv:
-            recv_left[idx] += p.left * c
-    # Each sender's pairs in turn from a different receiver: the order between equals.
-    for i, src in enumerate(sorted(by_src)):
-        ps = by_src[src]
-        k = i * len(ps) // len(by_src)
-        for j, p in enumerate(ps[k:] + ps[:k]):
-            p.rank_in = j
-    horizon = max(p.horizon for p in pairs)
+    for p, j, rset in zip(pairs, setup.rank_in, setup.rset):
+        p.rank_in, p.rset = j, rset
+    send_left = dict(setup.send_left)
+    recv_left: dict[int, float] = defaultdict(float, setup.recv_left)
+    horizon = setup.horizon
     active: dict[int, list[Pair]] = defaultdict(list)
-    # A pair's receivers' work left, the busiest of them: cached per receiver set (many
-    # pairs share one; ``p.rset`` numbers them), dropped for the sets a placement changes.
-    set_id: dict[tuple[int, ...], int] = {}
-    for p in pairs:
-        p.rset = set_id.setdefault(p.rkey, len(set_id))
-    receiver_sets = list(set_id)
-    ranks_of: list[float | None] = [None] * len(receiver_sets)
-    sets_with: dict[int, list[int]] = defaultdict(list)  # time index -> sets holding it
-    for rset, rkey in enumerate(receiver_sets):
-        for idx in set(rkey):
-            sets_with[idx].append(rset)
+    # A pair's receivers' work left, the busiest of them: cached per receiver set,
+    # dropped for the sets a placement changes.
+    receiver_sets, sets_with = setup.receiver_sets, setup.sets_with
+    ranks_of: list[float | None] = list(setup.priorities)
 
     def priority(rset: int) -> float:
         x = ranks_of[rset]
@@ -178,14 +250,17 @@ def fill(
     # left only shrinks, so a stored key is an upper bound: a popped pair whose key has
     # gone stale goes back in with its current one (lazy re-ranking instead of sorting
     # every sender's pairs every round).
-    heaps = {s: [(-priority(p.rset), p.rank_in, p) for p in ps] for s, ps in by_src.items()}
+    heaps = {s: [(key, rk, at(i)) for key, rk, i in es] for s, es in setup.heaps.items()}
     for heap in heaps.values():
         heapq.heapify(heap)
-    left = {s: len(ps) for s, ps in by_src.items()}  # pairs with bytes left
+    left = {s: len(ids) for s, ids in setup.by_src.items()}  # pairs with bytes left
     # Each sender's live pairs -> their receivers' time and staging bits in one mask (time
     # bits below ``shift``): a turn where every one meets a full bit places nothing.
-    shift = 2 * rounds.num_keys
-    gates = {s: {p: p.gate_mask | p.sgate_mask << shift for p in ps} for s, ps in by_src.items()}
+    shift = setup.shift
+    gates = {
+        s: dict(zip(map(at, ids), map(setup.gates.__getitem__, ids)))
+        for s, ids in setup.by_src.items()
+    }
 
     # Each sender's pairs grouped by what a byte of them costs its own links (their
     # ``t0`` terms on its out keys) and their chunk: with the tails of the live ones
@@ -193,23 +268,16 @@ def fill(
     # which every group's least ask overflows one of those links places nothing.
     groups: dict[int, list[_OwnGroup]] = {}
     group_of: dict[Pair, _OwnGroup] = {}
-    for src, ps in by_src.items():
-        by_terms: dict[tuple, _OwnGroup] = {}
-        for p in ps:
-            terms = tuple(t for t in p.t0 if t[0] % 2 == 0)
-            g = by_terms.get((terms, p.chunk))
-            if g is None:
-                g = by_terms[(terms, p.chunk)] = _OwnGroup(terms, p.chunk)
-            g.live += 1
-            if p.left < p.chunk:
-                g.tails[p] = p.left
-            group_of[p] = g
-        groups[src] = list(by_terms.values())
+    for src, setups in setup.groups.items():
+        own_groups = groups[src] = []
+        for terms, chunk, ids, tails in setups:
+            g = _OwnGroup(terms, chunk)
+            g.live = len(ids)
+            g.tails = {at(i): at(i).left for i in tails}
+            group_of.update(zip(map(at, ids), repeat(g)))
+            own_groups.append(g)
     # A sender whose own links (or send staging) are full this round is skipped whole.
-    own: dict[int, tuple[int, int]] = {}  # sender -> (mask of its out keys, its staging bit)
-    for src, gs in groups.items():
-        keys = {idx for g in gs for idx, _, _, _ in g.terms}
-        own[src] = (sum(1 << k for k in keys), 1 << (2 * src))
+    own = setup.own
 
     def stuck(s: int, r: int) -> bool:
         """Whether no live pair of ``s`` fits on its own links in round ``r``: for each
@@ -280,7 +348,10 @@ def fill(
     for p in pairs:
         p.stamp = -1
     spent = 0.0  # rounds before r, summed as ``RoundLoads.seconds`` sums them
-    later = None if totals is None else LaterBound(pairs, rounds, totals)
+    later = None
+    if totals is not None:
+        caps = {k: round_cap(at(k), rounds) for k in firsts}
+        later = LaterBound(pairs, rounds, totals, list(map(caps.__getitem__, setup.same_capacity)))
     placements = before = idle = 0  # placements so far, before this round; empty rounds
     r = 0
     while any(left.values()):

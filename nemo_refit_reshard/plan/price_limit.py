@@ -67,14 +67,22 @@ def _placements(left: float, cap: float) -> int:
 class LaterBound:
     """The lower bound of the module docstring, kept up to date as a fill places pairs."""
 
-    def __init__(self, pairs: Sequence[Pair], rounds: RoundLoads, totals: list[float]) -> None:
+    def __init__(
+        self,
+        pairs: Sequence[Pair],
+        rounds: RoundLoads,
+        totals: list[float],
+        caps: Sequence[float] | None = None,
+    ) -> None:
+        """``caps``: :func:`round_cap` of every pair, if known."""
         self.latency = rounds.latency
         self.ahead = list(totals)
         self.messages = [0] * rounds.num_keys  # m(k)
-        self.cap: dict[Pair, float] = {}
+        if caps is None:
+            caps = [round_cap(p, rounds) for p in pairs]
+        self.cap: dict[Pair, float] = dict(zip(pairs, caps))
         self.placements: dict[Pair, int] = {}
-        for p in pairs:
-            cap = self.cap[p] = round_cap(p, rounds)
+        for p, cap in zip(pairs, caps):
             n = self.placements[p] = _placements(p.left, cap)
             self._count(p, n)
 
