@@ -412,3 +412,47 @@ def test_the_schedule_without_carried_legs_is_priced_only_where_it_could_win(mon
     assert len(skipped[1]) == 1 and len(always[1]) == 2 and skipped[0] == always[0]
     # 0.01 MB: it might win, so it is priced (and loses)
     assert len(plan(0.01, True)[1]) == 2
+
+
+class _AlwaysFromEarliest:
+    """``schedule._FailedBefore`` that never skips a round: every search scans from its
+    part's earliest round (the plain first fit)."""
+
+    def start(self, keys: tuple, demands: tuple, earliest: int) -> int:
+        return earliest
+
+    def record(self, keys: tuple, demands: tuple, earliest: int, found: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("spec", [SPEC, MOE], ids=["dense", "moe"])
+def test_chain_searches_resume_where_the_last_on_the_same_keys_failed_and_plan_the_same(
+    spec, monkeypatch
+):
+    """A chain's first-fit search (``schedule._FailedBefore``) starts where the last
+    search on the same keys with no larger demands found no room: the plan is exactly the
+    plain first fit's, and the resumed searches skip rounds."""
+    import nemo_refit_reshard.plan.schedule as schedule_module
+
+    tp, ip = TrainParallel.parse("tp=2"), InferParallel.parse("tp=1,dp=4")
+    sources = [megatron_layout(spec, tp, r) for r in range(tp.world_size)]
+    destinations = [vllm_layout(spec, ip, r) for r in range(ip.world_size)]
+    cluster = Cluster(gpus_per_node=2)
+    links = Topology(cluster, Placement.packed(len(sources), len(destinations), cluster))
+
+    skipped = []
+    real = schedule_module._FailedBefore
+
+    class Counting(real):
+        def start(self, keys: tuple, demands: tuple, earliest: int) -> int:
+            r = super().start(keys, demands, earliest)
+            skipped.append(r - earliest)
+            return r
+
+    monkeypatch.setattr(schedule_module, "_FailedBefore", Counting)
+    resumed = plan_refit(spec, sources, destinations, 0.05, relay="chain", links=links)
+    monkeypatch.setattr(schedule_module, "_FailedBefore", _AlwaysFromEarliest)
+    plain = plan_refit(spec, sources, destinations, 0.05, relay="chain", links=links)
+    assert resumed.num_rounds > 10 and sum(skipped) > 0
+    assert resumed.class_rounds == plain.class_rounds
+    assert resumed.fingerprint == plain.fingerprint

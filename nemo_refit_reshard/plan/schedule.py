@@ -98,6 +98,31 @@ def _interleave(groups: list[list[Transfer]]) -> list[list[Transfer]]:
     return out
 
 
+class _FailedBefore:
+    """Where a first-fit search may start (``schedule``). Rounds only fill up (loads and
+    times grow, full marks stay), so a round that had no room for some demands on some
+    keys never has room for as much or more on them again. Per set of keys it keeps the
+    last search's earliest round, demands and the first round it did not find full: a
+    part like the last one on the same keys (parts of one group, the next hop) resumes
+    there instead of at its own earliest round."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple, tuple[int, tuple, int]] = {}
+
+    def start(self, keys: tuple, demands: tuple, earliest: int) -> int:
+        last = self._last.get(keys)
+        if last is None or last[0] > earliest:
+            return earliest
+        # (demands compared key by key; the ``None`` between bytes and seconds is equal)
+        if all(a is None or a >= b for a, b in zip(demands, last[1])):
+            return max(earliest, last[2])
+        return earliest
+
+    def record(self, keys: tuple, demands: tuple, earliest: int, found: int) -> None:
+        """Rounds from ``earliest`` up to ``found`` have no room for ``demands``."""
+        self._last[keys] = (earliest, demands, found)
+
+
 def schedule(
     transfers: list[Transfer],
     bucket_bytes: int,
@@ -183,12 +208,28 @@ def schedule(
             jumps[p] = r
         return r
 
+    failed = _FailedBefore()
+
     def search(
         wanted: list[tuple[tuple[int, str], int]], timing: list[tuple[tuple, float]], earliest: int
     ) -> int:
         """First round from ``earliest`` with room for every (key, bytes) and time budget."""
         limit = tau * (1 + 1e-9)
-        r, n = earliest, len(used)
+        keys = (*(k for k, _ in wanted), None, *(k for k, _ in timing))
+        demands = (*(b for _, b in wanted), None, *(x for _, x in timing))
+        n = len(used)
+        found = scan(failed.start(keys, demands, earliest), n, wanted, timing, limit)
+        failed.record(keys, demands, earliest, found)
+        return found if found < n else max(n, earliest)
+
+    def scan(
+        r: int,
+        n: int,
+        wanted: list[tuple[tuple[int, str], int]],
+        timing: list[tuple[tuple, float]],
+        limit: float,
+    ) -> int:
+        """The first round from ``r`` below ``n`` with room, or ``n``."""
         while r < n:
             jumped = False
             for k, _ in wanted:
@@ -204,7 +245,7 @@ def schedule(
                 if all(times.get(k, 0.0) + x <= limit for k, x in timing):
                     return r
             r += 1
-        return max(n, earliest)
+        return n
 
     def open_round(r: int) -> None:
         while len(used) <= r:
