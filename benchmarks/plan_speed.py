@@ -3,6 +3,11 @@
     git worktree add /tmp/base b7de692    # the code before the planner passes (#15)
     python benchmarks/plan_speed.py --baseline /tmp/base [--cpu 0] [--quick]
                                     [--paired [--swap]] [--cluster none|H100|GB200 ...]
+    python benchmarks/plan_speed.py --baseline CHECKOUT --mid [...]
+
+``--mid``: instead, MoE models at 16 + 16 GPUs, where ``relay="auto"`` also schedules the
+relay chain (it is a candidate below 2 million transfers), both codes with ``"auto"``
+(the baseline must have it: ``plan_refit(relay="auto")``, since f09a13f).
 
 Every row is one ``plan_refit`` over every rank of both sides, in a fresh process on
 one core (``taskset``), this code and the baseline one after the other; with
@@ -28,9 +33,14 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+# (model, training, inference, Megatron's layers in its first and last pipeline stage)
 CASES = [
-    ("deepseek-v3", "pp=16,dp=16,ep=16", "tp=32,dp=8"),
-    ("kimi-k2", "pp=16,dp=16,ep=16", "tp=16,dp=8"),
+    ("deepseek-v3", "pp=16,dp=16,ep=16", "tp=32,dp=8", "3,2"),
+    ("kimi-k2", "pp=16,dp=16,ep=16", "tp=16,dp=8", "3,2"),
+]
+MID_CASES = [
+    ("qwen3-30b-a3b", "pp=2,dp=8,ep=8", "tp=8,dp=2", ""),
+    ("qwen3-235b-a22b", "pp=2,dp=8,ep=8", "tp=8,dp=2", ""),
 ]
 CLUSTERS = {
     "none": None,
@@ -47,9 +57,13 @@ from nemo_refit_reshard.plan.predict import predict_refit
 from nemo_refit_reshard.plan.topology import Cluster, Placement, Topology
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, load_model_spec
 
-model, train, infer, cluster_text, relay = sys.argv[1:6]
-# 61 layers over 16 stages: Megatron's first stage 3 layers, last 2
-opts = MegatronOptions(num_layers_in_first_pipeline_stage=3, num_layers_in_last_pipeline_stage=2)
+model, train, infer, cluster_text, relay, stages = sys.argv[1:7]
+opts = MegatronOptions()
+if stages:  # e.g. 61 layers over 16 stages: Megatron's first stage 3 layers, last 2
+    first, last = map(int, stages.split(","))
+    opts = MegatronOptions(
+        num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last
+    )
 spec = load_model_spec(model)
 tp, ip = TrainParallel.parse(train), InferParallel.parse(infer)
 src = [megatron_layout(spec, tp, r, opts) for r in range(tp.world_size)]
@@ -125,32 +139,37 @@ def main() -> int:
     parser.add_argument(
         "--cluster", action="append", choices=list(CLUSTERS), help="only these clusters' rows"
     )
+    parser.add_argument(
+        "--mid", action="store_true", help="the 16 + 16 GPU MoE rows, relay auto on both codes"
+    )
     args = parser.parse_args()
     print(
         "| model | training → inference | cluster | code | relay | plan (wall) | plan (CPU) "
         "| predicted refit | rounds | peak memory | reference loop | this / baseline |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for model, train, infer in CASES[:1] if args.quick else CASES:
+    cases = MID_CASES if args.mid else CASES[:1] if args.quick else CASES
+    for model, train, infer, stages in cases:
         for name, cluster in CLUSTERS.items():
-            if args.cluster and name not in args.cluster:
+            if args.cluster and name not in args.cluster or args.mid and not cluster:
                 continue
+            base_relay = "auto" if args.mid else "domain"
             codes = (
                 ("this", ROOT, "auto" if cluster else "none"),
-                ("baseline", os.path.abspath(args.baseline), "domain" if cluster else "none"),
+                ("baseline", os.path.abspath(args.baseline), base_relay if cluster else "none"),
             )
             runs = {}
             if args.paired:  # both at once, one core each: the same machine for both
                 procs = [
                     (code, root, argv, start(root, argv, args.cpu + i))
                     for i, (code, root, relay) in enumerate(codes[::-1] if args.swap else codes)
-                    for argv in [[model, train, infer, cluster or "none", relay]]
+                    for argv in [[model, train, infer, cluster or "none", relay, stages]]
                 ]
                 for code, root, argv, proc in procs:
                     runs[code] = result(root, argv, proc)
             else:  # one after the other on one core
                 for code, root, relay in codes:
-                    argv = [model, train, infer, cluster or "none", relay]
+                    argv = [model, train, infer, cluster or "none", relay, stages]
                     runs[code] = result(root, argv, start(root, argv, args.cpu))
             for code, r in runs.items():
                 pred = f"{r['predicted']:.4f} s" if r["predicted"] is not None else "—"
