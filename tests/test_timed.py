@@ -335,7 +335,8 @@ def test_fills_over_clones_share_one_setup_and_fill_as_each_would_alone(monkeypa
     """``FillSetup`` holds what no budget changes, by pair index: fills of several
     budgets over clones of the pairs, sharing the one built from the originals, place
     exactly what each fill builds for itself (same log, same seconds)."""
-    from nemo_refit_reshard.plan.fill import FillSetup, fill
+    from nemo_refit_reshard.plan.fill import fill
+    from nemo_refit_reshard.plan.fill_setup import FillSetup
     from nemo_refit_reshard.plan.round_loads import RoundLoads
 
     pairs, bucket, latency, ranks = _moe_budget_args(monkeypatch)

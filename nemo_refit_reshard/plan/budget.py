@@ -16,7 +16,8 @@ import math
 from collections import defaultdict
 from typing import NamedTuple
 
-from .fill import FillSetup, fill
+from .fill import fill
+from .fill_setup import FillSetup
 from .price_limit import Limit
 from .round_loads import Pair, RoundLoads, TooSmall, least_budget
 
