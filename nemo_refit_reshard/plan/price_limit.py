@@ -72,14 +72,13 @@ class LaterBound:
         pairs: Sequence[Pair],
         rounds: RoundLoads,
         totals: list[float],
-        caps: Sequence[float] | None = None,
+        caps: Sequence[float],
     ) -> None:
-        """``caps``: :func:`round_cap` of every pair, if known."""
+        """``caps``: :func:`round_cap` of every pair (the fill prices it once per class of
+        pairs with equal capacity terms)."""
         self.latency = rounds.latency
         self.ahead = list(totals)
         self.messages = [0] * rounds.num_keys  # m(k)
-        if caps is None:
-            caps = [round_cap(p, rounds) for p in pairs]
         self.cap: dict[Pair, float] = dict(zip(pairs, caps))
         self.placements: dict[Pair, int] = {}
         for p, cap in zip(pairs, caps):
