@@ -28,9 +28,7 @@ import torch.multiprocessing as mp
 
 from nemo_refit_reshard.cli_refit import run_report
 from nemo_refit_reshard.integrations.spawn import RunConfig, _free_port, build_layouts
-from nemo_refit_reshard.plan import plan_refit
-from nemo_refit_reshard.plan.predict import predict_refit
-from nemo_refit_reshard.plan.topology import Cluster, Placement
+from nemo_refit_reshard.plan import Cluster, Placement, plan_refit, predict_refit
 
 CASES = [
     ("small-qwen3", "tp=2,pp=2", "tp=2,dp=2", "none"),

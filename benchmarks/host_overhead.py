@@ -25,8 +25,7 @@ import torch
 
 from nemo_refit_reshard.engine.program import TORCH_DTYPES, RankProgram
 from nemo_refit_reshard.layouts import MegatronOptions, RankLayout, megatron_layout, vllm_layout
-from nemo_refit_reshard.plan import plan_refit
-from nemo_refit_reshard.plan.rank_plan import rank_plan
+from nemo_refit_reshard.plan import plan_refit, rank_plan
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, load_model_spec
 
 

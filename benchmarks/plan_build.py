@@ -32,8 +32,7 @@ import torch
 
 from nemo_refit_reshard.engine.program import TORCH_DTYPES, RankProgram
 from nemo_refit_reshard.layouts import MegatronOptions, RankLayout, megatron_layout, vllm_layout
-from nemo_refit_reshard.plan import plan_refit
-from nemo_refit_reshard.plan.rank_plan import RankPlan, rank_plan
+from nemo_refit_reshard.plan import RankPlan, plan_refit, rank_plan
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, load_model_spec
 
 UNEVEN = {"num_layers_in_first_pipeline_stage": 3, "num_layers_in_last_pipeline_stage": 2}

@@ -53,8 +53,8 @@ import dataclasses, json, os, resource, sys, time
 import nemo_refit_reshard
 from nemo_refit_reshard.layouts import MegatronOptions, megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import plan_refit
-from nemo_refit_reshard.plan.predict import predict_refit
-from nemo_refit_reshard.plan.topology import Cluster, Placement, Topology
+from nemo_refit_reshard.plan import predict_refit
+from nemo_refit_reshard.plan import Cluster, Placement, Topology
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, load_model_spec
 
 model, train, infer, cluster_text, relay, stages = sys.argv[1:7]

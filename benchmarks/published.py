@@ -26,10 +26,16 @@ import sys
 import time
 
 from nemo_refit_reshard.integrations.spawn import RunConfig, build_layouts
-from nemo_refit_reshard.plan import plan_refit
-from nemo_refit_reshard.plan.baseline import plan_broadcast
-from nemo_refit_reshard.plan.predict import bandwidth_floor, predict_broadcast, predict_refit
-from nemo_refit_reshard.plan.topology import Cluster, Placement, Topology
+from nemo_refit_reshard.plan import (
+    Cluster,
+    Placement,
+    Topology,
+    bandwidth_floor,
+    plan_broadcast,
+    plan_refit,
+    predict_broadcast,
+    predict_refit,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUNS = os.path.join(HERE, "..", "..", "shared", "reference", "published_runs.json")

@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .integrations.spawn import RunConfig, RunResult, build_layouts, run_local
-from .plan import RefitPlan, plan_refit
-from .plan.baseline import plan_broadcast
+from .plan import RefitPlan, plan_broadcast, plan_refit
 from .spec import load_model_spec
 
 
@@ -318,7 +317,7 @@ def _plot_simulation(plan: RefitPlan, prediction: Any, placement: Any, path: str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .plan.predict import traffic_matrix
+    from .plan import traffic_matrix
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5))
     ranks = list(range(len(prediction.gpu_bytes)))
@@ -374,13 +373,15 @@ def _uneven_stages(cfg: RunConfig) -> tuple[RunConfig, str | None]:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Predict the refit's time on a cluster model: no processes, no GPUs."""
-    from .plan.predict import (
+    from .plan import (
+        Cluster,
+        Placement,
+        Topology,
         bandwidth_floor,
         predict_broadcast,
         predict_refit,
         predict_timeline,
     )
-    from .plan.topology import Cluster, Placement, Topology
 
     if args.plot:
         try:

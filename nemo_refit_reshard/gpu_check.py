@@ -32,8 +32,7 @@ from .engine.loopback import LoopbackTransport
 from .engine.program import TORCH_DTYPES, RankProgram
 from .layouts import MegatronOptions, megatron_layout, vllm_layouts
 from .layouts.base import RankLayout
-from .plan import plan_refit
-from .plan.rank_plan import RankPlan, rank_plan
+from .plan import RankPlan, plan_refit, rank_plan
 from .spec import InferParallel, TrainParallel, load_model_spec
 
 NEEDS = "gpu-check needs a CUDA GPU and CuPy (pip install -e '.[gpu]')"

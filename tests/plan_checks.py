@@ -6,7 +6,7 @@ import torch
 
 from nemo_refit_reshard.engine.materialize import empty_like_layout, materialize, mismatches
 from nemo_refit_reshard.engine.simulate import simulate_plan
-from nemo_refit_reshard.plan.verify import verify_plan
+from nemo_refit_reshard.plan import verify_plan
 
 
 def assert_delivers_exactly(plan, spec, sources, destinations, seed: int = 0):

@@ -19,11 +19,18 @@ from nemo_refit_reshard.engine.checksum import (
 )
 from nemo_refit_reshard.engine.program import RankProgram
 from nemo_refit_reshard.layouts import MegatronOptions, megatron_layout, vllm_layout
-from nemo_refit_reshard.plan import PlanError, plan_refit
-from nemo_refit_reshard.plan.carry import is_relay, relay_tensor, relayed_to
-from nemo_refit_reshard.plan.predict import predict_refit
-from nemo_refit_reshard.plan.topology import Cluster, Placement, Topology
-from nemo_refit_reshard.plan.verify import verify_plan
+from nemo_refit_reshard.plan import (
+    Cluster,
+    Placement,
+    PlanError,
+    Topology,
+    is_relay,
+    plan_refit,
+    predict_refit,
+    relay_tensor,
+    relayed_to,
+    verify_plan,
+)
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
 
 # 3 layers over 2 pipeline stages, the first holding 1: stage 0 = embedding + 1 layer,

@@ -9,10 +9,8 @@ from hf_models import TINY_CONFIGS
 from plan_checks import assert_delivers_exactly
 
 from nemo_refit_reshard.layouts import megatron_layout, vllm_layout
-from nemo_refit_reshard.plan import plan_refit
+from nemo_refit_reshard.plan import Cluster, Placement, Topology, plan_refit, predict_refit
 from nemo_refit_reshard.plan.domain import entry_weights
-from nemo_refit_reshard.plan.predict import predict_refit
-from nemo_refit_reshard.plan.topology import Cluster, Placement, Topology
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
 
 SPEC = spec_from_hf_config(dict(TINY_CONFIGS["llama"], torch_dtype="float32"))

@@ -219,8 +219,7 @@ def test_domain_relay_bit_exact_over_gloo(tmp_path) -> None:
     """2 training ranks -> 4 replicas on 2-GPU "nodes": the training ranks send one copy
     per node, entering at either GPU, which forwards it to the other; bit-exact."""
     from nemo_refit_reshard.integrations.spawn import build_layouts
-    from nemo_refit_reshard.plan import plan_refit
-    from nemo_refit_reshard.plan.topology import Cluster, Placement, Topology
+    from nemo_refit_reshard.plan import Cluster, Placement, Topology, plan_refit
 
     cfg = RunConfig(
         model=_config_file(tmp_path, "qwen3"),
@@ -248,9 +247,7 @@ def test_carried_transfers_bit_exact_over_gloo(tmp_path) -> None:
     of its sending to the other over NVLink, which sends it on from its relay buffer;
     4 inference ranks on the next node receive everything bit-exact, twice."""
     from nemo_refit_reshard.integrations.spawn import build_layouts
-    from nemo_refit_reshard.plan import plan_refit
-    from nemo_refit_reshard.plan.carry import is_relay
-    from nemo_refit_reshard.plan.topology import Cluster, Placement, Topology
+    from nemo_refit_reshard.plan import Cluster, Placement, Topology, is_relay, plan_refit
 
     cfg = RunConfig(
         model=_config_file(tmp_path, "llama", num_hidden_layers=3, vocab_size=512),

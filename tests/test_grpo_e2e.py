@@ -94,7 +94,7 @@ def test_refit_makes_generator_equal_trainer(backend: str) -> None:
 
 def _broadcast_bytes(cfg: GrpoRunConfig) -> int:
     from nemo_refit_reshard.integrations.grpo.plans import build_layouts
-    from nemo_refit_reshard.plan.baseline import plan_broadcast
+    from nemo_refit_reshard.plan import plan_broadcast
 
     spec, sources, destinations = build_layouts(cfg.policy, cfg.train, cfg.infer, "float32")
     return plan_broadcast(spec, sources, destinations).total_bytes

@@ -30,9 +30,7 @@ from nemo_refit_reshard.integrations.grpo.plans import (
 from nemo_refit_reshard.integrations.grpo.report import pop_plot_flag
 from nemo_refit_reshard.integrations.grpo.task import policy_config
 from nemo_refit_reshard.layouts.base import Box
-from nemo_refit_reshard.plan import plan_refit
-from nemo_refit_reshard.plan.baseline import plan_broadcast
-from nemo_refit_reshard.plan.rank_plan import RankPlan, rank_plan
+from nemo_refit_reshard.plan import RankPlan, plan_broadcast, plan_refit, rank_plan
 from nemo_refit_reshard.spec.parallel import InferParallel, TrainParallel
 
 TRAIN, INFER = TrainParallel.parse("tp=2,pp=2"), InferParallel.parse("tp=2,dp=2")

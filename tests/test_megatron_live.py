@@ -12,7 +12,7 @@ from nemo_refit_reshard.integrations.megatron_live import (
     unwrap,
 )
 from nemo_refit_reshard.layouts import MegatronOptions, megatron_layout
-from nemo_refit_reshard.plan.overlap import PlanError
+from nemo_refit_reshard.plan import PlanError
 from nemo_refit_reshard.spec import TrainParallel, load_model_spec
 
 

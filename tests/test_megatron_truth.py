@@ -37,7 +37,7 @@ from nemo_refit_reshard.integrations.nemo_rl.config import RefitConfig
 from nemo_refit_reshard.integrations.nemo_rl.plans import megatron_sources
 from nemo_refit_reshard.layouts.base import LocalTensor, Piece
 from nemo_refit_reshard.layouts.megatron import MegatronOptions, megatron_layout
-from nemo_refit_reshard.plan.overlap import PlanError
+from nemo_refit_reshard.plan import PlanError
 from nemo_refit_reshard.spec.model import spec_from_hf_config
 from nemo_refit_reshard.spec.parallel import TrainParallel
 
@@ -198,7 +198,7 @@ def _through_wrappers(chunks: list, params: dict, layout: Any) -> dict[str, Any]
 
     from nemo_refit_reshard.integrations.megatron_live import match_layout, megatron_live_tensors
     from nemo_refit_reshard.integrations.nemo_rl.policy_worker import ReshardPolicyWorkerMixin
-    from nemo_refit_reshard.plan.overlap import PlanError
+    from nemo_refit_reshard.plan import PlanError
 
     wrapped = []
     for chunk in chunks:

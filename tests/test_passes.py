@@ -9,16 +9,21 @@ import pytest
 from hf_models import TINY_CONFIGS
 
 from nemo_refit_reshard.layouts import megatron_layout, vllm_layout
-from nemo_refit_reshard.plan import PlanError, plan_refit
+from nemo_refit_reshard.plan import (
+    DTYPE_BYTES,
+    Cluster,
+    Placement,
+    PlanError,
+    Topology,
+    plan_refit,
+    predict_refit,
+)
 from nemo_refit_reshard.plan.fanout import plan_fanout
 from nemo_refit_reshard.plan.messages import message_order, to_messages
 from nemo_refit_reshard.plan.needs import find_needs
-from nemo_refit_reshard.plan.predict import predict_refit
 from nemo_refit_reshard.plan.rounds import plan_rounds
 from nemo_refit_reshard.plan.routes import plan_routes
 from nemo_refit_reshard.plan.senders import choose_senders
-from nemo_refit_reshard.plan.topology import Cluster, Placement, Topology
-from nemo_refit_reshard.plan.transfer import DTYPE_BYTES
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
 
 SPEC = spec_from_hf_config(dict(TINY_CONFIGS["llama"], torch_dtype="float32"))

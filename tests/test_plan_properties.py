@@ -22,8 +22,7 @@ from nemo_refit_reshard.layouts import (
     megatron_layout,
     vllm_layout,
 )
-from nemo_refit_reshard.plan import RefitPlan, plan_refit
-from nemo_refit_reshard.plan.carry import is_relay
+from nemo_refit_reshard.plan import RefitPlan, is_relay, plan_refit
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
 
 # HYPOTHESIS_EXAMPLES=600 runs a deeper search locally; CI keeps the default.

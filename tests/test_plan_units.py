@@ -18,8 +18,7 @@ from nemo_refit_reshard.layouts import (
     vllm_layout,
 )
 from nemo_refit_reshard.layouts.base import LocalTensor
-from nemo_refit_reshard.plan import PlanError, RefitPlan, plan_refit
-from nemo_refit_reshard.plan.baseline import plan_broadcast
+from nemo_refit_reshard.plan import PlanError, RefitPlan, plan_broadcast, plan_refit
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
 
 LLAMA = spec_from_hf_config(dict(TINY_CONFIGS["llama"], torch_dtype="float32"))
@@ -235,7 +234,7 @@ def test_replica_messages_are_packed_once() -> None:
 
 def test_relay_chain_takes_replicas_off_the_training_nic() -> None:
     """One training rank, 4 inference replicas: direct sends 4 copies, the chain sends 1."""
-    from nemo_refit_reshard.plan.verify import verify_plan
+    from nemo_refit_reshard.plan import verify_plan
 
     src, dst = _layouts(LLAMA, "tp=1", "tp=2,dp=4")
     direct = plan_refit(LLAMA, src, dst)
@@ -283,7 +282,7 @@ def test_topology_aware_replica_choice_prefers_the_fast_link() -> None:
 
 
 def test_rank_plan_slices_hold_only_their_share() -> None:
-    from nemo_refit_reshard.plan.rank_plan import RankPlan, load_plan_json, rank_plan
+    from nemo_refit_reshard.plan import RankPlan, load_plan_json, rank_plan
 
     src, dst = _layouts(MOE, "tp=2,ep=2,etp=1", "tp=2,dp=2")
     plan = plan_refit(MOE, src, dst)
@@ -323,8 +322,7 @@ def test_domain_relay_one_copy_per_nvlink_domain_then_chains() -> None:
     2-3 on node 1, 4-5 on node 2). Training ranks send one copy per node; each stored
     message enters a node at one of its two GPUs, which forwards it to the other one
     round later, so both GPUs' NICs bring in a share."""
-    from nemo_refit_reshard.plan.topology import Cluster, Placement, Topology
-    from nemo_refit_reshard.plan.verify import verify_plan
+    from nemo_refit_reshard.plan import Cluster, Placement, Topology, verify_plan
 
     src, dst = _layouts(LLAMA, "tp=2", "tp=1,dp=4")
     cluster = Cluster(gpus_per_node=2, nvlink_gbps=450, nic_gbps=50)
@@ -376,7 +374,7 @@ def test_domain_relay_needs_a_topology() -> None:
 
 
 def test_plan_stats_count_the_expanded_messages() -> None:
-    from nemo_refit_reshard.plan.topology import Cluster, Placement, Topology
+    from nemo_refit_reshard.plan import Cluster, Placement, Topology
 
     src, dst = _layouts(LLAMA, "tp=2", "tp=1,dp=4")
     cluster = Cluster(gpus_per_node=2, nvlink_gbps=450, nic_gbps=50)

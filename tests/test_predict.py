@@ -10,8 +10,19 @@ from hf_models import TINY_CONFIGS
 
 from nemo_refit_reshard.cli import main
 from nemo_refit_reshard.layouts import Box, megatron_layout, vllm_layout
-from nemo_refit_reshard.plan import Message, PlanStats, RefitPlan, Transfer, plan_refit
-from nemo_refit_reshard.plan.baseline import BroadcastPlan, BroadcastStep, plan_broadcast
+from nemo_refit_reshard.plan import (
+    BroadcastPlan,
+    BroadcastStep,
+    Cluster,
+    Message,
+    Placement,
+    PlanStats,
+    RefitPlan,
+    Topology,
+    Transfer,
+    plan_broadcast,
+    plan_refit,
+)
 from nemo_refit_reshard.plan.predict import (
     GpuBytes,
     bandwidth_floor,
@@ -20,7 +31,6 @@ from nemo_refit_reshard.plan.predict import (
     predict_refit,
     traffic_matrix,
 )
-from nemo_refit_reshard.plan.topology import Cluster, Placement, Topology
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, load_model_spec
 
 LLAMA = load_model_spec(TINY_CONFIGS["llama"])
@@ -378,7 +388,7 @@ def test_cli_simulate_relay_auto_picks_the_faster_plan(llama_config, capsys) -> 
 def test_timeline_has_no_barrier_between_rounds() -> None:
     """Two independent pairs whose big messages fall in different rounds: the round model
     pays both (4 ms), the timeline only the longer chain of each pair (2 ms + 0.02 ms)."""
-    from nemo_refit_reshard.plan.predict import predict_timeline
+    from nemo_refit_reshard.plan import predict_timeline
 
     c = Cluster(gpus_per_node=1)  # every rank on its own node: all NIC
     plan = _plan(2, 2, [[(0, 2, 100 * MB), (1, 3, MB)], [(1, 3, 100 * MB), (0, 2, MB)]])

@@ -9,10 +9,15 @@ from hf_models import TINY_CONFIGS
 
 import nemo_refit_reshard.plan.rounds as rounds_module
 from nemo_refit_reshard.layouts import MegatronOptions, megatron_layout, vllm_layout
-from nemo_refit_reshard.plan import plan_refit
-from nemo_refit_reshard.plan.predict import bandwidth_floor, predict_refit
-from nemo_refit_reshard.plan.topology import Cluster, Placement, Topology
-from nemo_refit_reshard.plan.verify import verify_plan
+from nemo_refit_reshard.plan import (
+    Cluster,
+    Placement,
+    Topology,
+    bandwidth_floor,
+    plan_refit,
+    predict_refit,
+    verify_plan,
+)
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
 
 SPEC = spec_from_hf_config(

@@ -25,8 +25,7 @@ from nemo_refit_reshard.integrations.spawn import _free_port
 from nemo_refit_reshard.integrations.weights import StaleWeightsError, WeightsState
 from nemo_refit_reshard.integrations.worker import RefitEndpoint, RefitWorker
 from nemo_refit_reshard.layouts import megatron_layout, vllm_layout
-from nemo_refit_reshard.plan import plan_refit
-from nemo_refit_reshard.plan.rank_plan import rank_plan
+from nemo_refit_reshard.plan import plan_refit, rank_plan
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
 
 SPEC = spec_from_hf_config(dict(TINY_CONFIGS["llama"], torch_dtype="float32"))

@@ -26,8 +26,7 @@ from test_vllm_truth import MODELS, rank_fields
 from nemo_refit_reshard.integrations.spawn import _free_port
 from nemo_refit_reshard.integrations.worker import RefitEndpoint
 from nemo_refit_reshard.layouts import MegatronOptions, VllmOptions, megatron_layout, vllm_layouts
-from nemo_refit_reshard.plan import plan_refit
-from nemo_refit_reshard.plan.rank_plan import rank_plan
+from nemo_refit_reshard.plan import plan_refit, rank_plan
 from nemo_refit_reshard.spec import InferParallel, ModelSpec, TrainParallel, spec_from_hf_config
 
 _SKIP = vllm_env.skip_reason()

@@ -69,7 +69,7 @@ def main() -> int:
         policy_factory,
         refit_config,
     )
-    from nemo_refit_reshard.plan.overlap import PlanError
+    from nemo_refit_reshard.plan import PlanError
 
     try:
         raw = load(args.config, overrides, args.nemo_rl_configs)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from ..layouts.base import Box
-from ..plan.baseline import BroadcastPlan, BroadcastStep
+from ..plan import BroadcastPlan, BroadcastStep
 from .program import TORCH_DTYPES, CopyPhase, _align, _view
 from .transport import Transport
 

@@ -34,8 +34,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from ..layouts.base import Box, RankLayout
-from ..plan.carry import is_relay
-from ..plan.messages import Message
+from ..plan import Message, is_relay
 from .program import TORCH_DTYPES
 
 MASK = (1 << 64) - 1

@@ -26,12 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..layouts.base import Box
-from ..plan.carry import is_relay
-from ..plan.messages import Message
-from ..plan.overlap import PlanError
-from ..plan.rank_plan import RankPlan
-from ..plan.refit_plan import RefitPlan
-from ..plan.transfer import DTYPE_BYTES
+from ..plan import DTYPE_BYTES, Message, PlanError, RankPlan, RefitPlan, is_relay
 from .pipeline import replay_overlapped, replay_serial
 from .transport import Transport
 

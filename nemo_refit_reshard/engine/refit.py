@@ -13,10 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..plan.baseline import BroadcastPlan
-from ..plan.overlap import PlanError
-from ..plan.rank_plan import RankPlan
-from ..plan.refit_plan import RefitPlan
+from ..plan import BroadcastPlan, PlanError, RankPlan, RefitPlan
 from .broadcast import BroadcastProgram
 from .program import RankProgram
 from .transport import Transport

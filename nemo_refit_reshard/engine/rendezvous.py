@@ -36,6 +36,20 @@ def new_secret() -> str:
     return secrets.token_hex(32)
 
 
+def free_address(host: str = "127.0.0.1") -> tuple[str, int]:
+    """``(host, port)`` with a port free on ``host`` now: where a refit group's rank 0 can
+    host its store (another process may take the port before it binds; rendezvous then
+    fails with the address named)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return host, int(s.getsockname()[1])
+
+
+def free_port() -> int:
+    """A port free on the loopback interface now (local runs and tests)."""
+    return free_address("127.0.0.1")[1]
+
+
 def _mac(secret: str, message: str) -> str:
     return hmac.new(secret.encode(), message.encode(), hashlib.sha256).hexdigest()
 

@@ -13,8 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..plan.baseline import BroadcastPlan
-from ..plan.refit_plan import RefitPlan
+from ..plan import BroadcastPlan, RefitPlan
 from .broadcast import BroadcastProgram
 from .program import CopyPhase, RankProgram
 

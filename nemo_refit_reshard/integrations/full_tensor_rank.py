@@ -25,9 +25,7 @@ import torch
 
 from ..engine.program import TORCH_DTYPES
 from ..layouts.vllm import installed_vllm_version
-from ..plan.baseline import BroadcastPlan
-from ..plan.overlap import PlanError
-from ..plan.rank_plan import RankPlan
+from ..plan import BroadcastPlan, PlanError, RankPlan
 from .full_tensors import (
     ReshardEngineConfig,
     broadcast_bytes,

@@ -27,10 +27,7 @@ import torch
 from ..engine.program import TORCH_DTYPES
 from ..layouts import Replicate, VllmOptions, dtensor_layout, vllm_layouts
 from ..layouts.base import Box, RankLayout
-from ..plan import plan_refit
-from ..plan.baseline import BroadcastPlan, plan_broadcast
-from ..plan.rank_plan import RankPlan, rank_plan
-from ..plan.refit_plan import RefitPlan
+from ..plan import BroadcastPlan, RankPlan, RefitPlan, plan_broadcast, plan_refit, rank_plan
 from ..spec import InferParallel, ModelSpec, load_model_spec
 from .worker import TRANSPORTS
 

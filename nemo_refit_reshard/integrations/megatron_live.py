@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..layouts.base import RankLayout
-from ..plan.overlap import PlanError
+from ..plan import PlanError
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:

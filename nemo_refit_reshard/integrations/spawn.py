@@ -24,8 +24,7 @@ from typing import Any
 
 from ..engine.rendezvous import new_secret
 from ..layouts import MegatronOptions, VllmOptions, megatron_layout, vllm_layouts
-from ..plan import RefitPlan, plan_refit
-from ..plan.rank_plan import rank_plan
+from ..plan import RefitPlan, plan_refit, rank_plan
 from ..spec import InferParallel, TrainParallel, load_model_spec
 
 
@@ -102,7 +101,7 @@ def _run_rank(
     import torch
 
     from ..engine.materialize import SyntheticWeights, materialize, mismatches
-    from ..plan.baseline import plan_broadcast
+    from ..plan import plan_broadcast
     from .worker import RefitEndpoint, RefitWorker
 
     # Each worker reads only its own slice of the plan (written by the driver).

@@ -27,9 +27,7 @@ import torch
 from ..engine.host_staged import HostStagedTransport
 from ..engine.refit import Refitter, StepTiming
 from ..engine.transport import DEFAULT_TIMEOUT_S, GlooTransport, Transport
-from ..plan.baseline import BroadcastPlan
-from ..plan.rank_plan import RankPlan, load_plan_json
-from ..plan.refit_plan import RefitPlan
+from ..plan import BroadcastPlan, RankPlan, RefitPlan, load_plan_json
 from .weights import WeightsState
 
 TRANSPORTS = ("gloo", "cupy-nccl")

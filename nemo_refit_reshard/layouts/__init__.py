@@ -11,7 +11,7 @@ from .dtensor import (
     fsdp2_tp_placements,
     local_index_runs,
 )
-from .megatron import MegatronOptions, megatron_layout, megatron_padded_vocab
+from .megatron import MegatronOptions, megatron_layout, megatron_layouts, megatron_padded_vocab
 from .megatron_grid import megatron_layer_chunks, megatron_position
 from .vllm import (
     DEFAULT_VLLM_VERSION,
@@ -46,6 +46,7 @@ __all__ = [
     "check_rank_layout",
     "megatron_layer_chunks",
     "megatron_layout",
+    "megatron_layouts",
     "megatron_padded_vocab",
     "megatron_position",
     "vllm_layout",

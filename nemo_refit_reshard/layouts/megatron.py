@@ -323,3 +323,10 @@ def megatron_layout(
         replicas=megatron_replicas(parallel, rank, walker.holds_experts),
         tensors=walker.b.build(),
     )
+
+
+def megatron_layouts(
+    spec: ModelSpec, parallel: TrainParallel, options: MegatronOptions | None = None
+) -> list[RankLayout]:
+    """Every Megatron training rank's layout, ranks ``0..world_size-1`` in order."""
+    return [megatron_layout(spec, parallel, r, options) for r in range(parallel.world_size)]

@@ -26,7 +26,7 @@ from torch import Tensor
 from ...engine.checksum import Checksums, receiver_checksums, sender_checksums
 from ...engine.program import TORCH_DTYPES
 from ...engine.refit import Refitter
-from ...plan.rank_plan import RankPlan
+from ...plan import RankPlan
 from ...spec.parallel import InferParallel, TrainParallel
 from ..worker import RefitEndpoint, RefitWorker, describe_tensors
 from .plans import broadcast_plan_from_json

@@ -20,9 +20,7 @@ from ...engine.checksum import combine, compare
 from ...engine.materialize import canonical_from_ranks
 from ...engine.rendezvous import new_secret
 from ...layouts.base import RankLayout
-from ...plan.baseline import BroadcastPlan
-from ...plan.rank_plan import rank_plan
-from ...plan.refit_plan import RefitPlan
+from ...plan import BroadcastPlan, RefitPlan, rank_plan
 from ..spawn import free_port
 from ..worker import RefitEndpoint
 from .config import GrpoRunConfig

@@ -29,8 +29,7 @@ from typing import Any
 
 import torch
 
-from ...plan import plan_refit
-from ...plan.baseline import plan_broadcast
+from ...plan import plan_broadcast, plan_refit
 from .cluster import GrpoCluster
 from .config import GrpoRunConfig
 from .plans import broadcast_without_canonical, build_layouts, without_canonical

@@ -18,9 +18,7 @@ import torch
 from ...engine.program import TORCH_DTYPES, check_live_tensors
 from ...layouts import VllmOptions, megatron_layout, vllm_layout
 from ...layouts.base import Box, RankLayout
-from ...plan.baseline import BroadcastPlan, BroadcastStep
-from ...plan.overlap import PlanError
-from ...plan.refit_plan import RefitPlan
+from ...plan import BroadcastPlan, BroadcastStep, PlanError, RefitPlan
 from ...spec.model import ModelSpec
 from ...spec.parallel import InferParallel, TrainParallel
 from .task import policy_spec

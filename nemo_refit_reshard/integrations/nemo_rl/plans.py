@@ -19,9 +19,7 @@ from ...layouts import VllmOptions, megatron_layout, vllm_layouts
 from ...layouts.base import RankLayout
 from ...layouts.megatron_grid import megatron_position
 from ...layouts.megatron_rules import MegatronOptions
-from ...plan import RefitPlan, plan_refit
-from ...plan.overlap import PlanError
-from ...plan.rank_plan import rank_plan
+from ...plan import PlanError, RefitPlan, plan_refit, rank_plan
 from ...spec.parallel import InferParallel, TrainParallel
 from ..full_tensors import engine_spec
 from .config import RefitConfig, infer_parallel, precision, train_parallel

@@ -25,8 +25,7 @@ from typing import Any
 import torch
 
 from ...engine.program import live_tensor_problems
-from ...plan.overlap import PlanError
-from ...plan.rank_plan import load_plan_json
+from ...plan import PlanError, load_plan_json
 from ..megatron_live import live_megatron_options, megatron_live_tensors
 from ..worker import RefitEndpoint, RefitWorker, describe_tensors
 

@@ -23,7 +23,7 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from ...engine.rendezvous import new_secret
-from ...plan.rank_plan import RankPlan
+from ...plan import RankPlan
 from ..full_tensor_rank import (
     FullTensorRank,
     check_same_settings,

@@ -28,9 +28,7 @@ from typing import Any
 import torch
 
 from ...engine.program import live_tensor_problems
-from ...plan.overlap import PlanError
-from ...plan.rank_plan import RankPlan, load_plan_json
-from ...plan.refit_plan import RefitPlan
+from ...plan import PlanError, RankPlan, RefitPlan, load_plan_json
 from ..weights import WeightsState
 from ..worker import RefitEndpoint, RefitWorker, describe_tensors
 from .config import IN_PLACE_MOE_BACKENDS, EngineLayout, UnsupportedVllmOption, engine_layout

@@ -1,0 +1,50 @@
+"""A pytest plugin that records the fingerprint of every refit plan the suite builds.
+
+    python -m pytest -q -p scripts.record_plan_fingerprints --fingerprints-out FILE
+
+Writes one JSON object: test node id -> the fingerprints of the plans built in that test,
+in build order. Two runs of the suite on two codes are then compared with
+``python scripts/compare_fingerprints.py BEFORE AFTER``: a move that keeps every plan gives
+identical files. Plans built in subprocesses (the spawned refit workers) are not seen;
+the ones their parents built are.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import pytest
+
+from nemo_refit_reshard.plan import RefitPlan
+
+_BUILT: dict[str, list[str]] = defaultdict(list)
+_CURRENT = ["<collection>"]
+_original_init = RefitPlan.__init__
+
+
+def _recording_init(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    _original_init(self, *args, **kwargs)
+    _BUILT[_CURRENT[0]].append(self.fingerprint)
+
+
+RefitPlan.__init__ = _recording_init  # type: ignore[method-assign]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fingerprints-out", default="plan_fingerprints.json")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
+    _CURRENT[0] = item.nodeid
+    try:
+        return (yield)
+    finally:
+        _CURRENT[0] = "<between tests>"
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    path = session.config.getoption("--fingerprints-out")
+    with open(path, "w") as f:
+        json.dump(dict(sorted(_BUILT.items())), f, indent=1)
