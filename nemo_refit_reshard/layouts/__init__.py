@@ -13,6 +13,7 @@ from .dtensor import (
 )
 from .megatron import MegatronOptions, megatron_layout, megatron_layouts, megatron_padded_vocab
 from .megatron_grid import megatron_layer_chunks, megatron_position
+from .refit import refit_layouts
 from .vllm import (
     DEFAULT_VLLM_VERSION,
     VLLM_RELEASES,
@@ -49,6 +50,7 @@ __all__ = [
     "megatron_layouts",
     "megatron_padded_vocab",
     "megatron_position",
+    "refit_layouts",
     "vllm_layout",
     "vllm_layouts",
     "vllm_padded_vocab",
