@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 from nemo_refit_reshard.cli_refit import run_report
 from nemo_refit_reshard.integrations.spawn import RunConfig, _free_port, build_layouts
-from nemo_refit_reshard.plan import Cluster, Placement, plan_refit, predict_refit
+from nemo_refit_reshard.plan import Cluster, Placement, Topology, plan_refit, predict_refit
 
 CASES = [
     ("small-qwen3", "tp=2,pp=2", "tp=2,dp=2", "none"),
@@ -105,7 +105,7 @@ def main() -> int:
                 gpus_per_node=world, nvlink_gbps=per_rank / 1e9, nvlink_latency_us=latency * 1e6
             )
             placement = Placement.explicit((0,) * world, len(src), len(dst), cluster)
-            predictions.append(predict_refit(plan, cluster, placement).seconds)
+            predictions.append(predict_refit(plan, Topology(cluster, placement)).seconds)
         report, _ = run_report(cfg, show_progress=False)
         if report["errors"]:
             print(f"{model}: failed {report['errors']}", file=sys.stderr)

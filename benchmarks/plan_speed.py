@@ -91,7 +91,7 @@ print(json.dumps({
     "cpu": cpu,
     "loop": loop,
     "relay": choice.chosen if choice is not None else relay,
-    "predicted": predict_refit(plan, cluster, placement).seconds if cluster else None,
+    "predicted": predict_refit(plan, Topology(cluster, placement)).seconds if cluster else None,
     "rounds": plan.num_rounds,
     "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
 }))

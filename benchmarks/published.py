@@ -74,11 +74,11 @@ def row(run: dict) -> str:
     # so the frontier-size runs build only the direct and the "domain" plans.
     for relay in ("none", "domain") if model in LARGE else ("none", "chain", "domain"):
         plan = plan_refit(spec, src, dst, relay=relay, links=links)
-        results[relay] = predict_refit(plan, cluster, placement).seconds
+        results[relay] = predict_refit(plan, Topology(cluster, placement)).seconds
         if relay == "none":
-            floor = bandwidth_floor(plan, src, dst, cluster, placement)
+            floor = bandwidth_floor(plan, src, dst, Topology(cluster, placement))
         del plan
-    base = predict_broadcast(plan_broadcast(spec, src, dst), cluster, placement).seconds
+    base = predict_broadcast(plan_broadcast(spec, src, dst), Topology(cluster, placement)).seconds
     best = min(results.values())
     chain = f"{results['chain']:.3f} s" if "chain" in results else "not built"
     theirs = run["seconds"]

@@ -310,7 +310,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return _finish(report, args.json)
 
 
-def _plot_simulation(plan: RefitPlan, prediction: Any, placement: Any, path: str) -> None:
+def _plot_simulation(plan: RefitPlan, prediction: Any, links: Any, path: str) -> None:
     """Per-rank bytes sent / received (NVLink and NIC) and the node-to-node traffic matrix."""
     import matplotlib
 
@@ -333,8 +333,8 @@ def _plot_simulation(plan: RefitPlan, prediction: Any, placement: Any, path: str
     left.axvline(plan.num_sources - 0.5, color="grey", linestyle=":")
     left.set(xlabel="refit-group rank (training | inference)", ylabel="GB", title="per GPU")
     left.legend()
-    nodes = sorted(set(placement.nodes))
-    matrix = traffic_matrix(plan, placement)
+    nodes = sorted(set(links.placement.nodes))
+    matrix = traffic_matrix(plan, links)
     grid = [[matrix.get((a, b), 0) / 1e9 for b in nodes] for a in nodes]
     image = right.imshow(grid, cmap="viridis")
     right.set(xlabel="destination node", ylabel="source node", title="traffic (GB)")
@@ -406,20 +406,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             ) from None
         placement = Placement.explicit(nodes, len(sources), len(destinations), cluster)
     # Replica choice balances predicted link time on this cluster, not bytes per sender;
-    # ``relay="auto"`` schedules only the modes that could still win (``plan/choice.py``).
+    # ``relay="auto"`` schedules only the modes that could still win (``plan/relay_choice.py``).
+    links = Topology(cluster, placement)
     plan = plan_refit(
-        spec,
-        sources,
-        destinations,
-        bucket_mb=cfg.bucket_mb,
-        relay=cfg.relay,
-        links=Topology(cluster, placement),
+        spec, sources, destinations, bucket_mb=cfg.bucket_mb, relay=cfg.relay, links=links
     )
     choice = plan.relay_choice
-    pred = predict_refit(plan, cluster, placement)
-    floor = bandwidth_floor(plan, sources, destinations, cluster, placement)
+    pred = predict_refit(plan, links)
+    floor = bandwidth_floor(plan, sources, destinations, links)
     bplan = plan_broadcast(spec, sources, destinations, cfg.bucket_mb)
-    base = predict_broadcast(bplan, cluster, placement)
+    base = predict_broadcast(bplan, links)
     report = {
         "model": spec.name,
         "train": cfg.train,
@@ -433,7 +429,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         "plan": plan.fingerprint,
         "predicted": pred.to_json(),
         "predicted_s": pred.seconds,
-        "predicted_timeline_s": predict_timeline(plan, cluster, placement),
+        "predicted_timeline_s": predict_timeline(plan, links),
         "floor": floor.to_json(),
         "floor_s": floor.seconds,
         "floor_term": floor.binding.key,
@@ -444,7 +440,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         "speedup": base.seconds / pred.seconds if pred.seconds else None,
     }
     if args.plot:
-        _plot_simulation(plan, pred, placement, args.plot)
+        _plot_simulation(plan, pred, links, args.plot)
     if args.json:
         print(json.dumps(report))
         return 0

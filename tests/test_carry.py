@@ -1,5 +1,5 @@
 """Carried transfers: a busy training rank hands bytes to an NVLink neighbour, which
-sends them on from its relay buffer one round later (``plan/carry.py``)."""
+sends them on from its relay buffer one round later (``plan/pass4_routes/carry.py``)."""
 
 from __future__ import annotations
 
@@ -112,8 +112,8 @@ def test_the_busier_stage_hands_bytes_to_its_nvlink_neighbour() -> None:
     assert plan.stats.bytes_sent[:2] == (after[0] + 0, after[1] + carried)
     # NIC time evens out, so the prediction drops
     assert (
-        predict_refit(plan, CLUSTER, placement).seconds
-        < predict_refit(plain, CLUSTER, placement).seconds
+        predict_refit(plan, Topology(CLUSTER, placement)).seconds
+        < predict_refit(plain, Topology(CLUSTER, placement)).seconds
     )
     # the carrier's relay buffer: two halves, each the largest round's carried bytes
     tensors = {t.name: torch.zeros(t.shape) for t in sources[0].tensors}
@@ -210,8 +210,8 @@ def test_a_lone_inference_rank_gets_part_of_its_copy_through_a_neighbour() -> No
     assert max(after[8:]) <= mean + slack
     assert_delivers_exactly(plan, SPEC, sources, destinations)
     assert (
-        predict_refit(plan, cluster, placement).seconds
-        < 0.85 * predict_refit(plain, cluster, placement).seconds
+        predict_refit(plan, Topology(cluster, placement)).seconds
+        < 0.85 * predict_refit(plain, Topology(cluster, placement)).seconds
     )
 
 
@@ -229,7 +229,7 @@ def test_carrying_is_dropped_where_it_would_not_pay() -> None:
     assert not [t for r in plan.rounds for m in r for t in m.transfers if is_relay(t.dst_tensor)]
     assert plan.stats.total_bytes == plan.stats.min_bytes
     assert (
-        predict_refit(plan, cluster, placement).seconds
-        <= predict_refit(plain, cluster, placement).seconds * 1.02
+        predict_refit(plan, Topology(cluster, placement)).seconds
+        <= predict_refit(plain, Topology(cluster, placement)).seconds * 1.02
     )
     verify_plan(plan, sources, destinations)

@@ -1,4 +1,4 @@
-"""``relay="auto"`` (``plan/choice.py``): the mode it picks has the lowest prediction of
+"""``relay="auto"`` (``plan/relay_choice.py``): the mode it picks has the lowest prediction of
 the candidates, a candidate it did not schedule could not have won, and it says why."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from hf_models import TINY_CONFIGS
 
 from nemo_refit_reshard.layouts import megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import Cluster, Placement, Topology, plan_refit, predict_refit
-from nemo_refit_reshard.plan.choice import ingress_bound
-from nemo_refit_reshard.plan.needs import find_needs
+from nemo_refit_reshard.plan.pass1_needs import find_needs
+from nemo_refit_reshard.plan.relay_choice import ingress_bound
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
 
 SPEC = spec_from_hf_config(dict(TINY_CONFIGS["llama"], torch_dtype="float32"))
@@ -45,13 +45,13 @@ def test_auto_picks_the_lowest_prediction_and_pruned_modes_could_not_win(case) -
 
     def predicted(relay: str) -> float:
         plan = plan_refit(spec, sources, destinations, 0.02, relay=relay, links=links)
-        return predict_refit(plan, cluster, placement).seconds
+        return predict_refit(plan, Topology(cluster, placement)).seconds
 
     plan = plan_refit(spec, sources, destinations, 0.02, links=links)  # relay="auto"
     choice = plan.relay_choice
     by_mode = {c.relay: c for c in choice.candidates}
     every = {mode: predicted(mode) for mode in ("none", "domain", "chain")}
-    auto = predict_refit(plan, cluster, placement).seconds
+    auto = predict_refit(plan, Topology(cluster, placement)).seconds
     assert auto == pytest.approx(min(every.values()), rel=1e-9)
     assert by_mode[choice.chosen].stage == 2
     assert by_mode[choice.chosen].seconds == pytest.approx(auto, rel=1e-9)
@@ -87,7 +87,7 @@ def test_a_domain_that_forwards_nothing_is_the_none_plan_and_the_reason_says_so(
     assert plan.fingerprint == built("chain").fingerprint
 
     def ms(relay: str) -> str:
-        return f"{predict_refit(built(relay), cluster, placement).seconds * 1e3:.6g} ms"
+        return f"{predict_refit(built(relay), Topology(cluster, placement)).seconds * 1e3:.6g} ms"
 
     assert plan.relay_choice.reason == (
         f"chain: predicted {ms('chain')}; none: predicted {ms('none')}; "

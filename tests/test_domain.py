@@ -1,5 +1,6 @@
 """``relay="domain"`` refinements: entry weights for runs of unequal width, and rings
-across nodes where the training NICs would bind (``plan/domain.py``)."""
+across nodes where the training NICs would bind (``plan/pass2_fanout.py``,
+``plan/pass4_routes/domain.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from plan_checks import assert_delivers_exactly
 
 from nemo_refit_reshard.layouts import megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import Cluster, Placement, Topology, plan_refit, predict_refit
-from nemo_refit_reshard.plan.domain import entry_weights
+from nemo_refit_reshard.plan.pass4_routes.domain import entry_weights
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
 
 SPEC = spec_from_hf_config(dict(TINY_CONFIGS["llama"], torch_dtype="float32"))
@@ -56,6 +57,6 @@ def test_training_egress_binding_joins_lone_replicas_into_a_ring() -> None:
     assert sum(plan.stats.bytes_sent[1:]) == 3 * model  # three hops around the ring
     assert_delivers_exactly(plan, SPEC, sources, destinations)
     assert (
-        predict_refit(plan, cluster, placement).seconds
-        < 0.5 * predict_refit(direct, cluster, placement).seconds
+        predict_refit(plan, Topology(cluster, placement)).seconds
+        < 0.5 * predict_refit(direct, Topology(cluster, placement)).seconds
     )

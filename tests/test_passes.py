@@ -1,4 +1,4 @@
-"""Each planner pass on its own (``plan/plan.py`` lists them): its typed result, with
+"""Each planner pass on its own (``plan/build.py`` lists them): its typed result, with
 values worked out by hand, and ``plan_refit`` as exactly their composition."""
 
 from __future__ import annotations
@@ -13,17 +13,20 @@ from nemo_refit_reshard.plan import (
     DTYPE_BYTES,
     Cluster,
     Placement,
+    PlanConfig,
     PlanError,
     Topology,
     plan_refit,
     predict_refit,
 )
-from nemo_refit_reshard.plan.fanout import plan_fanout
-from nemo_refit_reshard.plan.messages import message_order, to_messages
-from nemo_refit_reshard.plan.needs import find_needs
-from nemo_refit_reshard.plan.rounds import plan_rounds
-from nemo_refit_reshard.plan.routes import plan_routes
-from nemo_refit_reshard.plan.senders import choose_senders
+from nemo_refit_reshard.plan.base import message_order
+from nemo_refit_reshard.plan.pass1_needs import find_needs
+from nemo_refit_reshard.plan.pass2_fanout import plan_fanout
+from nemo_refit_reshard.plan.pass3_senders import choose_senders
+from nemo_refit_reshard.plan.pass4_routes import plan_routes
+from nemo_refit_reshard.plan.pass5_rounds import plan_rounds
+from nemo_refit_reshard.plan.pass6_messages import to_messages
+from nemo_refit_reshard.plan.pass7_assemble import assemble_plan
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
 
 SPEC = spec_from_hf_config(dict(TINY_CONFIGS["llama"], torch_dtype="float32"))
@@ -66,18 +69,18 @@ def test_fanout_per_relay_mode() -> None:
     src, dst = _layouts("tp=2", "dp=2")
     needs = find_needs(SPEC, src, dst)
     count = len(needs.by_group[2])
-    none = plan_fanout(needs, "none", None, carry=True)
+    none = plan_fanout(needs, PlanConfig(relay="none", links=None))
     assert none.groups == ((2, 3),) and none.members == {2: (2, 3)} and none.chains == []
     assert len(none.needs) == count
-    chain = plan_fanout(needs, "chain", None, carry=True)
+    chain = plan_fanout(needs, PlanConfig(relay="chain", links=None))
     assert chain.groups == ((2,), (3,)) and chain.members == {2: (2,), 3: (3,)}
     assert [n.dst for n in chain.needs] == [2] * count + [3] * count
     # both replicas on one node: one run, entered once, forwarded inside
-    domain = plan_fanout(needs, "domain", _links(2, 2, 2), carry=True)
+    domain = plan_fanout(needs, PlanConfig(relay="domain", links=_links(2, 2, 2)))
     assert domain.runs_of == {2: [(2, 3)]} and domain.members == {2: (2,)}
     assert domain.chains == [(2, 3)] and domain.lone == ()
     with pytest.raises(PlanError, match='relay="domain" needs a topology'):
-        plan_fanout(needs, "domain", None, carry=True)
+        plan_fanout(needs, PlanConfig(relay="domain", links=None))
 
 
 def test_senders_split_a_replicated_tensor_evenly_between_its_holders() -> None:
@@ -85,8 +88,8 @@ def test_senders_split_a_replicated_tensor_evenly_between_its_holders() -> None:
     balancer gives each of them half the bytes (to within one row of one tensor)."""
     src, dst = _layouts("dp=2", "tp=1")
     needs = find_needs(SPEC, src, dst)
-    fanout = plan_fanout(needs, "none", None, carry=True)
-    senders = choose_senders(needs, fanout, None)
+    fanout = plan_fanout(needs, PlanConfig(relay="none", links=None))
+    senders = choose_senders(needs, fanout, PlanConfig(links=None))
     load = senders.load(fanout.members)
     assert sum(load.values()) == TENSOR_BYTES
     biggest_row = max(t.numel // t.shape[0] for t in SPEC) * 4
@@ -98,8 +101,10 @@ def test_senders_split_a_replicated_tensor_evenly_between_its_holders() -> None:
 def test_routes_chain_hops_follow_each_other() -> None:
     src, dst = _layouts("tp=1", "dp=3")
     needs = find_needs(SPEC, src, dst)
-    fanout = plan_fanout(needs, "chain", None, carry=True)
-    routes = plan_routes(choose_senders(needs, fanout, None), fanout, None, True, 1)
+    fanout = plan_fanout(needs, PlanConfig(relay="chain", links=None))
+    routes = plan_routes(
+        choose_senders(needs, fanout, PlanConfig(links=None)), fanout, PlanConfig(links=None), 1
+    )
     assert len(routes.hops) == 2  # three replicas: two hops after the first delivery
     sent = sum(t.nbytes for t in routes.direct)
     assert sent == TENSOR_BYTES  # one copy leaves the training rank
@@ -114,14 +119,16 @@ def test_routes_lower_bound_counts_every_copy_and_is_below_the_prediction() -> N
     src, dst = _layouts("tp=1", "dp=2")
     links = _links(1, 1, 2)  # every rank on its own node: all NIC
     needs = find_needs(SPEC, src, dst)
-    fanout = plan_fanout(needs, "none", links, carry=True)
-    routes = plan_routes(choose_senders(needs, fanout, links), fanout, links, True, 1)
+    fanout = plan_fanout(needs, PlanConfig(relay="none", links=links))
+    routes = plan_routes(
+        choose_senders(needs, fanout, PlanConfig(links=links)), fanout, PlanConfig(links=links), 1
+    )
     busy = routes.link_seconds(links)
     spb = 1 / links.cluster.nic_bytes_per_s
     # the training rank sends both copies over its NIC; each replica takes one
     assert busy[(0, "nic", "out")] == pytest.approx(2 * TENSOR_BYTES * spb)
     assert busy[(1, "nic", "in")] == busy[(2, "nic", "in")] == pytest.approx(TENSOR_BYTES * spb)
-    rounds = plan_rounds(routes, 2**16, links)
+    rounds = plan_rounds(routes, PlanConfig(2**16, links=links))
     assert routes.lower_bound(links) == pytest.approx(2 * TENSOR_BYTES * spb)
     assert rounds.seconds >= routes.lower_bound(links)
 
@@ -129,10 +136,12 @@ def test_routes_lower_bound_counts_every_copy_and_is_below_the_prediction() -> N
 def test_rounds_bound_staging_and_messages_are_one_per_pair() -> None:
     src, dst = _layouts("tp=2", "tp=1,dp=2")
     needs = find_needs(SPEC, src, dst)
-    fanout = plan_fanout(needs, "none", None, carry=True)
-    routes = plan_routes(choose_senders(needs, fanout, None), fanout, None, True, 2)
+    fanout = plan_fanout(needs, PlanConfig(relay="none", links=None))
+    routes = plan_routes(
+        choose_senders(needs, fanout, PlanConfig(links=None)), fanout, PlanConfig(links=None), 2
+    )
     bucket = 2**14
-    rounds = plan_rounds(routes, bucket, None)
+    rounds = plan_rounds(routes, PlanConfig(bucket, links=None))
     assert rounds.seconds is None and len(rounds.transfers) > 1
     for ts in rounds.transfers:  # per rank and direction at most one bucket a round
         sent, received = defaultdict(int), defaultdict(int)
@@ -141,13 +150,14 @@ def test_rounds_bound_staging_and_messages_are_one_per_pair() -> None:
             received[t.dst] += t.nbytes
         assert max(sent.values()) <= bucket and max(received.values()) <= bucket
     messages = to_messages(rounds.transfers)
-    for r, msgs in enumerate(messages):
+    assert str(messages).startswith(f"Messages: {len(rounds.transfers)} round(s)")
+    for r, msgs in enumerate(messages.rounds):
         assert [(m.src, m.dst) for m in msgs] == sorted(
             {(t.src, t.dst) for t in rounds.transfers[r]}
         )
         for m in msgs:
             assert m.round == r and list(m.transfers) == sorted(m.transfers, key=message_order)
-    assert sum(m.nbytes for msgs in messages for m in msgs) == TENSOR_BYTES
+    assert sum(m.nbytes for msgs in messages.rounds for m in msgs) == TENSOR_BYTES
 
 
 def test_timed_rounds_carry_the_prediction_of_the_plan() -> None:
@@ -155,10 +165,12 @@ def test_timed_rounds_carry_the_prediction_of_the_plan() -> None:
     links = _links(2, 4, 4)
     plan = plan_refit(SPEC, src, dst, 0.01, relay="domain", links=links)
     needs = find_needs(SPEC, src, dst)
-    fanout = plan_fanout(needs, "domain", links, carry=True)
-    routes = plan_routes(choose_senders(needs, fanout, links), fanout, links, True, 4)
-    rounds = plan_rounds(routes, int(0.01 * 2**20), links)
-    predicted = predict_refit(plan, links.cluster, links.placement).seconds
+    fanout = plan_fanout(needs, PlanConfig(relay="domain", links=links))
+    routes = plan_routes(
+        choose_senders(needs, fanout, PlanConfig(links=links)), fanout, PlanConfig(links=links), 4
+    )
+    rounds = plan_rounds(routes, PlanConfig(int(0.01 * 2**20), links=links))
+    predicted = predict_refit(plan, links).seconds
     assert rounds.seconds == pytest.approx(predicted, rel=1e-9)
     assert str(rounds).startswith(f"Rounds: {len(rounds.transfers)} round(s)")
 
@@ -170,16 +182,19 @@ def test_plan_refit_is_the_composition_of_the_passes(relay: str) -> None:
     links = _links(2, 2, 3)
     plan = plan_refit(SPEC, src, dst, 0.02, relay=relay, links=links)
     needs = find_needs(SPEC, src, dst)
-    fanout = plan_fanout(needs, relay, links, carry=True)
-    senders = choose_senders(needs, fanout, links)
-    routes = plan_routes(senders, fanout, links, True, len(src))
-    rounds = plan_rounds(routes, int(0.02 * 2**20), links)
+    fanout = plan_fanout(needs, PlanConfig(relay=relay, links=links))
+    senders = choose_senders(needs, fanout, PlanConfig(links=links))
+    routes = plan_routes(senders, fanout, PlanConfig(links=links), len(src))
+    rounds = plan_rounds(routes, PlanConfig(int(0.02 * 2**20), links=links))
     messages = to_messages(rounds.transfers)
-    assert [list(r) for r in plan.class_rounds] == messages
+    assert [list(r) for r in plan.class_rounds] == messages.rounds
     assert plan.relay_chains == tuple(routes.chains)
+    config = PlanConfig(int(0.02 * 2**20), relay, links)
+    assembled = assemble_plan(SPEC, src, dst, config, needs, routes, messages, None)
+    assert assembled.fingerprint == plan.fingerprint
     wire = sum(
         t.canonical_box.numel * DTYPE_BYTES[t.dtype]
-        for msgs in messages
+        for msgs in messages.rounds
         for m in msgs
         for t in m.transfers
     )
@@ -191,9 +206,8 @@ def test_c_speed_helpers_equal_their_python_definitions() -> None:
     ``map_sub_box`` / ``intersect`` give exactly what the plain definitions give, mixed
     dtypes and relay buffers included."""
     from nemo_refit_reshard.layouts.base import Box, map_sub_box
-    from nemo_refit_reshard.plan.carry import is_relay, legs
-    from nemo_refit_reshard.plan.messages import Message, in_message_order
-    from nemo_refit_reshard.plan.transfer import Transfer, sizes_of
+    from nemo_refit_reshard.plan.base import Transfer, in_message_order, is_relay, legs, sizes_of
+    from nemo_refit_reshard.plan.pass6_messages import Message
 
     def t(dst_tensor: str, row: int, dtype: str, src_tensor: str = "w") -> Transfer:
         box = Box((row, 0), (2, 3))

@@ -20,17 +20,15 @@ from nemo_refit_reshard.plan import (
     RefitPlan,
     Topology,
     Transfer,
+    bandwidth_floor,
     plan_broadcast,
     plan_refit,
-)
-from nemo_refit_reshard.plan.predict import (
-    GpuBytes,
-    bandwidth_floor,
-    broadcast_chain,
     predict_broadcast,
     predict_refit,
     traffic_matrix,
 )
+from nemo_refit_reshard.plan.analysis.baseline import broadcast_chain
+from nemo_refit_reshard.plan.analysis.predict import GpuBytes
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, load_model_spec
 
 LLAMA = load_model_spec(TINY_CONFIGS["llama"])
@@ -105,7 +103,7 @@ def test_placement_packed_and_explicit() -> None:
 def test_one_message_across_nodes_is_bytes_over_nic_plus_latency() -> None:
     c = Cluster()
     plan = _plan(1, 1, [[(0, 1, 100 * MB)]])
-    pred = predict_refit(plan, c, Placement.packed(1, 1, c))  # nodes (0, 1)
+    pred = predict_refit(plan, Topology(c, Placement.packed(1, 1, c)))  # nodes (0, 1)
     assert pred.seconds == approx(2e-3 + NIC_LAT)
     assert (pred.slowest_round, pred.bottleneck_rank, pred.bottleneck_link) == (0, 0, "nic")
     assert pred.gpu_bytes == (GpuBytes(sent_nic=100 * MB), GpuBytes(received_nic=100 * MB))
@@ -114,12 +112,12 @@ def test_one_message_across_nodes_is_bytes_over_nic_plus_latency() -> None:
 def test_messages_out_of_one_gpu_share_its_nic() -> None:
     c = Cluster()
     plan = _plan(1, 2, [[(0, 1, 100 * MB), (0, 2, 100 * MB)]])
-    pred = predict_refit(plan, c, Placement.packed(1, 2, c))
+    pred = predict_refit(plan, Topology(c, Placement.packed(1, 2, c)))
     assert pred.seconds == approx(4e-3 + 2 * NIC_LAT)
     assert pred.bottleneck_rank == 0
     # Two senders into one receiver: its NIC ingress binds.
     plan = _plan(2, 1, [[(0, 2, 100 * MB), (1, 2, 100 * MB)]])
-    pred = predict_refit(plan, c, Placement.packed(2, 1, c))
+    pred = predict_refit(plan, Topology(c, Placement.packed(2, 1, c)))
     assert pred.seconds == approx(4e-3 + 2 * NIC_LAT)
     assert (pred.bottleneck_rank, pred.bottleneck_link) == (2, "nic")
 
@@ -127,28 +125,28 @@ def test_messages_out_of_one_gpu_share_its_nic() -> None:
 def test_intra_node_message_uses_nvlink_concurrently_with_nic() -> None:
     c = Cluster()
     same_node = Placement.explicit((0, 0), 1, 1, c)
-    pred = predict_refit(_plan(1, 1, [[(0, 1, 100 * MB)]]), c, same_node)
+    pred = predict_refit(_plan(1, 1, [[(0, 1, 100 * MB)]]), Topology(c, same_node))
     assert pred.seconds == approx(100 * MB / NVL + NVL_LAT)
     assert pred.bottleneck_link == "nvlink"
     # 90 MB over NVLink (205 us) and 10 MB over the NIC (210 us) at once: the NIC binds.
     placement = Placement.explicit((0, 0, 1), 1, 2, c)
     plan = _plan(1, 2, [[(0, 1, 90 * MB), (0, 2, 10 * MB)]])
-    pred = predict_refit(plan, c, placement)
+    pred = predict_refit(plan, Topology(c, placement))
     assert pred.seconds == approx(max(90 * MB / NVL + NVL_LAT, 10 * MB / NIC + NIC_LAT))
     assert (pred.bottleneck_rank, pred.bottleneck_link) == (0, "nic")
     assert pred.gpu_bytes[0] == GpuBytes(sent_nvlink=90 * MB, sent_nic=10 * MB)
-    assert traffic_matrix(plan, placement) == {(0, 0): 90 * MB, (0, 1): 10 * MB}
+    assert traffic_matrix(plan, Topology(c, placement)) == {(0, 0): 90 * MB, (0, 1): 10 * MB}
 
 
 def test_rounds_add_up() -> None:
     c = Cluster()
     plan = _plan(1, 1, [[(0, 1, 50 * MB)], [(0, 1, 100 * MB)]])
-    pred = predict_refit(plan, c, Placement.packed(1, 1, c))
+    pred = predict_refit(plan, Topology(c, Placement.packed(1, 1, c)))
     assert pred.round_seconds == (approx(1e-3 + NIC_LAT), approx(2e-3 + NIC_LAT))
     assert pred.seconds == approx(3e-3 + 2 * NIC_LAT)
     assert pred.slowest_round == 1
     with pytest.raises(ValueError, match="placement is for 1 training"):
-        predict_refit(plan, c, Placement.packed(1, 2, c))
+        predict_refit(plan, Topology(c, Placement.packed(1, 2, c)))
 
 
 @pytest.mark.parametrize("gpus_per_node,margin", [(8, 0.3), (1, 0.35)])
@@ -162,9 +160,9 @@ def test_relay_chain_beats_direct_when_training_egress_binds(
     placement = Placement.packed(1, 4, c)
     direct = plan_refit(LLAMA, src, dst, bucket_mb=0.01)
     chain = plan_refit(LLAMA, src, dst, bucket_mb=0.01, relay="chain")
-    t_direct = predict_refit(direct, c, placement).seconds
-    t_chain = predict_refit(chain, c, placement).seconds
-    floor = bandwidth_floor(direct, src, dst, c, placement)
+    t_direct = predict_refit(direct, Topology(c, placement)).seconds
+    t_chain = predict_refit(chain, Topology(c, placement)).seconds
+    floor = bandwidth_floor(direct, src, dst, Topology(c, placement))
     assert floor.seconds == approx(FULL / NIC)  # one copy out of the training NIC
     assert t_direct >= 4 * FULL / NIC  # the direct plan pushes four copies through it
     # The chain forwards while it receives (separate send and receive budgets per round),
@@ -183,8 +181,8 @@ def _terms(train: str, infer: str, cluster: Cluster, nodes: tuple[int, ...] | No
         else Placement.packed(len(src), len(dst), cluster)
     )
     plan = plan_refit(LLAMA, src, dst)
-    floor = bandwidth_floor(plan, src, dst, cluster, placement)
-    assert predict_refit(plan, cluster, placement).seconds >= floor.seconds
+    floor = bandwidth_floor(plan, src, dst, Topology(cluster, placement))
+    assert predict_refit(plan, Topology(cluster, placement)).seconds >= floor.seconds
     return floor, {t.key: (t.seconds, t.nbytes, t.where) for t in floor.terms}
 
 
@@ -246,8 +244,8 @@ def test_prediction_never_beats_the_floor(train: str, infer: str, relay: str) ->
     src, dst = _layouts(train, infer)
     placement = Placement.packed(len(src), len(dst), c)
     plan = plan_refit(LLAMA, src, dst, bucket_mb=0.02, relay=relay)
-    floor = bandwidth_floor(plan, src, dst, c, placement)
-    assert 0 < floor.seconds <= predict_refit(plan, c, placement).seconds
+    floor = bandwidth_floor(plan, src, dst, Topology(c, placement))
+    assert 0 < floor.seconds <= predict_refit(plan, Topology(c, placement)).seconds
 
 
 # -- predict_broadcast ------------------------------------------------------------------
@@ -263,7 +261,7 @@ def test_broadcast_gather_then_pipelined_chain() -> None:
     small = BroadcastStep("v", (1000,), "bfloat16", 1, ((1, "v", lo, lo),), ((2, ()),))
     bplan = BroadcastPlan(2, 3, ((big,), (small,)))
     assert broadcast_chain(0, [4, 3, 2], placement) == [(0, 2), (2, 3), (3, 4)]
-    pred = predict_broadcast(bplan, c, placement)
+    pred = predict_broadcast(bplan, Topology(c, placement))
     gather = 100 * MB / 2 / NVL + NVL_LAT  # rank 1's half over NVLink
     bcast = 100 * MB / NIC + NIC_LAT + NVL_LAT + NIC_LAT  # 0 -nic- 2 -nvl- 3 -nic- 4
     bcast += 2000 / NIC + NIC_LAT  # v: rank 1 -> rank 4
@@ -281,7 +279,7 @@ def test_broadcast_on_tiny_llama_is_per_tensor_ring() -> None:
     c = Cluster()
     src, dst = _layouts("tp=1", "tp=1")
     placement = Placement.packed(1, 1, c)
-    pred = predict_broadcast(plan_broadcast(LLAMA, src, dst), c, placement)
+    pred = predict_broadcast(plan_broadcast(LLAMA, src, dst), Topology(c, placement))
     assert pred.num_tensors == len(LLAMA) == 21
     assert pred.seconds == approx(FULL / NIC + 21 * NIC_LAT)
 
@@ -303,9 +301,9 @@ def _expected(config: str, cluster: Cluster, relay: str = "none"):
     # simulate plans topology-aware: replica choice and relay chains see the cluster
     plan = plan_refit(spec, src, dst, relay=relay, links=Topology(cluster, placement))
     return (
-        predict_refit(plan, cluster, placement),
-        bandwidth_floor(plan, src, dst, cluster, placement),
-        predict_broadcast(plan_broadcast(spec, src, dst), cluster, placement),
+        predict_refit(plan, Topology(cluster, placement)),
+        bandwidth_floor(plan, src, dst, Topology(cluster, placement)),
+        predict_broadcast(plan_broadcast(spec, src, dst), Topology(cluster, placement)),
     )
 
 
@@ -393,12 +391,12 @@ def test_timeline_has_no_barrier_between_rounds() -> None:
     c = Cluster(gpus_per_node=1)  # every rank on its own node: all NIC
     plan = _plan(2, 2, [[(0, 2, 100 * MB), (1, 3, MB)], [(1, 3, 100 * MB), (0, 2, MB)]])
     placement = Placement.packed(2, 2, c)
-    assert predict_refit(plan, c, placement).seconds == approx(2 * (2e-3 + NIC_LAT))
-    assert predict_timeline(plan, c, placement) == approx(2e-3 + 0.02e-3 + 2 * NIC_LAT)
+    assert predict_refit(plan, Topology(c, placement)).seconds == approx(2 * (2e-3 + NIC_LAT))
+    assert predict_timeline(plan, Topology(c, placement)) == approx(2e-3 + 0.02e-3 + 2 * NIC_LAT)
     # A dependency through a shared rank keeps the rounds in sequence.
     chained = _plan(1, 2, [[(0, 1, 100 * MB)], [(1, 2, 100 * MB)]])
     placement = Placement.packed(1, 2, c)
-    assert predict_timeline(chained, c, placement) == approx(2 * (2e-3 + NIC_LAT))
+    assert predict_timeline(chained, Topology(c, placement)) == approx(2 * (2e-3 + NIC_LAT))
 
 
 def test_cli_simulate_explicit_placement(llama_config, capsys) -> None:

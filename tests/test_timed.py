@@ -1,13 +1,13 @@
-"""Time-budgeted rounds (``plan/timed.py``): the scheduler's own estimate is the cluster
-model's prediction of the plan it returns, no round breaks its budget, and even
-traffic comes out at the busiest link's time."""
+"""Time-budgeted rounds (``plan/pass5_rounds/timed.py``): the scheduler's own estimate
+is the cluster model's prediction of the plan it returns, no round breaks its budget,
+and even traffic comes out at the busiest link's time."""
 
 from __future__ import annotations
 
 import pytest
 from hf_models import TINY_CONFIGS
 
-import nemo_refit_reshard.plan.rounds as rounds_module
+import nemo_refit_reshard.plan.pass5_rounds.rounds as rounds_module
 from nemo_refit_reshard.layouts import MegatronOptions, megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import (
     Cluster,
@@ -67,7 +67,7 @@ def test_estimate_is_the_prediction_and_rounds_keep_their_budget(recorded, case,
     )
     verify_plan(plan, sources, destinations)
     (timed,) = recorded
-    predicted = predict_refit(plan, cluster, placement)
+    predicted = predict_refit(plan, Topology(cluster, placement))
     assert predicted.seconds == pytest.approx(timed.seconds, rel=1e-9)
     assert max(predicted.round_seconds) <= timed.budget * (1 + 1e-9)
     # every round's staging stays within the bucket, per rank and direction
@@ -99,15 +99,15 @@ def test_even_traffic_runs_at_the_busiest_links_time(recorded) -> None:
         busiest = max(max(plan.stats.bytes_sent), max(plan.stats.bytes_received))
         assert max(plan.stats.bytes_received[4:]) == busiest  # the inference NICs bind
         bound = busiest / cluster.nic_bytes_per_s
-        floor = bandwidth_floor(plan, sources, destinations, cluster, placement).seconds
-        predicted = predict_refit(plan, cluster, placement).seconds
+        floor = bandwidth_floor(plan, sources, destinations, Topology(cluster, placement)).seconds
+        predicted = predict_refit(plan, Topology(cluster, placement)).seconds
         assert floor < bound <= predicted <= 1.02 * bound, bucket_mb
 
 
 def test_a_price_fill_stops_only_when_it_cannot_win() -> None:
     """``Limit``: spent above the best loses; equal loses unless it ranks first on ties;
     spent plus the busiest link's remaining work above the best (beyond rounding) loses."""
-    from nemo_refit_reshard.plan.price_limit import Limit
+    from nemo_refit_reshard.plan.pass5_rounds.price_limit import Limit
 
     later, earlier = Limit(1.0, False, []), Limit(1.0, True, [])
     assert later.beaten_by(1.0, 0.0) and not earlier.beaten_by(1.0, 0.0)
@@ -120,7 +120,7 @@ def test_a_price_fill_stops_only_when_it_cannot_win() -> None:
 def _moe_budget_args(monkeypatch) -> tuple:
     """The arguments of the first budget choice of a small MoE plan whose latencies are
     small enough that no budget sits at the latency floor (five budgets priced)."""
-    import nemo_refit_reshard.plan.timed as timed
+    import nemo_refit_reshard.plan.pass5_rounds.timed as timed
 
     chosen = []
     real_choose = timed.choose_budget
@@ -154,8 +154,8 @@ def test_a_price_fills_later_bound_never_exceeds_what_its_later_rounds_take(monk
     than the busy seconds alone."""
     import math
 
-    import nemo_refit_reshard.plan.budget as budget
-    import nemo_refit_reshard.plan.price_limit as price_limit
+    import nemo_refit_reshard.plan.pass5_rounds.budget as budget
+    import nemo_refit_reshard.plan.pass5_rounds.price_limit as price_limit
 
     args = _moe_budget_args(monkeypatch)
     bounds = []  # every fill's ``LaterBound``, with what it returned after each round
@@ -201,7 +201,7 @@ def test_price_fills_side_by_side_choose_what_full_fills_choose_and_stop_losers_
     stops a fill once its bound shows it cannot win: the budget it returns is the one
     every fill run to its end picks, with fewer rounds filled; a fill that cannot beat
     ``stop_at`` ends early and nothing is returned."""
-    import nemo_refit_reshard.plan.budget as budget
+    import nemo_refit_reshard.plan.pass5_rounds.budget as budget
 
     args = _moe_budget_args(monkeypatch)
     filled = []  # (budget, rounds filled, finished) of every price fill
@@ -247,9 +247,9 @@ def test_a_fill_takes_whole_transfers_in_message_order_then_whole_rows():
     rooms inside a cut transfer's rest, and rooms past the end. A price fill's take
     (no ``placed``: bytes only) takes the same bytes call by call."""
     from nemo_refit_reshard.layouts.base import Box
-    from nemo_refit_reshard.plan.fill import queue_transfers, take
-    from nemo_refit_reshard.plan.round_loads import Pair
-    from nemo_refit_reshard.plan.transfer import Transfer, cut_rows
+    from nemo_refit_reshard.plan.base import Transfer, cut_rows
+    from nemo_refit_reshard.plan.pass5_rounds.fill import queue_transfers, take
+    from nemo_refit_reshard.plan.pass5_rounds.pair_loads import Pair
 
     def transfer(name: str, rows: int) -> Transfer:  # float32 rows of 4: 16 bytes a row
         box = Box((0, 0), (rows, 4))
@@ -308,9 +308,9 @@ def test_a_price_fills_placements_replayed_are_the_fill_with_transfers(monkeypat
     schedule is its placements replayed (``fill.replay``): the same rounds of transfers,
     cuts included, and the same predicted seconds, as filling the budget again with the
     transfers built."""
-    from nemo_refit_reshard.plan.budget import choose_budget
-    from nemo_refit_reshard.plan.fill import fill, replay
-    from nemo_refit_reshard.plan.round_loads import RoundLoads
+    from nemo_refit_reshard.plan.pass5_rounds.budget import choose_budget
+    from nemo_refit_reshard.plan.pass5_rounds.fill import fill, replay
+    from nemo_refit_reshard.plan.pass5_rounds.pair_loads import RoundLoads
 
     pairs, bucket, latency, ranks = _moe_budget_args(monkeypatch)
     chosen = choose_budget(pairs, bucket, latency, ranks)
@@ -340,14 +340,14 @@ def test_fills_over_clones_share_one_setup_and_fill_as_each_would_alone(monkeypa
     """``FillSetup`` holds what no budget changes, by pair index: fills of several
     budgets over clones of the pairs, sharing the one built from the originals, place
     exactly what each fill builds for itself (same log, same seconds)."""
-    from nemo_refit_reshard.plan.fill import fill
-    from nemo_refit_reshard.plan.fill_setup import FillSetup
-    from nemo_refit_reshard.plan.round_loads import RoundLoads
+    from nemo_refit_reshard.plan.pass5_rounds.fill import fill
+    from nemo_refit_reshard.plan.pass5_rounds.fill_setup import FillSetup
+    from nemo_refit_reshard.plan.pass5_rounds.pair_loads import RoundLoads
 
     pairs, bucket, latency, ranks = _moe_budget_args(monkeypatch)
     setup = FillSetup(pairs, latency)
     assert len(setup.capacity_firsts) < len(pairs)  # pairs do share capacity terms
-    longest = max(sum(p.nbytes * c for _, _, c, _ in p.t0) for p in pairs)
+    longest = max(sum(p.nbytes * c for _, _, c, _ in p.now_time) for p in pairs)
     for tau in (longest / 3, longest / 5, longest / 8):
         alone, shared = [], []
         own = RoundLoads(tau, bucket, latency, ranks)
@@ -386,7 +386,7 @@ def test_the_schedule_without_carried_legs_is_priced_only_where_it_could_win(mon
     """With carried transfers, the budgets are priced again with those transfers sent
     directly, unless that schedule's busiest link alone (``direct_floor``) already takes
     as long as the carried schedule: skipping it then leaves the plan as it was."""
-    import nemo_refit_reshard.plan.timed as timed
+    import nemo_refit_reshard.plan.pass5_rounds.timed as timed
 
     spec, train, infer, gpus, (nvlink_us, nic_us), relay = CASES[0]  # carried legs
     tp, ip = TrainParallel.parse(train), InferParallel.parse(infer)
@@ -421,7 +421,7 @@ def test_the_schedule_without_carried_legs_is_priced_only_where_it_could_win(mon
 
 
 class _AlwaysFromEarliest:
-    """``schedule._FailedBefore`` that never skips a round: every search scans from its
+    """``first_fit.FailedBefore`` that never skips a round: every search scans from its
     part's earliest round (the plain first fit)."""
 
     def start(self, keys: tuple, demands: tuple, earliest: int) -> int:
@@ -435,10 +435,10 @@ class _AlwaysFromEarliest:
 def test_chain_searches_resume_where_the_last_on_the_same_keys_failed_and_plan_the_same(
     spec, monkeypatch
 ):
-    """A chain's first-fit search (``schedule._FailedBefore``) starts where the last
+    """A chain's first-fit search (``first_fit.FailedBefore``) starts where the last
     search on the same keys with no larger demands found no room: the plan is exactly the
     plain first fit's, and the resumed searches skip rounds."""
-    import nemo_refit_reshard.plan.schedule as schedule_module
+    import nemo_refit_reshard.plan.pass5_rounds.first_fit as schedule_module
 
     tp, ip = TrainParallel.parse("tp=2"), InferParallel.parse("tp=1,dp=4")
     sources = [megatron_layout(spec, tp, r) for r in range(tp.world_size)]
@@ -447,7 +447,7 @@ def test_chain_searches_resume_where_the_last_on_the_same_keys_failed_and_plan_t
     links = Topology(cluster, Placement.packed(len(sources), len(destinations), cluster))
 
     skipped = []
-    real = schedule_module._FailedBefore
+    real = schedule_module.FailedBefore
 
     class Counting(real):
         def start(self, keys: tuple, demands: tuple, earliest: int) -> int:
@@ -455,9 +455,9 @@ def test_chain_searches_resume_where_the_last_on_the_same_keys_failed_and_plan_t
             skipped.append(r - earliest)
             return r
 
-    monkeypatch.setattr(schedule_module, "_FailedBefore", Counting)
+    monkeypatch.setattr(schedule_module, "FailedBefore", Counting)
     resumed = plan_refit(spec, sources, destinations, 0.05, relay="chain", links=links)
-    monkeypatch.setattr(schedule_module, "_FailedBefore", _AlwaysFromEarliest)
+    monkeypatch.setattr(schedule_module, "FailedBefore", _AlwaysFromEarliest)
     plain = plan_refit(spec, sources, destinations, 0.05, relay="chain", links=links)
     assert resumed.num_rounds > 10 and sum(skipped) > 0
     assert resumed.class_rounds == plain.class_rounds

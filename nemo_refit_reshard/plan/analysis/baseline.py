@@ -1,0 +1,166 @@
+"""The gather-broadcast baseline: what NeMo RL and veRL do today, as a plan.
+
+For every canonical tensor a destination needs:
+
+1. *gather*: one holder of each source region sends it to the tensor's root (the
+   source rank holding most of it; ties go to the lowest rank), which
+   assembles the full tensor in the destination dtype;
+2. *broadcast*: the root sends the full tensor to every destination rank that
+   needs any part of it;
+3. each destination copies its pieces out of the full tensor and drops the rest.
+
+Tensors are grouped into rounds whose full tensors fit ``bucket_bytes`` per
+root. Built on the same layouts as the reshard plan, so the two can be timed
+side by side over the same transport.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ...layouts.base import Box, RankLayout
+from ...spec.model import ModelSpec
+from ..base import DTYPE_BYTES, PlanError
+from ..cluster import Placement, Topology
+from ..pass1_needs import source_regions
+
+
+@dataclass(frozen=True)
+class BroadcastStep:
+    """Gather then broadcast one canonical tensor."""
+
+    canonical: str
+    shape: tuple[int, ...]
+    dtype: str  # wire dtype: the destinations' dtype
+    root: int
+    gathers: tuple[tuple[int, str, Box, Box], ...]  # (holder, src tensor, src box, canonical box)
+    readers: tuple[tuple[int, tuple[tuple[str, Box, Box], ...]], ...]  # dst, (tensor, local, canon)
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class BroadcastPlan:
+    num_sources: int
+    num_destinations: int
+    rounds: tuple[tuple[BroadcastStep, ...], ...]
+
+    @property
+    def total_bytes(self) -> int:
+        total = 0
+        for steps in self.rounds:
+            for st in steps:
+                gathered = sum(c.numel for h, _, _, c in st.gathers if h != st.root)
+                total += gathered * DTYPE_BYTES[st.dtype] + st.nbytes * len(st.readers)
+        return total
+
+
+def plan_broadcast(
+    spec: ModelSpec,
+    sources: list[RankLayout],
+    destinations: list[RankLayout],
+    bucket_mb: float = 512,
+) -> BroadcastPlan:
+    regions = source_regions(spec, sources)
+    readers: dict[str, dict[int, list[tuple[str, Box, Box]]]] = defaultdict(dict)
+    dtypes: dict[str, str] = {}
+    for lay in destinations:
+        for t in lay.tensors:
+            for p in t.pieces:
+                readers[p.canonical].setdefault(lay.rank, []).append(
+                    (t.name, p.local_box, p.canonical_box)
+                )
+                dtypes.setdefault(p.canonical, t.dtype)
+    steps = []
+    for c in spec:
+        if c.name not in readers:
+            continue
+        if c.name not in regions:
+            raise PlanError(f"no source rank holds {c.name!r}, which destinations need")
+        held: dict[int, int] = defaultdict(int)
+        for region in regions[c.name]:
+            for h in region.holders:
+                held[h.rank] += region.box.numel
+        root = min(held, key=lambda r: (-held[r], r))
+        gathers = []
+        for region in regions[c.name]:
+            ranks = {h.rank: h for h in region.holders}
+            holder = ranks.get(root) or region.holders[0]  # the root's own copy when it has one
+            gathers.append((holder.rank, holder.piece.local, holder.piece.local_box, region.box))
+        steps.append(
+            BroadcastStep(
+                c.name,
+                c.shape,
+                dtypes[c.name],
+                root,
+                tuple(gathers),
+                tuple((d, tuple(v)) for d, v in sorted(readers[c.name].items())),
+            )
+        )
+    bucket = int(bucket_mb * 2**20)
+    rounds: list[list[BroadcastStep]] = []
+    load: dict[int, int] = {}
+    for st in steps:
+        if not rounds or load.get(st.root, 0) + st.nbytes > bucket:
+            rounds.append([])
+            load = {}
+        rounds[-1].append(st)
+        load[st.root] = load.get(st.root, 0) + st.nbytes
+    return BroadcastPlan(len(sources), len(destinations), tuple(tuple(r) for r in rounds))
+
+
+# -- its predicted time ------------------------------------------------------------------
+@dataclass(frozen=True)
+class BroadcastPrediction:
+    seconds: float  # gather_seconds + broadcast_seconds
+    gather_seconds: float
+    broadcast_seconds: float
+    num_tensors: int
+
+
+def broadcast_chain(root: int, readers: list[int], placement: Placement) -> list[tuple[int, int]]:
+    """The hops of a pipelined broadcast: the root, then its own node's readers, then
+    the other readers node by node (each node entered once, as NCCL orders its rings)."""
+    home = placement.node(root)
+    order = sorted(readers, key=lambda g: (placement.node(g) != home, placement.node(g), g))
+    chain = [root, *order]
+    return list(zip(chain, chain[1:]))
+
+
+def predict_broadcast(bplan: BroadcastPlan, topology: Topology) -> BroadcastPrediction:
+    """The gather-broadcast baseline, tensor after tensor.
+
+    Per canonical tensor of ``B`` bytes (destination dtype):
+
+    * gather: every holder other than the root sends its region to the root at once,
+      timed by ``cluster.round_time`` (NVLink or NIC as placed);
+    * broadcast: a pipelined chain (NCCL ring broadcast without the closing edge) from
+      the root through every reader, see :func:`broadcast_chain`:
+      ``B / min over hops of bw(hop) + sum over hops of lat(hop)``, where a hop's
+      bandwidth and latency are NVLink's inside a node and the NIC's across nodes.
+
+    Total: ``sum over tensors of (gather + broadcast)``.
+    """
+    topology.check_ranks(bplan.num_sources, bplan.num_destinations)
+    placement = topology.placement
+    s = bplan.num_sources
+    gather = bcast = 0.0
+    count = 0
+    for steps in bplan.rounds:
+        for st in steps:
+            count += 1
+            item = DTYPE_BYTES[st.dtype]
+            msgs = [(h, st.root, box.numel * item) for h, _, _, box in st.gathers]
+            gather += topology.round_time(msgs)[0]
+            hops = broadcast_chain(st.root, [s + d for d, _ in st.readers], placement)
+            if hops:
+                rates = [topology.link_rate(x, y) for x, y in hops]
+                links = [(bw, topology.latency(link)) for link, bw in rates]
+                bcast += st.nbytes / min(bw for bw, _ in links) + sum(lat for _, lat in links)
+    return BroadcastPrediction(gather + bcast, gather, bcast, count)

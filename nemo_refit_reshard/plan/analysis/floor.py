@@ -1,0 +1,171 @@
+"""The bandwidth floor: a lower bound on any refit's time in the cluster model, computed
+from the layouts (what is needed where, what is held where), not from a plan."""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from itertools import product
+from typing import Any
+
+from ...layouts.base import Box, RankLayout
+from ..base import DTYPE_BYTES
+from ..cluster import Topology
+from ..result.refit_plan import RefitPlan
+
+
+@dataclass(frozen=True)
+class FloorTerm:
+    key: str  # "a".."d"
+    what: str
+    seconds: float
+    nbytes: int
+    where: str
+
+
+@dataclass(frozen=True)
+class Floor:
+    seconds: float
+    binding: FloorTerm  # the largest term
+    terms: tuple[FloorTerm, ...]  # the largest instance of each of (a)-(d)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seconds": self.seconds,
+            "binding": self.binding.key,
+            "terms": {t.key: vars(t) for t in self.terms},
+        }
+
+
+def _classes(layouts: list[RankLayout], offset: int) -> dict[int, tuple[RankLayout, list[int]]]:
+    """Replica class (lowest replica) -> (one layout of it, its refit-group ranks)."""
+    out: dict[int, tuple[RankLayout, list[int]]] = {}
+    for lay in layouts:
+        key = min(lay.replicas)
+        out.setdefault(key, (lay, []))[1].append(offset + lay.rank)
+    return out
+
+
+def _cells(box: Box, cuts: list[list[int]]) -> Iterable[tuple[int, ...]]:
+    """Indices of the grid cells (between consecutive ``cuts`` per dim) inside ``box``."""
+    return product(
+        *(
+            range(bisect_left(c, o), bisect_left(c, o + s))
+            for c, o, s in zip(cuts, box.offsets, box.sizes)
+        )
+    )
+
+
+def bandwidth_floor(
+    plan: RefitPlan,
+    sources: list[RankLayout],
+    destinations: list[RankLayout],
+    topology: Topology,
+) -> Floor:
+    """A lower bound on any refit's time in this link model: the largest of
+
+    (a) per inference node n: ``|N_n \\ H_n| / (k_n * nic)`` — the bytes of distinct
+        elements its GPUs need and no training GPU on n holds must enter through the
+        NICs of its ``k_n`` refit-group GPUs;
+    (b) per inference GPU: ``|N_g| / (nic + nvlink)`` — its distinct needed bytes enter
+        through its own NIC and NVLink;
+    (c) per training node n: ``|{x held only on n, needed on another node}| / (k_n * nic)``;
+    (d) ``|{x needed on a node with no training rank}| / (sum of k_n over training nodes
+        * nic)`` — the training pool's egress.
+
+    ``N`` = needed elements, ``H`` = held elements, sizes in bytes of the destination
+    dtype (the wire dtype); ``k_n`` = refit-group ranks on node n (``gpus_per_node`` for a
+    full node). Latency is ignored. Element sets are unions of canonical boxes, measured
+    on the grid cut by every box boundary of that canonical tensor, never element-wise.
+    """
+    if (plan.num_sources, plan.num_destinations) != (len(sources), len(destinations)):
+        raise ValueError(
+            f"plan is for {plan.num_sources} + {plan.num_destinations} ranks, the layouts "
+            f"are {len(sources)} + {len(destinations)}"
+        )
+    topology.check_ranks(len(sources), len(destinations))
+    cluster, placement = topology.cluster, topology.placement
+    s = len(sources)
+    node_of = placement.node
+    held: dict[str, dict[Box, set[int]]] = defaultdict(lambda: defaultdict(set))
+    for lay, ranks in _classes(sources, 0).values():
+        nodes = {node_of(r) for r in ranks}
+        for p in lay.pieces():
+            held[p.canonical][p.canonical_box] |= nodes
+    needed: dict[str, dict[Box, set[tuple[str, int]]]] = defaultdict(lambda: defaultdict(set))
+    itemsize: dict[str, int] = {}
+    inference_classes = _classes(destinations, s)
+    for cls, (lay, ranks) in inference_classes.items():
+        labels = {("n", node_of(r)) for r in ranks} | {("c", cls)}
+        for t in lay.tensors:
+            size = DTYPE_BYTES[t.dtype]
+            for p in t.pieces:
+                needed[p.canonical][p.canonical_box] |= labels
+                itemsize[p.canonical] = min(size, itemsize.get(p.canonical, size))
+    train_nodes = set(placement.training_nodes)
+    a: dict[int, int] = defaultdict(int)
+    b: dict[int, int] = defaultdict(int)
+    c: dict[int, int] = defaultdict(int)
+    d = 0
+    for name, need_boxes in needed.items():
+        hold_boxes = held.get(name, {})
+        bounds = [set() for _ in next(iter(need_boxes)).offsets]
+        for box in (*need_boxes, *hold_boxes):
+            for dim, (o, sz) in enumerate(zip(box.offsets, box.sizes)):
+                bounds[dim].update((o, o + sz))
+        cuts = [sorted(x) for x in bounds]
+        cell_need: dict[tuple[int, ...], set[tuple[str, int]]] = defaultdict(set)
+        for box, labels in need_boxes.items():
+            for cell in _cells(box, cuts):
+                cell_need[cell] |= labels
+        cell_held: dict[tuple[int, ...], set[int]] = defaultdict(set)
+        for box, nodes in hold_boxes.items():
+            for cell in _cells(box, cuts):
+                if cell in cell_need:
+                    cell_held[cell] |= nodes
+        for cell, labels in cell_need.items():
+            nbytes = itemsize[name]
+            for dim, i in enumerate(cell):
+                nbytes *= cuts[dim][i + 1] - cuts[dim][i]
+            holders = cell_held.get(cell, set())
+            need_nodes = {v for k, v in labels if k == "n"}
+            for n in need_nodes - holders:
+                a[n] += nbytes
+            for k, v in labels:
+                if k == "c":
+                    b[v] += nbytes
+            if len(holders) == 1 and need_nodes - holders:
+                c[next(iter(holders))] += nbytes
+            if need_nodes - train_nodes:
+                d += nbytes
+    k = placement.node_sizes()
+    nic, nvlink = cluster.nic_bytes_per_s, cluster.nvlink_bytes_per_s
+    terms = [
+        _largest(
+            "a", "inference node ingress", {f"node {n}": (v, k[n] * nic) for n, v in a.items()}
+        ),
+        _largest(
+            "b",
+            "inference GPU ingress",
+            {f"rank {inference_classes[x][1][0]}": (v, nic + nvlink) for x, v in b.items()},
+        ),
+        _largest("c", "training node egress", {f"node {n}": (v, k[n] * nic) for n, v in c.items()}),
+        _largest(
+            "d",
+            "training pool egress",
+            {"training pool": (d, sum(k[n] for n in train_nodes) * nic)} if d else {},
+        ),
+    ]
+    binding = max(terms, key=lambda t: t.seconds)  # first of equals: a, b, c, d
+    return Floor(binding.seconds, binding, tuple(terms))
+
+
+def _largest(key: str, what: str, items: dict[str, tuple[int, float]]) -> FloorTerm:
+    """The item with the most seconds (bytes / rate); ties: "node 2" before "node 10"."""
+    best = FloorTerm(key, what, 0.0, 0, "-")
+    for where, (nbytes, rate) in sorted(items.items(), key=lambda kv: (len(kv[0]), kv[0])):
+        if nbytes / rate > best.seconds:
+            best = FloorTerm(key, what, nbytes / rate, nbytes, where)
+    return best

@@ -1,0 +1,254 @@
+"""Pass 3, senders: which training rank sends each needed box (replica choice).
+
+Greedy longest-processing-time assignment: needs in decreasing size go to the holder
+whose load stays lowest. Without a topology the load is bytes per sender; with one it
+is the predicted busy time of the sender's link (bytes x seconds per byte, per
+(sender, link)), so holders on the receiver's node (NVLink) are preferred and NIC load
+is spread. A sender is charged once per receiver a stored transfer reaches
+(``FanOut.members``). A need larger than the ideal per-sender share ``total / senders``
+is first cut along its outermost non-unit dimension into up to ``len(holders)`` parts,
+so replicas share one large tensor instead of one replica carrying it whole. Ties break
+on rank, so the result is deterministic. Transfers between the same pair of local
+tensors whose boxes continue each other are then merged (:func:`coalesce`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from itertools import compress
+from operator import eq, itemgetter
+
+from ..layouts.base import Box, map_sub_box
+from .base import DTYPE_BYTES, Transfer, new_transfer, split_box
+from .cluster import LinkModel
+from .config import PlanConfig
+from .pass1_needs import Holder, Need, Needs
+from .pass2_fanout import FanOut
+
+
+@dataclass(frozen=True)
+class Senders:
+    """Pass 3's result: one transfer per (need part, chosen sender), merged where boxes
+    continue each other, addressed to the groups' stored receivers."""
+
+    transfers: list[Transfer]
+
+    def load(self, members: Mapping[int, tuple[int, ...]]) -> dict[int, int]:
+        """Bytes each sender sends, counting every receiver a transfer reaches."""
+        out: dict[int, int] = defaultdict(int)
+        for t in self.transfers:
+            out[t.src] += t.nbytes * len(members.get(t.dst, (t.dst,)))
+        return dict(out)
+
+    def __str__(self) -> str:
+        senders = {t.src for t in self.transfers}
+        total = sum(t.nbytes for t in self.transfers)
+        return (
+            f"Senders: {len(self.transfers):,} transfers from {len(senders)} rank(s), "
+            f"{total:,} bytes stored"
+        )
+
+
+def choose_senders(needs: Needs, fanout: FanOut, config: PlanConfig) -> Senders:
+    """Pass 3 (module docstring); topology-aware when ``config.links`` is set."""
+    chosen = assign_senders(fanout.needs, needs.dtype_of, config.links, fanout.members)
+    return Senders(coalesce(chosen))
+
+
+def assign_senders(
+    needs: list[Need],
+    dtype_of: dict[tuple[int, str], str],
+    links: LinkModel | None = None,
+    members: Mapping[int, tuple[int, ...]] | None = None,
+) -> list[Transfer]:
+    """Turn needs into transfers, each with one sender, balancing the senders.
+
+    ``dtype_of[(dst, local tensor)]`` is the destination dtype (the wire dtype).
+    ``members[dst]`` lists the replicas ``dst`` stands for (itself first): the
+    sender sends them the same transfer, so it is charged once per member.
+    Without ``links`` the balancer minimises the largest number of bytes one
+    sender sends. With ``links`` it minimises the largest predicted busy time of
+    a sender's link — bytes × seconds-per-byte, per (sender, link) — so holders
+    on the receiver's node (NVLink) are preferred and NIC load is spread.
+    """
+    members = members or {}
+
+    def copies(dst: int) -> int:
+        return len(members.get(dst, (dst,)))
+
+    busy: dict[tuple[int, str], float] = defaultdict(float)  # (sender, link) -> busy seconds
+    weights: dict[tuple[int, int], list[tuple[tuple[int, str], float]]] = {}
+
+    def weight(rank: int, dst: int) -> list[tuple[tuple[int, str], float]]:
+        """(sender link, cost per byte) of sending one byte to ``dst`` and its replicas."""
+        w = weights.get((rank, dst))
+        if w is None:
+            acc: dict[tuple[int, str], float] = defaultdict(float)
+            for d in members.get(dst, (dst,)):
+                if links is None:
+                    acc[(rank, "")] += 1.0
+                else:
+                    link, seconds_per_byte = links.link(rank, d)
+                    acc[(rank, link)] += seconds_per_byte
+            w = weights[(rank, dst)] = sorted(acc.items())
+        return w
+
+    out: list[Transfer] = []
+
+    def emit(holder: Holder, need: Need, box: Box, nbytes: int) -> None:
+        for k, c in weight(holder.rank, need.dst):
+            busy[k] += nbytes * c
+        src_piece, dst_piece = holder.piece, need.dst_piece
+        out.append(
+            Transfer(
+                holder.rank,
+                need.dst,
+                src_piece.local,
+                src_piece.local_sub_box(box),
+                dst_piece.local,
+                dst_piece.local_sub_box(box),
+                dst_piece.canonical,
+                box,
+                dtype_of[(need.dst, dst_piece.local)],
+            )
+        )
+
+    # Needs with one holder leave no choice: charge them first, so the greedy choice
+    # for the others sees every fixed load (experts held by one EP rank are most of a
+    # DeepSeek-V3 plan).
+    held = list(map(itemgetter(3), needs))  # each need's region
+    senders = {h.rank for region in dict(zip(map(id, held), held)).values() for h in region.holders}
+    ncopies = {dst: len(g) for dst, g in members.items()}
+    total = 0
+    chosen: list[tuple[Need, int]] = []
+    # Needs come in runs of one receiver: what depends on it alone is looked up per run.
+    run_dst = -1
+    itemsizes: dict[str, tuple[str, int]] = {}  # its local tensor -> (dtype, bytes each)
+    run_weights: dict[int, list[tuple[tuple[int, str], float]]] = {}  # sender -> weight
+    copies_of_dst = 1
+    for need in needs:
+        dst, dst_piece, box, region = need
+        if dst != run_dst:
+            run_dst, itemsizes, run_weights = dst, {}, {}
+            copies_of_dst = ncopies.get(dst, 1)
+        local = dst_piece.local
+        sized = itemsizes.get(local)
+        if sized is None:
+            dtype = dtype_of[(dst, local)]
+            sized = itemsizes[local] = (dtype, DTYPE_BYTES[dtype])
+        dtype, itemsize = sized
+        nbytes = box.numel * itemsize
+        total += nbytes * copies_of_dst
+        holders = region.holders
+        if len(holders) > 1:
+            chosen.append((need, nbytes))
+            continue
+        # ``emit`` inlined: this loop runs over every expert slice of the model.
+        rank, src_piece = holders[0].rank, holders[0].piece
+        w = run_weights.get(rank)
+        if w is None:
+            w = run_weights[rank] = weight(rank, dst)
+        for k, c in w:
+            busy[k] += nbytes * c
+        cb = dst_piece.canonical_box
+        out.append(
+            new_transfer(
+                Transfer,
+                (
+                    rank,
+                    dst,
+                    src_piece.local,
+                    map_sub_box(src_piece.canonical_box, src_piece.local_box, box),
+                    local,
+                    dst_piece.local_box if box is cb else map_sub_box(cb, dst_piece.local_box, box),
+                    dst_piece.canonical,
+                    box,
+                    dtype,
+                ),
+            )
+        )
+    share = max(1, total // max(1, len(senders)))
+    items: list[tuple[int, int, Need, Box]] = []
+    for index, (need, nbytes) in enumerate(chosen):
+        wire = nbytes * copies(need.dst)
+        parts = 1
+        if wire > share:
+            parts = min(len(need.region.holders), -(-wire // share))
+        if parts == 1:
+            items.append((nbytes, index, need, need.canonical_box))
+            continue
+        for box in split_box(need.canonical_box, parts):
+            items.append((box.numel * nbytes // max(1, need.numel), index, need, box))
+    # Largest first; index keeps the order total for equal sizes.
+    items.sort(key=lambda it: (-it[0], it[1], it[3].offsets))
+    for nbytes, _, need, box in items:
+        best = None
+        for h in need.region.holders:
+            score = max(busy[k] + nbytes * c for k, c in weight(h.rank, need.dst))
+            if best is None or (score, h.rank) < best[0]:
+                best = ((score, h.rank), h)
+        assert best is not None
+        emit(best[1], need, box, nbytes)
+    return out
+
+
+def coalesce(transfers: list[Transfer]) -> list[Transfer]:
+    """Merge adjacent transfers between the same (src tensor, dst tensor) pair.
+
+    Sorted by (src, dst, src tensor, dst tensor, canonical, dtype), then by source
+    box; where consecutive transfers share that key and their boxes continue each
+    other (:meth:`Box.followed_by`), they become one."""
+    ordered = sorted(transfers, key=_PAIR_KEY)
+    keys = list(map(_PAIR_KEY, ordered))
+    # Most keys are unique (one slice of one expert): find the runs of equal ones in C.
+    starts = list(compress(range(1, len(keys)), map(eq, keys, keys[1:])))
+    if not starts:
+        return ordered
+    out: list[Transfer] = []
+    done = 0
+    i = 0
+    while i < len(starts):
+        lo = starts[i] - 1  # the run starts one before its first repeat
+        hi = starts[i] + 1
+        i += 1
+        while i < len(starts) and starts[i] == hi:
+            hi += 1
+            i += 1
+        out.extend(ordered[done:lo])
+        out.extend(_merge_run(sorted(ordered[lo:hi], key=lambda t: t.src_box.offsets)))
+        done = hi
+    out.extend(ordered[done:])
+    return out
+
+
+# (src, dst, src_tensor, dst_tensor, canonical, dtype): transfers that may merge
+_PAIR_KEY = itemgetter(0, 1, 2, 4, 6, 8)
+
+
+def _merge_run(run: list[Transfer]) -> list[Transfer]:
+    """Transfers of one key in source-box order, merged where each continues the last."""
+    out: list[Transfer] = []
+    current = run[0]
+    for t in run[1:]:
+        src_box = current.src_box.followed_by(t.src_box)
+        dst_box = current.dst_box.followed_by(t.dst_box)
+        canonical_box = current.canonical_box.followed_by(t.canonical_box)
+        if src_box and dst_box and canonical_box:
+            current = Transfer(
+                current.src,
+                current.dst,
+                current.src_tensor,
+                src_box,
+                current.dst_tensor,
+                dst_box,
+                current.canonical,
+                canonical_box,
+                current.dtype,
+            )
+        else:
+            out.append(current)
+            current = t
+    out.append(current)
+    return out

@@ -1,0 +1,134 @@
+"""Pass 7, assembly: the plan object and its stats from the passes' results.
+
+Bytes per rank are counted over every delivery (replica members, relay runs, carried
+legs, ``result/expand.py``); ``min_bytes`` is what the destinations store (the floor any
+refit must move); ``baseline_bytes`` what the gather-broadcast baseline would move.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from operator import attrgetter, itemgetter
+
+from ..layouts.base import RankLayout
+from ..spec.model import ModelSpec
+from .base import DTYPE_BYTES
+from .config import PlanConfig
+from .pass1_needs import Needs
+from .pass4_routes import Routes
+from .pass6_messages import Messages
+from .relay_choice import RelayChoice
+from .result.expand import Expansion
+from .result.refit_plan import PlanStats, RefitPlan
+
+_SRC_TENSOR = itemgetter(2)  # a transfer's source tensor
+_CANONICAL, _NUMEL = attrgetter("canonical"), attrgetter("canonical_box.numel")  # a piece's
+
+
+def assemble_plan(
+    spec: ModelSpec,
+    sources: list[RankLayout],
+    destinations: list[RankLayout],
+    config: PlanConfig,
+    needs: Needs,
+    routes: Routes,
+    messages: Messages,
+    choice: RelayChoice | None,
+) -> RefitPlan:
+    """Pass 7 (module docstring)."""
+    bucket_bytes = config.bucket_bytes
+    s = len(sources)
+    chains = routes.chains
+    groups = needs.groups
+    receivers = [g for g in routes.members.values() if len(g) > 1]
+    expansion = Expansion(messages.rounds, receivers, chains)
+    sent = [0] * (s + len(destinations))
+    received = [0] * (s + len(destinations))
+    used_src: list[set[str]] = [set() for _ in sources]
+    pairs: set[tuple[int, int, int]] = set()  # one message per (round, sender, receiver)
+    num_transfers = 0
+    for msgs in messages.rounds:
+        for m in msgs:
+            if m.src < s:
+                used_src[m.src].update(map(_SRC_TENSOR, m.transfers))
+            for key in expansion.deliveries(m):
+                whole = not key[3] and key[2] == m.dst  # else only its shared part
+                content = m if whole or m.shared is None else m.shared
+                sent[key[1]] += content.nbytes
+                received[key[2]] += content.nbytes
+                num_transfers += len(content.transfers)
+                pairs.add(key[:3])
+    min_bytes = sum(
+        len(g) * sum(map(_NUMEL, t.pieces)) * DTYPE_BYTES[t.dtype]
+        for g in groups
+        for t in destinations[g[0] - s].tensors
+    )
+    stats = PlanStats(
+        bytes_sent=tuple(sent),
+        bytes_received=tuple(received),
+        total_bytes=sum(sent),
+        min_bytes=min_bytes,
+        baseline_bytes=baseline_bytes(spec, sources, destinations, groups),
+        num_transfers=num_transfers,
+        num_messages=len(pairs),
+        num_rounds=expansion.num_rounds,
+    )
+    plan = RefitPlan(
+        model=spec.name,
+        num_sources=len(sources),
+        num_destinations=len(destinations),
+        bucket_bytes=bucket_bytes,
+        source_tensors=tuple(
+            {t.name: (t.shape, t.dtype) for t in lay.tensors if t.name in used_src[lay.rank]}
+            for lay in sources
+        ),
+        destination_tensors=tuple(
+            {t.name: (t.shape, t.dtype) for t in lay.tensors if t.pieces} for lay in destinations
+        ),
+        class_rounds=tuple(tuple(msgs) for msgs in messages.rounds),
+        stats=stats,
+        replica_groups=tuple(sorted(receivers)),
+        relay_chains=tuple(chains),
+        relay_choice=choice,
+    )
+    return plan
+
+
+def baseline_bytes(
+    spec: ModelSpec,
+    sources: list[RankLayout],
+    destinations: list[RankLayout],
+    groups: tuple[tuple[int, ...], ...],
+) -> int:
+    """Bytes of the gather-broadcast baseline (``analysis/baseline.py``): each needed tensor
+    gathered to the source rank holding most of it, then sent whole to every destination
+    that needs any of it, all in the destination dtype."""
+    held: dict[str, dict[int, int]] = {}
+    for layout in sources:
+        for p in layout.pieces():
+            per = held.setdefault(p.canonical, {})
+            per[layout.rank] = per.get(layout.rank, 0) + p.canonical_box.numel
+    itemsize: dict[str, int] = {}
+    s = len(sources)
+    # per group size, how many groups read each tensor (counted in C: a layout has a
+    # piece per expert slice)
+    groups_reading: dict[int, Counter[str]] = defaultdict(Counter)
+    for g in groups:
+        layout = destinations[g[0] - s]
+        names: set[str] = set()
+        for t in layout.tensors:
+            sized = dict.fromkeys(map(_CANONICAL, t.pieces), DTYPE_BYTES[t.dtype])
+            names.update(sized)
+            itemsize.update(sized)
+        groups_reading[len(g)].update(names)
+    readers: dict[str, int] = defaultdict(int)
+    for size, counts in groups_reading.items():
+        for name, count in counts.items():
+            readers[name] += size * count
+    total = 0
+    for name, count in readers.items():
+        t = spec.tensor(name)
+        root_share = max(held.get(name, {0: 0}).values())
+        gather = (t.numel - root_share) * itemsize[name]
+        total += gather + t.numel * itemsize[name] * count
+    return total
