@@ -14,7 +14,7 @@ import torch
 
 from ..layouts.base import Box
 from ..plan import BroadcastPlan, BroadcastStep
-from .program import TORCH_DTYPES, CopyPhase, _align, _view
+from .program import TORCH_DTYPES, CopyPhase, align_up, byte_view
 from .transport import Transport
 
 
@@ -25,7 +25,7 @@ class _Spans:
         self.size = 0
 
     def take(self, nbytes: int) -> int:
-        start = _align(self.size)
+        start = align_up(self.size)
         self.size = start + nbytes
         return start
 
@@ -60,7 +60,7 @@ class BroadcastProgram:
         full = self._alloc(full_spans.size)
 
         def full_view(st: BroadcastStep) -> torch.Tensor:
-            return _view(full, full_off[st.canonical], st.nbytes, st.dtype, st.shape)
+            return byte_view(full, full_off[st.canonical], st.nbytes, st.dtype, st.shape)
 
         # Phase 1: gather to the roots.
         gather = CopyPhase()
@@ -103,7 +103,7 @@ class BroadcastProgram:
         for root, start, end in ranges:
             bcast.recvs.append((root, buf[start:end]))
         for off, st, pieces in recv_views:
-            whole = _view(buf, off, st.nbytes, st.dtype, st.shape)
+            whole = byte_view(buf, off, st.nbytes, st.dtype, st.shape)
             for name, local_box, cbox in pieces:
                 dst_view = t[name][local_box.slices()]
                 # .view (never .reshape): a copy made here would freeze the data at compile time
@@ -124,7 +124,7 @@ class BroadcastProgram:
         for peer, start, end in ranges:
             phase.sends.append((peer, buf[start:end]))
         for off, nbytes, dtype, live in items:
-            phase.copies_out.append((_view(buf, off, nbytes, dtype, tuple(live.shape)), live))
+            phase.copies_out.append((byte_view(buf, off, nbytes, dtype, tuple(live.shape)), live))
 
     def _unpack(self, phase: CopyPhase, by_peer: dict, target) -> None:
         """Receive one message per peer and copy each item into its target view."""
@@ -140,7 +140,7 @@ class BroadcastProgram:
         for peer, start, end in ranges:
             phase.recvs.append((peer, buf[start:end]))
         for off, nbytes, dtype, live in items:
-            phase.copies_in.append((live, _view(buf, off, nbytes, dtype, tuple(live.shape))))
+            phase.copies_in.append((live, byte_view(buf, off, nbytes, dtype, tuple(live.shape))))
 
     def replay(self, transport: Transport) -> None:
         with torch.no_grad():

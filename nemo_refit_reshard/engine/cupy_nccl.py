@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .rendezvous import refit_store
-from .transport import DEFAULT_TIMEOUT_S, TransportError, _first_line
+from .transport import DEFAULT_TIMEOUT_S, TransportError, first_line
 
 
 def cupy_available() -> bool:
@@ -94,7 +94,7 @@ class CupyNcclTransport:
                 self.comm = nccl.NcclCommunicator(world_size, uid, rank)
             except Exception as err:  # noqa: BLE001 - NCCL errors have several types
                 raise TransportError(
-                    f"refit rank {rank}: NCCL init failed ({_first_line(err)})"
+                    f"refit rank {rank}: NCCL init failed ({first_line(err)})"
                 ) from err
 
     def start_exchange(
@@ -116,7 +116,7 @@ class CupyNcclTransport:
             nccl.groupEnd()
         except Exception as err:  # noqa: BLE001
             raise TransportError(
-                f"refit rank {self.rank}: NCCL launch failed ({_first_line(err)})"
+                f"refit rank {self.rank}: NCCL launch failed ({first_line(err)})"
             ) from err
         done = torch.cuda.Event()
         done.record(self._torch_stream)

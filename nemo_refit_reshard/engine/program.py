@@ -114,11 +114,13 @@ def _touched(entries, outgoing: bool) -> set[str]:
     }
 
 
-def _align(offset: int) -> int:
+def align_up(offset: int) -> int:
+    """``offset`` rounded up to the staging alignment (``ALIGN`` bytes)."""
     return -(-offset // ALIGN) * ALIGN
 
 
-def _view(buf: torch.Tensor, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]):
+def byte_view(buf: torch.Tensor, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]):
+    """``nbytes`` of a byte buffer from ``offset``, seen as a ``dtype`` tensor of ``shape``."""
     return buf[offset : offset + nbytes].view(TORCH_DTYPES[dtype]).view(shape)
 
 
@@ -208,7 +210,7 @@ class RankProgram:
                         )
                 else:
                     half, end = arriving.setdefault("@end", (m.round % 2, 0))
-                    at = (half, _align(end))
+                    at = (half, align_up(end))
                     arriving[(name, box)] = at
                     arriving["@end"] = (half, at[1] + t.nbytes)
                 runs.append(_Run(name, box, t.dtype, off, t.nbytes, at))
@@ -243,16 +245,16 @@ class RankProgram:
                     start, end = shared[key]
                     entries.append((True, m.dst, start, end, []))
                     continue
-                runs, end = self._runs(m, True, _align(send_end), self._carried, arriving, who)
-                shared[key] = (_align(send_end), end)
-                entries.append((True, m.dst, _align(send_end), end, runs))
+                runs, end = self._runs(m, True, align_up(send_end), self._carried, arriving, who)
+                shared[key] = (align_up(send_end), end)
+                entries.append((True, m.dst, align_up(send_end), end, runs))
                 send_end = end
             else:
-                runs, end = self._runs(m, False, _align(recv_end), self._carried, arriving, who)
-                entries.append((False, m.src, _align(recv_end), end, runs))
+                runs, end = self._runs(m, False, align_up(recv_end), self._carried, arriving, who)
+                entries.append((False, m.src, align_up(recv_end), end, runs))
                 recv_end = end
         if "@end" in arriving:
-            self._relay_size = max(self._relay_size, _align(arriving.pop("@end")[1]))
+            self._relay_size = max(self._relay_size, align_up(arriving.pop("@end")[1]))
         self._carried = arriving
         return entries, send_end, recv_end
 
@@ -266,8 +268,8 @@ class RankProgram:
                 else:
                     half, at = r.relay
                     base = half * self._relay_size + at
-                    live = _view(self.relay_buffer, base, r.nbytes, r.dtype, tuple(r.box.sizes))
-                staged = _view(buf, r.offset, r.nbytes, r.dtype, tuple(r.box.sizes))
+                    live = byte_view(self.relay_buffer, base, r.nbytes, r.dtype, tuple(r.box.sizes))
+                staged = byte_view(buf, r.offset, r.nbytes, r.dtype, tuple(r.box.sizes))
                 if outgoing:
                     phase.copies_out.append((staged, live))
                 else:

@@ -75,7 +75,7 @@ def _wait_all(works: list[tuple[str, int, object]], timeout_s: float, rank: int)
         except RuntimeError as err:
             what = "timed out" if "timed out" in str(err).lower() else "failed"
             raise TransportError(
-                f"refit rank {rank}: {kind} with rank {peer} {what} ({_first_line(err)}); "
+                f"refit rank {rank}: {kind} with rank {peer} {what} ({first_line(err)}); "
                 f"the peer process has died or stopped responding (timeout {timeout_s}s)"
             ) from err
         if ok is False:
@@ -94,7 +94,8 @@ class _PendingWorks:
         _wait_all(self.works, self.timeout_s, self.rank)
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message (its type's name if it has none)."""
     text = str(err).strip().splitlines()
     return text[0] if text else type(err).__name__
 
@@ -120,7 +121,7 @@ class _ProcessGroupTransport:
             for peer, buf in sends:
                 works.append(("send", peer, self._send(buf, peer)))
         except RuntimeError as err:
-            raise TransportError(f"refit rank {self.rank}: {_first_line(err)}") from err
+            raise TransportError(f"refit rank {self.rank}: {first_line(err)}") from err
         return _PendingWorks(works, self.timeout_s, self.rank)
 
     def exchange(
@@ -196,7 +197,7 @@ class GlooTransport(_ProcessGroupTransport):
         except RuntimeError as err:
             raise TransportError(
                 f"refit rank {rank} could not join the gloo group at {host}:{port} within "
-                f"{connect_s}s ({_first_line(err)})"
+                f"{connect_s}s ({first_line(err)})"
             ) from err
         super().__init__(pg, rank, world_size, timeout_s)
 
