@@ -13,7 +13,7 @@ Every row is one ``plan_refit`` over every rank of both sides, in a fresh proces
 one core (``taskset``), this code and the baseline one after the other; with
 ``--paired`` both at the same time, on cores ``cpu`` and ``cpu + 1``, so a drift of the
 machine's speed hits both alike (each then shares the machine with the other). With a cluster
-this code plans with ``relay="auto"`` (it picks the relay mode, ``plan/choice.py``)
+this code plans with ``relay="auto"`` (it picks the relay mode, ``plan/relay_choice.py``)
 and the baseline with ``relay="domain"``, the best mode it could build at this scale;
 without one both plan with ``relay="none"``. Reported: seconds (wall and CPU), the
 relay used, the predicted refit time on the cluster model, rounds, peak memory, and the

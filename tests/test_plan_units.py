@@ -334,7 +334,7 @@ def test_domain_relay_one_copy_per_nvlink_domain_then_chains() -> None:
     verify_plan(plan, src, dst)  # exact once, and nothing forwarded before it arrived
     per_replica = plan.stats.min_bytes // 4
     # training ranks send two copies (one per node), not four (besides what one of them
-    # hands the other to even out their NIC time: carried, ``plan/carry.py``)
+    # hands the other to even out their NIC time: carried, ``plan/pass4_routes/carry.py``)
     into_inference = sum(m.nbytes for r in plan.rounds for m in r if m.src < 2 <= m.dst)
     assert into_inference == 2 * per_replica
     # each node's two GPUs forward to each other what entered through them: together

@@ -1,4 +1,4 @@
-"""Compiled replay of the gather-broadcast baseline (``plan/baseline.py``).
+"""Compiled replay of the gather-broadcast baseline (``plan/analysis/baseline.py``).
 
 Same discipline as the reshard engine — views bound once, one batched exchange
 per phase, one message per peer pair per phase — so timing differences come

@@ -20,9 +20,9 @@ element the plan forgot still counts on the receiving side). The two agree iff
   or two canonical tensors of one fused destination tensor (q and k inside
   ``qkv_proj``), changes the sum.
 
-Carried transfers (``plan/carry.py``): the first sender checksums what it hands to the
-carrying rank under a relay key (that rank, the relay buffer name and box); the
-carrying rank adds nothing, and :func:`relay_routes` (from the plan) sends each relay
+Carried transfers (``plan/pass4_routes/carry.py``): the first sender checksums what it
+hands to the carrying rank under a relay key (that rank, the relay buffer name and box);
+the carrying rank adds nothing, and :func:`relay_routes` (from the plan) sends each relay
 key's sum on to every (rank, tensor) that receives those bytes from the relay buffer.
 """
 

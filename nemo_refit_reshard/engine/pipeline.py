@@ -14,9 +14,10 @@ uses set ``k mod 2``), the host issues::
 
 One exchange is in flight at a time, so messages between two ranks never overtake each
 other and a transport needs no tags. A round whose pack reads what the previous round's
-unpack writes — bytes carried in the relay buffer (``plan/carry.py``) or relayed on from
-the rank's own tensors along an inference chain (``plan/relay.py``) — waits for that
-unpack: ``wait(k); unpack(k); pack(k+1); start(k+1)``.
+unpack writes — bytes carried in the relay buffer (``plan/pass4_routes/carry.py``) or
+relayed on from the rank's own tensors along an inference chain
+(``plan/pass4_routes/chain.py``) — waits for that unpack:
+``wait(k); unpack(k); pack(k+1); start(k+1)``.
 
 Staging memory is two sets instead of one: at most ``2 x bucket`` per direction (the
 planner keeps what a rank sends, and what it receives, in one round within the bucket;

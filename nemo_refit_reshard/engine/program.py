@@ -13,9 +13,9 @@ sized to the largest round and reused. With ``overlap`` there are two such
 sets, alternating by round, so the next round is packed while this one is on
 the wire (``engine/pipeline.py``).
 
-Relay buffer (``plan/carry.py``): bytes a rank carries for another one arrive in
-round ``r`` into one half of a relay buffer and leave from it in round ``r + 1``;
-the halves alternate, each sized to the largest round's carried bytes.
+Relay buffer (``plan/pass4_routes/carry.py``): bytes a rank carries for another one
+arrive in round ``r`` into one half of a relay buffer and leave from it in round
+``r + 1``; the halves alternate, each sized to the largest round's carried bytes.
 """
 
 from __future__ import annotations
