@@ -4,6 +4,8 @@
     python benchmarks/plan_speed.py --baseline /tmp/base [--cpu 0] [--quick]
                                     [--paired [--swap]] [--cluster none|H100|GB200 ...]
     python benchmarks/plan_speed.py --baseline CHECKOUT --mid [...]
+    python benchmarks/plan_speed.py --baseline CHECKOUT --quick --paired \
+        --cluster H100 --cluster GB200 --baseline-relay auto   # a move, same plans
 
 ``--mid``: instead, MoE models at 16 + 16 GPUs, where ``relay="auto"`` also schedules the
 relay chain (it is a candidate below 2 million transfers), both codes with ``"auto"``
@@ -53,8 +55,15 @@ import dataclasses, json, os, resource, sys, time
 import nemo_refit_reshard
 from nemo_refit_reshard.layouts import MegatronOptions, megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import plan_refit
-from nemo_refit_reshard.plan import predict_refit
-from nemo_refit_reshard.plan import Cluster, Placement, Topology
+try:  # since the plan/ move: one cluster model, predictions take the Topology
+    from nemo_refit_reshard.plan import Cluster, Placement, Topology, predict_refit
+    def predicted(plan, links):
+        return predict_refit(plan, links).seconds
+except ImportError:  # before it: plan/topology.py, predict_refit(plan, cluster, placement)
+    from nemo_refit_reshard.plan.predict import predict_refit
+    from nemo_refit_reshard.plan.topology import Cluster, Placement, Topology
+    def predicted(plan, links):
+        return predict_refit(plan, links.cluster, links.placement).seconds
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, load_model_spec
 
 model, train, infer, cluster_text, relay, stages = sys.argv[1:7]
@@ -91,7 +100,7 @@ print(json.dumps({
     "cpu": cpu,
     "loop": loop,
     "relay": choice.chosen if choice is not None else relay,
-    "predicted": predict_refit(plan, Topology(cluster, placement)).seconds if cluster else None,
+    "predicted": predicted(plan, links) if cluster else None,
     "rounds": plan.num_rounds,
     "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
 }))
@@ -142,6 +151,11 @@ def main() -> int:
     parser.add_argument(
         "--mid", action="store_true", help="the 16 + 16 GPU MoE rows, relay auto on both codes"
     )
+    parser.add_argument(
+        "--baseline-relay",
+        default=None,
+        help='the baseline\'s relay mode with a cluster (default "domain", with --mid "auto")',
+    )
     args = parser.parse_args()
     print(
         "| model | training → inference | cluster | code | relay | plan (wall) | plan (CPU) "
@@ -153,7 +167,7 @@ def main() -> int:
         for name, cluster in CLUSTERS.items():
             if args.cluster and name not in args.cluster or args.mid and not cluster:
                 continue
-            base_relay = "auto" if args.mid else "domain"
+            base_relay = args.baseline_relay or ("auto" if args.mid else "domain")
             codes = (
                 ("this", ROOT, "auto" if cluster else "none"),
                 ("baseline", os.path.abspath(args.baseline), base_relay if cluster else "none"),
