@@ -22,7 +22,7 @@ import time
 import torch
 
 from nemo_refit_reshard.engine.program import TORCH_DTYPES
-from nemo_refit_reshard.integrations.full_tensors import _replicated
+from nemo_refit_reshard.integrations.checkpoint_engine import replicated_layout
 from nemo_refit_reshard.layouts import MegatronOptions, VllmOptions, megatron_layout, vllm_layouts
 from nemo_refit_reshard.layouts.base import RankLayout
 from nemo_refit_reshard.plan import plan_refit
@@ -71,7 +71,9 @@ def main() -> None:
         gather = sum(model_bytes - held_bytes(spec, s) for s in sources)
         full = plan_refit(spec, sources, destinations)
         floor = full.stats.min_bytes
-        replicated = [_replicated(spec, train.world_size, r, None) for r in range(train.world_size)]
+        replicated = [
+            replicated_layout(spec, train.world_size, r, None) for r in range(train.world_size)
+        ]
         dropin = plan_refit(spec, replicated, destinations)
         broadcast = model_bytes * infer.world_size
         rows = [

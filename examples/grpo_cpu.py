@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from nemo_refit_reshard.integrations.grpo.config import GrpoRunConfig
-from nemo_refit_reshard.integrations.grpo.driver import run_grpo
-from nemo_refit_reshard.integrations.grpo.report import (
+from nemo_refit_reshard.grpo_cpu.config import GrpoRunConfig
+from nemo_refit_reshard.grpo_cpu.driver import run_grpo
+from nemo_refit_reshard.grpo_cpu.report import (
     pop_plot_flag,
     require_matplotlib,
     summary,

@@ -3,7 +3,7 @@
 Used by ``test_megatron_truth.py`` inside spawned worker processes only:
 :func:`apply_cpu_patches` rewrites a few ``torch.cuda`` entry points globally, so it
 must never run in the pytest process itself. The patches and the model builder live in
-``nemo_refit_reshard.integrations.grpo.megatron_cpu`` (the GRPO trainer uses them);
+``nemo_refit_reshard.integrations.megatron.cpu`` (the GRPO trainer uses them);
 this module adapts them to HF config dicts and adds MoE.
 
 Also holds the test's *independent* statement of Megatron's global (sharded-key)
@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nemo_refit_reshard.integrations.grpo import megatron_cpu as prod
-from nemo_refit_reshard.integrations.grpo.megatron_cpu import (  # noqa: F401 (re-exported)
+from nemo_refit_reshard.integrations.megatron import cpu as prod
+from nemo_refit_reshard.integrations.megatron.cpu import (  # noqa: F401 (re-exported)
     apply_cpu_patches,
     causal_mask,
 )

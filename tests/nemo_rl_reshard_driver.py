@@ -39,8 +39,8 @@ class MegatronPolicyProcess:
         _cpu_stand_ins()
         import torch.distributed as dist
 
-        from nemo_refit_reshard.integrations.grpo import megatron_cpu
-        from nemo_refit_reshard.integrations.grpo.trainer import GrpoConfig, MegatronPolicyTrainer
+        from nemo_refit_reshard.grpo_cpu.trainer import GrpoConfig, MegatronPolicyTrainer
+        from nemo_refit_reshard.integrations.megatron import cpu as megatron_cpu
         from nemo_refit_reshard.spec import TrainParallel, spec_from_hf_config
 
         megatron_cpu.apply_cpu_patches()
@@ -73,7 +73,7 @@ class MegatronPolicyProcess:
         """The training step's result: new weights in the live parameters, in place."""
         from safetensors.torch import load_file
 
-        from nemo_refit_reshard.integrations.grpo.trainer import load_canonical
+        from nemo_refit_reshard.grpo_cpu.trainer import load_canonical
 
         params = dict(self.trainer.model.named_parameters())
         load_canonical(params, self.trainer.layout, load_file(checkpoint))

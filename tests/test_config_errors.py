@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_refit_reshard.integrations.grpo.report import require_matplotlib
+from nemo_refit_reshard.grpo_cpu.report import require_matplotlib
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_cpu.py"
 

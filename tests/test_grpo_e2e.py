@@ -21,10 +21,11 @@ from typing import Any
 import pytest
 import torch
 
-from nemo_refit_reshard.integrations.grpo.cluster import GrpoActorError, RefitVerifyError
-from nemo_refit_reshard.integrations.grpo.config import GrpoRunConfig, RefitSettings
-from nemo_refit_reshard.integrations.grpo.driver import RefitEvent, StepReport, run_grpo
-from nemo_refit_reshard.integrations.grpo.trainer import GrpoConfig
+from nemo_refit_reshard.grpo_cpu.cluster import GrpoActorError, RefitVerifyError
+from nemo_refit_reshard.grpo_cpu.config import GrpoRunConfig, RefitSettings
+from nemo_refit_reshard.grpo_cpu.driver import RefitEvent, run_grpo
+from nemo_refit_reshard.grpo_cpu.report import StepReport
+from nemo_refit_reshard.grpo_cpu.trainer import GrpoConfig
 from nemo_refit_reshard.spec.parallel import InferParallel, TrainParallel
 
 pytestmark = pytest.mark.slow
@@ -93,7 +94,7 @@ def test_refit_makes_generator_equal_trainer(backend: str) -> None:
 
 
 def _broadcast_bytes(cfg: GrpoRunConfig) -> int:
-    from nemo_refit_reshard.integrations.grpo.plans import build_layouts
+    from nemo_refit_reshard.grpo_cpu.plans import build_layouts
     from nemo_refit_reshard.plan import plan_broadcast
 
     spec, sources, destinations = build_layouts(cfg.policy, cfg.train, cfg.infer, "float32")

@@ -23,7 +23,7 @@ from hf_models import unit_scale_weights
 from torch import Tensor
 from vllm_reference import canonical_state_dict, materialize
 
-from nemo_refit_reshard.integrations.grpo.generator import ForwardConfig, VllmLayoutGenerator
+from nemo_refit_reshard.grpo_cpu.generator import ForwardConfig, VllmLayoutGenerator
 from nemo_refit_reshard.integrations.spawn import _free_port
 from nemo_refit_reshard.layouts import VllmOptions, vllm_layout
 from nemo_refit_reshard.spec import InferParallel, ModelSpec, load_model_spec, spec_from_hf_config

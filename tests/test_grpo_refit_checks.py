@@ -19,16 +19,16 @@ from nemo_refit_reshard.engine.materialize import (
     canonical_from_ranks,
     materialize,
 )
-from nemo_refit_reshard.integrations.grpo.config import GrpoRunConfig
-from nemo_refit_reshard.integrations.grpo.plans import (
+from nemo_refit_reshard.grpo_cpu.config import GrpoRunConfig
+from nemo_refit_reshard.grpo_cpu.plans import (
     broadcast_plan_from_json,
     broadcast_plan_to_json,
     broadcast_without_canonical,
     build_layouts,
     without_canonical,
 )
-from nemo_refit_reshard.integrations.grpo.report import pop_plot_flag
-from nemo_refit_reshard.integrations.grpo.task import policy_config
+from nemo_refit_reshard.grpo_cpu.report import pop_plot_flag
+from nemo_refit_reshard.grpo_cpu.task import policy_config
 from nemo_refit_reshard.layouts.base import Box
 from nemo_refit_reshard.plan import RankPlan, plan_broadcast, plan_refit, rank_plan
 from nemo_refit_reshard.spec.parallel import InferParallel, TrainParallel

@@ -30,15 +30,15 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from nemo_refit_reshard.integrations.grpo.loss import group_advantages, grpo_loss, k3_kl
-from nemo_refit_reshard.integrations.grpo.task import (
+from nemo_refit_reshard.grpo_cpu.loss import group_advantages, grpo_loss, k3_kl
+from nemo_refit_reshard.grpo_cpu.task import (
     POLICY_CONFIG,
     VOCAB,
     CharTokenizer,
     StringTask,
     policy_spec,
 )
-from nemo_refit_reshard.integrations.grpo.trainer import GrpoConfig, init_canonical_weights
+from nemo_refit_reshard.grpo_cpu.trainer import GrpoConfig, init_canonical_weights
 from nemo_refit_reshard.layouts import MegatronOptions, megatron_layout, megatron_padded_vocab
 from nemo_refit_reshard.spec.parallel import TrainParallel
 
@@ -169,7 +169,7 @@ def _canonical_from_locals(
 
 def _check_config(par: TrainParallel, payload: dict[str, Any]) -> dict[str, Any]:
     """Build a trainer for ``par`` on this rank; names, logprobs, two train steps."""
-    from nemo_refit_reshard.integrations.grpo.trainer import MegatronPolicyTrainer
+    from nemo_refit_reshard.grpo_cpu.trainer import MegatronPolicyTrainer
 
     trainer = MegatronPolicyTrainer(policy_spec(), par, CHECK_CFG, seed=SEED)
     out: dict[str, Any] = {}
@@ -188,7 +188,7 @@ def _check_config(par: TrainParallel, payload: dict[str, Any]) -> dict[str, Any]
 
 def _learn() -> dict[str, Any]:
     """A short tp=1 GRPO run on the copy task, sampling with the trainer's own forward."""
-    from nemo_refit_reshard.integrations.grpo.trainer import (
+    from nemo_refit_reshard.grpo_cpu.trainer import (
         MegatronPolicyTrainer,
         sample_completions,
     )
@@ -374,9 +374,9 @@ def test_reward_rises_over_short_run(runs) -> None:
 
 
 def test_trainer_refuses_unsupported_parallelism() -> None:
-    from nemo_refit_reshard.integrations.grpo.trainer import _check_supported
+    from nemo_refit_reshard.grpo_cpu.trainer import check_trainer_supported
 
     with pytest.raises(ValueError, match="tp, pp and dp only"):
-        _check_supported(policy_spec(), TrainParallel(pp=2, vpp=2))
+        check_trainer_supported(policy_spec(), TrainParallel(pp=2, vpp=2))
     with pytest.raises(ValueError, match="tp, pp and dp only"):
-        _check_supported(policy_spec(), TrainParallel(cp=2))
+        check_trainer_supported(policy_spec(), TrainParallel(cp=2))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_refit_reshard.integrations.megatron_live import (
+from nemo_refit_reshard.integrations.megatron import (
     match_layout,
     megatron_live_tensors,
     unwrap,

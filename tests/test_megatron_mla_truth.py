@@ -42,7 +42,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from nemo_refit_reshard.integrations.grpo.megatron_cpu import CPU_CONFIG
+from nemo_refit_reshard.integrations.megatron.cpu import CPU_CONFIG
 from nemo_refit_reshard.layouts.megatron import MegatronOptions, megatron_layout
 from nemo_refit_reshard.spec.model import spec_from_hf_config
 from nemo_refit_reshard.spec.parallel import TrainParallel

@@ -196,7 +196,7 @@ def _through_wrappers(chunks: list, params: dict, layout: Any) -> dict[str, Any]
 
     from megatron.core.transformer.module import Float16Module
 
-    from nemo_refit_reshard.integrations.megatron_live import match_layout, megatron_live_tensors
+    from nemo_refit_reshard.integrations.megatron import match_layout, megatron_live_tensors
     from nemo_refit_reshard.integrations.nemo_rl.policy_worker import ReshardPolicyWorkerMixin
     from nemo_refit_reshard.plan import PlanError
 

@@ -111,7 +111,7 @@ print(json.dumps(checkpoint_engine_refit_config(cfg["policy"]["generation"])))
     out = subprocess.run([python, "-c", probe], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     engine_cfg = json.loads(out.stdout.strip().splitlines()[-1])
-    from nemo_refit_reshard.integrations.full_tensors import ReshardEngineConfig
+    from nemo_refit_reshard.integrations.checkpoint_engine import ReshardEngineConfig
 
     key = "nemo_refit_reshard.integrations.nemo_rl:ReshardCheckpointEngine"
     assert engine_cfg["backend"] == key

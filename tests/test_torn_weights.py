@@ -22,8 +22,12 @@ from hf_models import TINY_CONFIGS
 from nemo_refit_reshard.engine.materialize import empty_like_layout, materialize, mismatches
 from nemo_refit_reshard.engine.rendezvous import new_secret
 from nemo_refit_reshard.integrations.spawn import _free_port
-from nemo_refit_reshard.integrations.weights import StaleWeightsError, WeightsState
-from nemo_refit_reshard.integrations.worker import RefitEndpoint, RefitWorker
+from nemo_refit_reshard.integrations.worker import (
+    RefitEndpoint,
+    RefitWorker,
+    StaleWeightsError,
+    WeightsState,
+)
 from nemo_refit_reshard.layouts import megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import plan_refit, rank_plan
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
@@ -157,8 +161,8 @@ def test_grpo_generation_actor_refuses_stale_weights() -> None:
     """The GRPO example's generation actor asks before sampling."""
     from types import SimpleNamespace
 
-    from nemo_refit_reshard.integrations.grpo.actors import GenerationActor
-    from nemo_refit_reshard.integrations.grpo.task import policy_config
+    from nemo_refit_reshard.grpo_cpu.actors import GenerationActor
+    from nemo_refit_reshard.grpo_cpu.task import policy_config
 
     actor = GenerationActor()
     actor.setup(policy_config(), 0, 0, "tp=1", "float32", 0, 60.0)

@@ -19,7 +19,7 @@ import vllm_env
 from safetensors.torch import save_file
 from test_vllm_truth import MODELS
 
-from nemo_refit_reshard.integrations.full_tensors import ReshardEngineConfig, plan_full_tensors
+from nemo_refit_reshard.integrations.checkpoint_engine import ReshardEngineConfig, plan_full_tensors
 from nemo_refit_reshard.layouts import vllm_layouts
 from nemo_refit_reshard.spec import InferParallel, spec_from_hf_config
 

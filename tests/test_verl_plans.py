@@ -7,7 +7,7 @@ import torch
 
 from nemo_refit_reshard.engine.materialize import empty_like_layout
 from nemo_refit_reshard.engine.simulate import simulate_plan
-from nemo_refit_reshard.integrations.full_tensors import (
+from nemo_refit_reshard.integrations.checkpoint_engine import (
     ReshardEngineConfig,
     canonical_tensors,
     plan_full_tensors,
@@ -82,7 +82,7 @@ def test_every_rollout_gpu_rebuilds_exactly_its_shard() -> None:
 
 
 def test_engine_model_as_hf_repo_id_says_why_it_failed(monkeypatch: pytest.MonkeyPatch) -> None:
-    from nemo_refit_reshard.integrations.full_tensors import engine_spec
+    from nemo_refit_reshard.integrations.checkpoint_engine import engine_spec
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError) as err:

@@ -18,7 +18,6 @@ exactly those elements.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncGenerator, Generator
 from typing import Any
 
@@ -26,27 +25,19 @@ import torch
 from nemo_rl.utils.checkpoint_engines.base import CheckpointEngine
 
 from ...engine.rendezvous import new_secret
-from ..full_tensor_rank import (
-    FullTensorRank,
+from ..checkpoint_engine import (
+    CheckpointEngineRank,
+    ReshardEngineConfig,
+    cached_plan,
     check_same_settings,
-    free_address,
+    group_address,
     planning_settings,
     worker_metadata,
 )
-from ..full_tensors import FullTensorPlan, ReshardEngineConfig, plan_full_tensors
 from ..worker import RefitEndpoint
 
 ENGINE = "nemo_refit_reshard.integrations.nemo_rl:ReshardCheckpointEngine"
 WHERE = f'policy.generation.refit_cfg["{ENGINE}"]'
-_PLANS: dict[tuple[str, int, int], FullTensorPlan] = {}  # per process: built once
-
-
-def _node_ip() -> str:
-    try:
-        import ray
-    except ImportError:  # no Ray: a local run
-        return "127.0.0.1"
-    return str(ray.util.get_node_ip_address())
 
 
 class ReshardCheckpointEngine(CheckpointEngine):
@@ -57,7 +48,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
     def __init__(
         self, bucket_size: int, release_after_refit: bool = False, **engine_kwargs: Any
     ) -> None:
-        self.rank = FullTensorRank(
+        self.rank = CheckpointEngineRank(
             ReshardEngineConfig.from_engine_kwargs(engine_kwargs, bucket_size, WHERE)
         )
         self.config = self.rank.config
@@ -69,7 +60,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
     def prepare(self) -> dict[str, Any]:
         # Every worker offers an address; policy rank 0's is used (metadata[0]).
         if self.address is None:
-            self.address = free_address(self.config.host or _node_ip())
+            self.address = group_address(self.config.host)
             self.secret = new_secret()
         # NeMo RL's synchronizer hands every worker all workers' metadata; policy rank 0's
         # address and secret are used.
@@ -82,15 +73,13 @@ class ReshardCheckpointEngine(CheckpointEngine):
                 f"{len(metadata)}"
             )
         text = planning_settings(check_same_settings(metadata, WHERE), metadata[train:])
-        key = (text, train, rollout)
-        if key not in _PLANS:
-            _PLANS[key] = plan_full_tensors(ReshardEngineConfig(**json.loads(text)), train, rollout)
+        plan = cached_plan(text, train, rollout)  # per process: built once
         host, port = metadata[0]["address"]
         endpoint = RefitEndpoint(
             host, port, train + rollout, group_rank, self.config.transport, self.config.timeout_s,
             secret=metadata[0]["secret"],
         )  # fmt: skip
-        self.rank.join(endpoint, _PLANS[key].slices[group_rank], text)
+        self.rank.join(endpoint, plan.slices[group_rank], text)
 
     def init_policy_process_group(
         self, *, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list

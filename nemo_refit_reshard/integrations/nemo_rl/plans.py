@@ -15,13 +15,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ...layouts import VllmOptions, megatron_layout, vllm_layouts
-from ...layouts.base import RankLayout
-from ...layouts.megatron_grid import megatron_position
-from ...layouts.megatron_rules import MegatronOptions
+from ...layouts import (
+    MegatronOptions,
+    RankLayout,
+    VllmOptions,
+    megatron_layouts,
+    megatron_position,
+    refit_layouts,
+)
 from ...plan import PlanError, RefitPlan, plan_refit, rank_plan
 from ...spec.parallel import InferParallel, TrainParallel
-from ..full_tensors import engine_spec
+from ..checkpoint_engine import engine_spec
 from .config import RefitConfig, infer_parallel, precision, train_parallel
 
 
@@ -76,10 +80,11 @@ def _same(reports: Sequence[Mapping[str, Any]], key: str, who: str) -> Any:
     return next(iter(values.values()))
 
 
-def megatron_sources(
-    spec: Any, train: TrainParallel, refit: RefitConfig, reports: Sequence[Mapping[str, Any]]
-) -> list[RankLayout]:
-    """Every policy rank's layout, checked against its report."""
+def megatron_options(
+    train: TrainParallel, refit: RefitConfig, reports: Sequence[Mapping[str, Any]]
+) -> MegatronOptions:
+    """The Megatron layout options the policy workers report (they must agree), with the
+    vocabulary padding from the refit block; the reports must be ranks ``0..T-1``."""
     ranks = [int(r["rank"]) for r in reports]
     if ranks != list(range(train.world_size)):
         raise PlanError(
@@ -87,13 +92,22 @@ def megatron_sources(
             f"{train.world_size} ranks 0..{train.world_size - 1}"
         )
     live = _same(reports, "options", "policy workers")
-    opts = MegatronOptions(make_vocab_size_divisible_by=refit.make_vocab_size_divisible_by, **live)
+    return MegatronOptions(make_vocab_size_divisible_by=refit.make_vocab_size_divisible_by, **live)
+
+
+def check_megatron_sources(
+    layouts: Sequence[RankLayout],
+    train: TrainParallel,
+    opts: MegatronOptions,
+    reports: Sequence[Mapping[str, Any]],
+) -> None:
+    """Every policy rank's reported ``parallel_state`` position and live tensors against
+    its planned layout; one :class:`PlanError` listing every disagreement."""
     sizes = {
         "tp": train.tp, "pp": train.pp, "vpp": train.vpp, "cp": train.cp,
         "dp": train.dp, "ep": train.ep, "etp": train.expert_tp,
     }  # fmt: skip
     problems = []
-    layouts = []
     for r, report in enumerate(reports):
         pos = report["position"]
         want = megatron_position(train, r).as_dict()
@@ -103,34 +117,45 @@ def megatron_sources(
             for k, v in sizes.items()
             if pos[f"{k}_size"] != v
         ]
-        if wrong:
+        if wrong:  # a rank elsewhere than planned: its tensors are not comparable
             problems.append(f"rank {r}: " + ", ".join(wrong))
             continue
-        layout = megatron_layout(spec, train, r, opts)
-        problems += [f"rank {r}: {p}" for p in _tensor_problems(layout, report)]
-        layouts.append(layout)
+        problems += [f"rank {r}: {p}" for p in _tensor_problems(layouts[r], report)]
     if problems:
         raise PlanError.listing(
             f"Megatron policy workers do not match the planned layout {train} ({opts})",
             problems,
             "check policy.megatron_cfg (parallel sizes) and refit.make_vocab_size_divisible_by",
         )
+
+
+def megatron_sources(
+    spec: Any, train: TrainParallel, refit: RefitConfig, reports: Sequence[Mapping[str, Any]]
+) -> list[RankLayout]:
+    """Every policy rank's layout, checked against its report."""
+    opts = megatron_options(train, refit, reports)
+    layouts = megatron_layouts(spec, train, opts)
+    check_megatron_sources(layouts, train, opts, reports)
     return layouts
 
 
-def vllm_destinations(
-    spec: Any,
-    infer: InferParallel,
-    dtype: str,
-    engines: Sequence[Sequence[Mapping[str, Any]]],
-) -> list[RankLayout]:
-    """Every vLLM rank's layout, checked against the reports of each engine's workers
-    (``engines[i]``: NeMo RL's engine ``i``, its workers in vLLM's order)."""
+def vllm_options(dtype: str, engines: Sequence[Sequence[Mapping[str, Any]]]) -> VllmOptions:
+    """The vLLM layout options the engines' workers report (they must agree), with the
+    parameter dtype from NeMo RL's config."""
     flat = [w for engine in engines for w in engine]
     version = _same(flat, "vllm_version", "vLLM workers")
     all2all = _same(flat, "all2all_backend", "vLLM workers")
-    opts = VllmOptions(params_dtype=dtype, vllm_version=version, all2all_backend=all2all)
-    layouts = vllm_layouts(spec, infer, opts)
+    return VllmOptions(params_dtype=dtype, vllm_version=version, all2all_backend=all2all)
+
+
+def check_vllm_destinations(
+    layouts: Sequence[RankLayout],
+    infer: InferParallel,
+    opts: VllmOptions,
+    engines: Sequence[Sequence[Mapping[str, Any]]],
+) -> None:
+    """Every vLLM rank's layout against the reports of each engine's workers
+    (``engines[i]``: NeMo RL's engine ``i``, its workers in vLLM's order)."""
     engine_par = str(replace(infer, dp=1))
     size = infer.tp * infer.pp
     problems = []
@@ -146,11 +171,10 @@ def vllm_destinations(
             problems += [f"vLLM rank {d}: {p}" for p in _tensor_problems(layouts[d], w)]
     if problems:
         raise PlanError.listing(
-            f"vLLM {version} engines do not match the planned layout {infer}",
+            f"vLLM {opts.vllm_version} engines do not match the planned layout {infer}",
             problems,
             "check policy.generation.vllm_cfg against the running engines",
         )
-    return layouts
 
 
 def plan_nemo_rl(
@@ -168,9 +192,12 @@ def plan_nemo_rl(
     train = train_parallel(policy, len(reports))
     infer_world = sum(len(e) for e in engine_reports)
     infer = infer_parallel(generation, infer_world)
-    sources = megatron_sources(spec, train, refit, reports)
+    megatron = megatron_options(train, refit, reports)
     dtype = precision(generation.get("vllm_cfg") or {}, "precision", "policy.generation.vllm_cfg")
-    destinations = vllm_destinations(spec, infer, dtype, engine_reports)
+    vllm = vllm_options(dtype, engine_reports)
+    sources, destinations = refit_layouts(spec, train, infer, megatron, vllm)
+    check_megatron_sources(sources, train, megatron, reports)
+    check_vllm_destinations(destinations, infer, vllm, engine_reports)
     plan = plan_refit(spec, sources, destinations, bucket_mb=refit.bucket_mb)
     world = train.world_size + infer.world_size
     slices = tuple(rank_plan(plan, r).to_json() for r in range(world))

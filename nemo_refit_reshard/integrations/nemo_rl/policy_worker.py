@@ -26,31 +26,8 @@ import torch
 
 from ...engine.program import live_tensor_problems
 from ...plan import PlanError, load_plan_json
-from ..megatron_live import live_megatron_options, megatron_live_tensors
+from ..megatron import live_megatron_options, live_megatron_position, megatron_live_tensors
 from ..worker import RefitEndpoint, RefitWorker, describe_tensors
-
-
-def megatron_position() -> dict[str, int]:
-    """This process's coordinates and sizes in Megatron's ``parallel_state`` groups."""
-    from megatron.core import parallel_state as ps
-
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-    return {
-        "tp": ps.get_tensor_model_parallel_rank(),
-        "cp": ps.get_context_parallel_rank(),
-        "dp": ps.get_data_parallel_rank(with_context_parallel=False),
-        "pp": ps.get_pipeline_model_parallel_rank(),
-        "etp": ps.get_expert_tensor_parallel_rank(),
-        "ep": ps.get_expert_model_parallel_rank(),
-        "edp": ps.get_expert_data_parallel_rank(),
-        "tp_size": ps.get_tensor_model_parallel_world_size(),
-        "pp_size": ps.get_pipeline_model_parallel_world_size(),
-        "vpp_size": int(vpp or 1),
-        "cp_size": ps.get_context_parallel_world_size(),
-        "dp_size": ps.get_data_parallel_world_size(with_context_parallel=False),
-        "ep_size": ps.get_expert_model_parallel_world_size(),
-        "etp_size": ps.get_expert_tensor_parallel_world_size(),
-    }
 
 
 @dataclass
@@ -78,7 +55,7 @@ class ReshardPolicyWorkerMixin:
         live = self._reshard_live()
         return {
             "rank": int(self.rank),
-            "position": megatron_position(),
+            "position": live_megatron_position(),
             "options": live_megatron_options(self.model),
             "tensors": describe_tensors(live),
             "parameters": sorted(n for n, t in live.items() if isinstance(t, torch.nn.Parameter)),

@@ -30,17 +30,13 @@ import ray
 from nemo_rl.weight_sync.interfaces import WeightSynchronizer
 
 from ...engine.rendezvous import new_secret
-from ..full_tensor_rank import free_address
+from ..checkpoint_engine import group_address
 from ..vllm import refit_close, refit_describe, refit_join, refit_load_plan, refit_step
 from ..worker import RefitEndpoint
 from .config import RefitConfig
 from .plans import NemoRlPlan, plan_nemo_rl
 
 _TP_PP = ["tensor_parallel", "pipeline_parallel"]
-
-
-def _node_ip() -> str:
-    return str(ray.util.get_node_ip_address()) if ray.is_initialized() else "127.0.0.1"
 
 
 def gather(named: list[tuple[str, ray.ObjectRef]], what: str) -> list[Any]:
@@ -117,7 +113,7 @@ class ReshardWeightSynchronizer(WeightSynchronizer):
         engine_reports = gather(self._vllm_all(refit_describe), "refit_describe")
         self.plan = plan = plan_nemo_rl(self._config, self._refit, policy_reports, engine_reports)
         print(plan, flush=True)
-        host, port = free_address(self._refit.host or _node_ip())
+        host, port = group_address(self._refit.host)
         endpoint = RefitEndpoint(
             host,
             port,

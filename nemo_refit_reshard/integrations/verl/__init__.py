@@ -4,12 +4,17 @@
 nemo_refit_reshard.integrations.verl`` imports this package in veRL's driver, actor
 workers and checkpoint-engine workers; importing it registers the backend
 ``reshard``. Without veRL installed only the framework-neutral planning
-(:mod:`nemo_refit_reshard.integrations.full_tensors`) is available.
+(:mod:`nemo_refit_reshard.integrations.checkpoint_engine`) is available.
 """
 
 from importlib.util import find_spec
 
-from ..full_tensors import FullTensorPlan, ReshardEngineConfig, canonical_tensors, plan_full_tensors
+from ..checkpoint_engine import (
+    FullTensorPlan,
+    ReshardEngineConfig,
+    canonical_tensors,
+    plan_full_tensors,
+)
 
 __all__ = ["ReshardEngineConfig", "FullTensorPlan", "plan_full_tensors", "canonical_tensors"]
 

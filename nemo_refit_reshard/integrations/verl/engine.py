@@ -9,7 +9,7 @@ Here ``build_topology`` builds the plan once (the first update; config errors fa
 there, before any transfer) and hands each rank its slice; ``init_process_group``
 joins our refit group (a stateless gloo or CuPy NCCL group of its own, independent
 of veRL's process groups) and compiles, once. Sending and receiving are
-:class:`~nemo_refit_reshard.integrations.full_tensor_rank.FullTensorRank`'s.
+:class:`~nemo_refit_reshard.integrations.checkpoint_engine.CheckpointEngineRank`'s.
 """
 
 from __future__ import annotations
@@ -24,28 +24,19 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 
 from ...engine.rendezvous import new_secret
 from ...plan import RankPlan
-from ..full_tensor_rank import (
-    FullTensorRank,
+from ..checkpoint_engine import (
+    CheckpointEngineRank,
+    ReshardEngineConfig,
+    cached_plan,
     check_same_settings,
-    free_address,
+    group_address,
     planning_settings,
     worker_metadata,
 )
-from ..full_tensors import ReshardEngineConfig, plan_full_tensors
 from ..worker import RefitEndpoint
 
 WHERE = "checkpoint_engine.engine_kwargs.reshard"
-# Driver side, per (settings, actor ranks, rollout ranks): every rank's plan slice as JSON.
 _SECRETS: dict[tuple[str, int], str] = {}  # per refit group, on the driver
-_PLANS: dict[tuple[str, int, int], list[str]] = {}
-
-
-def _node_ip() -> str:
-    try:
-        import ray
-    except ImportError:  # no Ray: a local run
-        return "127.0.0.1"
-    return str(ray.util.get_node_ip_address())
 
 
 @CheckpointEngineRegistry.register("reshard")
@@ -54,7 +45,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
     nemo_refit_reshard.integrations.verl``; settings in ``engine_kwargs.reshard``)."""
 
     def __init__(self, bucket_size: int, is_master: bool = False, **engine_kwargs: Any) -> None:
-        self.rank = FullTensorRank(
+        self.rank = CheckpointEngineRank(
             ReshardEngineConfig.from_engine_kwargs(engine_kwargs, bucket_size, WHERE)
         )
         self.config = self.rank.config
@@ -68,7 +59,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
     # -- setup (every update; the group and program are made once) -------------------
     def prepare(self) -> dict[str, Any]:
         if self.is_master and self.address is None:
-            self.address = free_address(self.config.host or _node_ip())
+            self.address = group_address(self.config.host)
         return worker_metadata(
             self.rank,
             master=self.is_master,
@@ -85,10 +76,8 @@ class ReshardCheckpointEngine(CheckpointEngine):
         if len(masters) != 1:
             raise ValueError(f"expected one master actor rank, found {len(masters)}")
         config = ReshardEngineConfig(**json.loads(text))
-        key = (text, a, r)
-        if key not in _PLANS:  # the first update plans; later ones reuse the slices
-            plan = plan_full_tensors(config, a, r)
-            _PLANS[key] = [s.to_json() for s in plan.slices]
+        # The first update plans; later ones reuse the plan and its slices' JSON.
+        slices = cached_plan(text, a, r).slices_json
         host, port = masters[0]
         # Made on veRL's driver once per group (build_topology runs every update; the
         # group, and so its endpoint, stays), shipped with each rank's endpoint.
@@ -102,11 +91,10 @@ class ReshardCheckpointEngine(CheckpointEngine):
                 for g in ranks
             ]
 
-        slices = _PLANS[key]
-        actor = {"endpoint": endpoints(range(a)), "plan": slices[:a], "settings": [text] * a}
+        actor = {"endpoint": endpoints(range(a)), "plan": list(slices[:a]), "settings": [text] * a}
         rollout = {
             "endpoint": endpoints(range(a, a + r)),
-            "plan": slices[a:],
+            "plan": list(slices[a:]),
             "settings": [text] * r,
         }
         return actor, rollout

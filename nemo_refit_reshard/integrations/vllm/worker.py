@@ -29,8 +29,7 @@ import torch
 
 from ...engine.program import live_tensor_problems
 from ...plan import PlanError, RankPlan, RefitPlan, load_plan_json
-from ..weights import WeightsState
-from ..worker import RefitEndpoint, RefitWorker, describe_tensors
+from ..worker import RefitEndpoint, RefitWorker, WeightsState, describe_tensors
 from .config import IN_PLACE_MOE_BACKENDS, EngineLayout, UnsupportedVllmOption, engine_layout
 
 _STATE = "_nemo_refit_reshard"

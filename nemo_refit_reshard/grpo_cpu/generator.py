@@ -34,16 +34,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...layouts.base import RankLayout
-from ...layouts.vllm import (
+from ..layouts.base import RankLayout
+from ..layouts.vllm import (
     VllmOptions,
     vllm_expert_range,
     vllm_layout,
     vllm_padded_vocab,
     vllm_position,
 )
-from ...spec.model import ModelSpec
-from ...spec.parallel import InferParallel
+from ..spec.model import ModelSpec
+from ..spec.parallel import InferParallel
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")

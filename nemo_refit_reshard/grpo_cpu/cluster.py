@@ -16,13 +16,12 @@ from typing import Any
 
 import torch
 
-from ...engine.checksum import combine, compare
-from ...engine.materialize import canonical_from_ranks
-from ...engine.rendezvous import new_secret
-from ...layouts.base import RankLayout
-from ...plan import BroadcastPlan, RefitPlan, rank_plan
-from ..spawn import free_port
-from ..worker import RefitEndpoint
+from ..engine.checksum import combine, compare
+from ..engine.materialize import canonical_from_ranks
+from ..engine.rendezvous import free_port, new_secret
+from ..integrations.worker import RefitEndpoint
+from ..layouts.base import RankLayout
+from ..plan import BroadcastPlan, RefitPlan, rank_plan
 from .config import GrpoRunConfig
 from .plans import broadcast_plan_to_json, check_worker_tensors
 

@@ -5,7 +5,7 @@ Ray). Each actor is one process with one torch thread. Training actors form one 
 world (Megatron's tp/pp/dp groups live inside it); the tp ranks of each generation
 replica form their own gloo world, which is the generator's tp group. All of them also
 join one refit group (a stateless gloo group over a ``TCPStore``, see
-``integrations/worker.py``): training rank ``r`` is refit rank ``r``, inference rank
+``integrations/worker``): training rank ``r`` is refit rank ``r``, inference rank
 ``d`` is refit rank ``S + d``.
 
 Setup is a method, not ``__init__``: an error while building a model then comes back to
@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ...engine.checksum import Checksums, receiver_checksums, sender_checksums
-from ...engine.program import TORCH_DTYPES
-from ...engine.refit import Refitter
-from ...plan import RankPlan
-from ...spec.parallel import InferParallel, TrainParallel
-from ..worker import RefitEndpoint, RefitWorker, describe_tensors
+from ..engine.checksum import Checksums, receiver_checksums, sender_checksums
+from ..engine.program import TORCH_DTYPES
+from ..engine.refit import Refitter
+from ..integrations.worker import RefitEndpoint, RefitWorker, describe_tensors
+from ..plan import RankPlan
+from ..spec.parallel import InferParallel, TrainParallel
 from .plans import broadcast_plan_from_json
 from .task import policy_spec
 from .trainer import GrpoConfig

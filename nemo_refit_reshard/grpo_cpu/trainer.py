@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ...layouts import MegatronOptions, megatron_layout, megatron_padded_vocab
-from ...layouts.base import RankLayout
-from ...spec.model import ModelSpec
-from ...spec.parallel import TrainParallel
-from . import megatron_cpu
+from ..integrations.megatron import cpu as megatron_cpu
+from ..layouts import MegatronOptions, megatron_layout, megatron_padded_vocab
+from ..layouts.base import RankLayout
+from ..spec.model import ModelSpec
+from ..spec.parallel import TrainParallel
 from .loss import group_advantages, grpo_loss
 
 
@@ -93,7 +93,9 @@ def load_canonical(params: dict[str, Tensor], layout: RankLayout, canonical: dic
             p[piece.local_box.slices()] = src.reshape(piece.local_box.sizes).to(p.dtype)
 
 
-def _check_supported(spec: ModelSpec, train: TrainParallel) -> None:
+def check_trainer_supported(spec: ModelSpec, train: TrainParallel) -> None:
+    """Raise ``ValueError`` for a model or parallelism :class:`MegatronPolicyTrainer`
+    does not run (MoE, MLA, MTP; virtual pipeline, context or expert parallelism)."""
     a = spec.arch
     if a.moe is not None or a.mla is not None or a.num_mtp_layers:
         raise ValueError("MegatronPolicyTrainer supports dense Llama/Qwen2/Qwen3 models only")
@@ -115,7 +117,7 @@ class MegatronPolicyTrainer:
         builds this rank's GPTModel (local spec, float32) from seeded canonical weights,
         plus an Adam optimizer. Same seed -> same canonical weights for any tp/pp/dp.
         The global CPU RNG state is left as it was found."""
-        _check_supported(spec, train)
+        check_trainer_supported(spec, train)
         if dist.get_world_size() != train.world_size:
             raise ValueError(
                 f"torch.distributed world size {dist.get_world_size()} != "

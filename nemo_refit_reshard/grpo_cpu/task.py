@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...spec.model import ModelSpec, load_model_spec
+from ..spec.model import ModelSpec, load_model_spec
 
 PAD, BOS, SEP = "<pad>", "<bos>", "="
 LETTERS = "abcdefghijklmnopqrst"

@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ...engine.refit import BACKENDS
-from ...layouts.megatron_rules import MegatronOptions, check_megatron_parallel
-from ...layouts.vllm import check_vllm_parallel
-from ...spec.model import spec_from_hf_config
-from ...spec.parallel import InferParallel, TrainParallel
+from ..engine.refit import BACKENDS
+from ..layouts.megatron_rules import MegatronOptions, check_megatron_parallel
+from ..layouts.vllm import check_vllm_parallel
+from ..spec.model import spec_from_hf_config
+from ..spec.parallel import InferParallel, TrainParallel
 from .task import StringTask, policy_config
 from .trainer import GrpoConfig
 

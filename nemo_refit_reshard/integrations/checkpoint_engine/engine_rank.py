@@ -1,83 +1,42 @@
 """One rank of a checkpoint engine that is handed full tensors (veRL's, NeMo RL's).
 
 Framework-neutral: the veRL and NeMo RL engines are thin wrappers that map their
-framework's calls onto :class:`FullTensorRank`:
+framework's calls onto :class:`CheckpointEngineRank`:
 
-* :meth:`join` — allocate this rank's buffers from its plan slice, join the refit
-  group, compile (once per run);
-* :meth:`take` then :meth:`replay_send` (training side) — drain the framework's
-  full-tensor iterator in its own thread (it is collective: every rank must consume it),
-  keep the tensors this rank sends, replay;
-* :meth:`receive` (rollout side) — replay into this GPU's vLLM shard, then yield,
-  per canonical tensor it holds a piece of, a full-shape tensor carrying exactly
-  the received elements (vLLM's loader reads no others for this rank).
+* :meth:`~CheckpointEngineRank.join` — allocate this rank's buffers from its plan
+  slice, join the refit group, compile (once per run);
+* :meth:`~CheckpointEngineRank.take` then :meth:`~CheckpointEngineRank.replay_send`
+  (training side) — drain the framework's full-tensor iterator in its own thread (it is
+  collective: every rank must consume it), keep the tensors this rank sends, replay;
+* :meth:`~CheckpointEngineRank.receive` (rollout side) — replay into this GPU's vLLM
+  shard, then yield, per canonical tensor it holds a piece of, a full-shape tensor
+  carrying exactly the received elements (vLLM's loader reads no others for this rank).
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-from ..engine.program import TORCH_DTYPES
-from ..layouts.vllm import installed_vllm_version
-from ..plan import BroadcastPlan, PlanError, RankPlan
-from .full_tensors import (
-    ReshardEngineConfig,
-    broadcast_bytes,
-    broadcast_tensors,
-    build_broadcast_plan,
-    canonical_tensors,
-    engine_spec,
-)
-from .worker import RefitEndpoint, RefitWorker
+from ...engine.program import TORCH_DTYPES
+from ...layouts.vllm import installed_vllm_version
+from ...plan import BroadcastPlan, PlanError, RankPlan
+from ..worker import RefitEndpoint, RefitWorker
+from .config import ReshardEngineConfig, engine_spec
+from .rebuild import canonical_tensors
+from .replicated_plans import broadcast_bytes, broadcast_tensors, build_broadcast_plan
 
 
-def free_address(host: str) -> tuple[str, int]:
-    """``(host, port)`` with a port free on ``host`` now (the refit group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return host, int(s.getsockname()[1])
-
-
-def check_same_settings(metadata: Iterable[Mapping[str, Any]], where: str) -> str:
-    """The one settings text every worker reported, or an error naming the disagreement."""
-    configs = {m["config"] for m in metadata}
-    if len(configs) != 1:
-        raise ValueError(
-            f"{where} differs between training and rollout workers ({len(configs)} "
-            "variants); give every worker the same settings"
-        )
-    return next(iter(configs))
-
-
-def planning_settings(text: str, rollout_metadata: Iterable[Mapping[str, Any]]) -> str:
-    """The settings to plan with: unless ``vllm_version`` is set, the vLLM version the
-    rollout workers run (training workers may not have vLLM at all, or another one)."""
-    settings = json.loads(text)
-    if settings.get("vllm_version"):
-        return text
-    versions = {m.get("vllm") for m in rollout_metadata} - {None}
-    if len(versions) > 1:
-        raise ValueError(
-            f"rollout workers run different vLLM versions {sorted(versions)}; run one, or set "
-            "the engine's vllm_version"
-        )
-    if versions:
-        settings["vllm_version"] = versions.pop()
-    return json.dumps(settings, sort_keys=True)
-
-
-def worker_metadata(rank: FullTensorRank, **extra: Any) -> dict[str, Any]:
+def worker_metadata(rank: CheckpointEngineRank, **extra: Any) -> dict[str, Any]:
     """What every worker reports in ``prepare()``: its settings and its vLLM version."""
     return {"config": rank.settings, "vllm": installed_vllm_version(), **extra}
 
 
-class FullTensorRank:
+class CheckpointEngineRank:
     """A training or rollout rank of a full-tensor checkpoint engine."""
 
     def __init__(self, config: ReshardEngineConfig) -> None:
@@ -97,7 +56,7 @@ class FullTensorRank:
 
     def join(self, endpoint: RefitEndpoint, slice_: RankPlan, settings: str | None = None) -> None:
         """Allocate, rendezvous and compile (collective over the refit group). ``settings``:
-        the settings the plan was built with (:func:`planning_settings`), if they differ
+        the settings the plan was built with (:func:`~.config.planning_settings`), if they differ
         from this worker's own."""
         if self.worker is not None:
             if self.worker.endpoint != endpoint:

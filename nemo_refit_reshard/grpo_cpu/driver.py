@@ -24,26 +24,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ...plan import plan_broadcast, plan_refit
+from ..plan import plan_broadcast, plan_refit
 from .cluster import GrpoCluster
 from .config import GrpoRunConfig
 from .plans import broadcast_without_canonical, build_layouts, without_canonical
-
-
-@dataclass(frozen=True)
-class StepReport:
-    step: int
-    reward: float  # mean reward of the step's samples
-    refit_seconds: dict[str, float]  # backend -> slowest rank's refit wall time
-    refit_bytes: dict[str, int]  # backend -> bytes the plan moves per refit
-    max_logprob_diff: float  # max |generator - trainer| log-prob of the sampled tokens
-    seconds: float  # wall time of the whole step
-    metrics: dict[str, float] = field(default_factory=dict)  # the trainer's train_step stats
+from .report import StepReport, format_step
 
 
 @dataclass(frozen=True)
@@ -147,8 +137,6 @@ def _loop(
             )
             reports.append(report)
             if bar is not None:
-                from .report import format_step
-
                 bar.write(format_step(report, cfg.refit.backend))
                 bar.update(1)
             if on_step is not None:

@@ -18,6 +18,8 @@ class StaleWeightsError(RuntimeError):
 
 @dataclass
 class WeightsState:
+    """A rank's weights version: the last complete refit, and why they are stale if so."""
+
     step: int | None = None  # the last complete refit's step (None: the initial weights)
     fingerprint: str | None = None  # ... and its plan
     stale: str | None = None  # why the weights may be torn; None when they are whole

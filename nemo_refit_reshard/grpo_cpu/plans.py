@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from ...engine.program import TORCH_DTYPES, check_live_tensors
-from ...layouts import VllmOptions, megatron_layout, vllm_layout
-from ...layouts.base import Box, RankLayout
-from ...plan import BroadcastPlan, BroadcastStep, PlanError, RefitPlan
-from ...spec.model import ModelSpec
-from ...spec.parallel import InferParallel, TrainParallel
+from ..engine.program import TORCH_DTYPES, check_live_tensors
+from ..layouts import VllmOptions, refit_layouts
+from ..layouts.base import Box, RankLayout
+from ..plan import BroadcastPlan, BroadcastStep, PlanError, RefitPlan
+from ..spec.model import ModelSpec
+from ..spec.parallel import InferParallel, TrainParallel
 from .task import policy_spec
 from .trainer import TRAINER_LAYOUT_OPTIONS
 
@@ -31,11 +31,8 @@ def build_layouts(
     """The policy's spec (``policy``: its HF config), every training rank's layout and
     every inference rank's."""
     spec = policy_spec(policy)
-    sources = [
-        megatron_layout(spec, train, r, TRAINER_LAYOUT_OPTIONS) for r in range(train.world_size)
-    ]
-    vopts = VllmOptions(params_dtype=infer_dtype)
-    destinations = [vllm_layout(spec, infer, d, vopts) for d in range(infer.world_size)]
+    vllm = VllmOptions(params_dtype=infer_dtype)
+    sources, destinations = refit_layouts(spec, train, infer, TRAINER_LAYOUT_OPTIONS, vllm)
     return spec, sources, destinations
 
 

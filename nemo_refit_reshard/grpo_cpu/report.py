@@ -1,14 +1,27 @@
-"""Printing and plotting a GRPO run's step reports."""
+"""A GRPO run's step reports (:class:`StepReport`) and their printing and plotting."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
 
-from .driver import StepReport
-
 DEFAULT_PLOT = "grpo_cpu.png"
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One GRPO step's outcome: reward, refit time and bytes per backend, the
+    generator/trainer log-prob gap (what ``format_step`` prints and the plot draws)."""
+
+    step: int
+    reward: float  # mean reward of the step's samples
+    refit_seconds: dict[str, float]  # backend -> slowest rank's refit wall time
+    refit_bytes: dict[str, int]  # backend -> bytes the plan moves per refit
+    max_logprob_diff: float  # max |generator - trainer| log-prob of the sampled tokens
+    seconds: float  # wall time of the whole step
+    metrics: dict[str, float] = field(default_factory=dict)  # the trainer's train_step stats
 
 
 def pop_plot_flag(argv: list[str]) -> str | None:

@@ -1,4 +1,5 @@
-"""A Megatron training worker's live tensors under the Megatron layout's names.
+"""A live Megatron training worker: its tensors under the Megatron layout's names, the
+layout options its model decides, and its position in Megatron's process groups.
 
 Frameworks hold Megatron-core models wrapped (``DistributedDataParallel``,
 ``Float16Module``: each keeps the model as ``.module``) and, with virtual pipeline
@@ -15,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ..layouts.base import RankLayout
-from ..plan import PlanError
+from ...layouts import RankLayout
+from ...plan import PlanError
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -90,4 +91,28 @@ def live_megatron_options(model: torch.nn.Module | Sequence[torch.nn.Module]) ->
             config, "num_layers_in_last_pipeline_stage", None
         ),
         "params_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def live_megatron_position() -> dict[str, int]:
+    """This process's coordinates and sizes in Megatron's ``parallel_state`` groups (the
+    live position; ``layouts.megatron_position`` is the planned one)."""
+    from megatron.core import parallel_state as ps
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    return {
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "cp": ps.get_context_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(with_context_parallel=False),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "etp": ps.get_expert_tensor_parallel_rank(),
+        "ep": ps.get_expert_model_parallel_rank(),
+        "edp": ps.get_expert_data_parallel_rank(),
+        "tp_size": ps.get_tensor_model_parallel_world_size(),
+        "pp_size": ps.get_pipeline_model_parallel_world_size(),
+        "vpp_size": int(vpp or 1),
+        "cp_size": ps.get_context_parallel_world_size(),
+        "dp_size": ps.get_data_parallel_world_size(with_context_parallel=False),
+        "ep_size": ps.get_expert_model_parallel_world_size(),
+        "etp_size": ps.get_expert_tensor_parallel_world_size(),
     }

@@ -1,9 +1,9 @@
 """Worker-side refit API, framework neutral: what a training or generation worker calls.
 
-The driver (NeMo RL's or veRL's controller, or ``integrations/spawn.py``)
-builds the plan once from every rank's layout and ships its JSON to every
-worker, together with a :class:`RefitEndpoint` (the refit group's rendezvous
-address and this worker's rank in it). A worker then::
+The driver (NeMo RL's or veRL's controller, or the CLI's local runner) builds the
+plan once from every rank's layout and ships its JSON to every worker, together with
+a :class:`~.endpoint.RefitEndpoint` (the refit group's rendezvous address and this
+worker's rank in it). A worker then::
 
     worker = RefitWorker(endpoint, dict(model.named_parameters()))
     worker.join()                 # rendezvous: every rank of the refit group
@@ -17,51 +17,17 @@ theirs, in place. Nothing here knows Megatron, vLLM or Ray.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from ..engine.host_staged import HostStagedTransport
-from ..engine.refit import Refitter, StepTiming
-from ..engine.transport import DEFAULT_TIMEOUT_S, GlooTransport, Transport
-from ..plan import BroadcastPlan, RankPlan, RefitPlan, load_plan_json
+from ...engine.host_staged import HostStagedTransport
+from ...engine.refit import Refitter, StepTiming
+from ...engine.transport import GlooTransport, Transport
+from ...plan import BroadcastPlan, RankPlan, RefitPlan, load_plan_json
+from .endpoint import RefitEndpoint
 from .weights import WeightsState
-
-TRANSPORTS = ("gloo", "cupy-nccl")
-
-
-@dataclass(frozen=True)
-class RefitEndpoint:
-    """Where and as whom a worker joins the refit group (JSON-serialisable)."""
-
-    host: str
-    port: int
-    world_size: int
-    group_rank: int  # training ranks 0..S-1, generation rank d is S + d
-    transport: str = "gloo"
-    timeout_s: float = DEFAULT_TIMEOUT_S  # every wait of a refit (a dead peer raises within)
-    connect_timeout_s: float | None = None  # rendezvous; None: timeout_s. Set it from the
-    # framework's start-up budget: processes join as they finish starting, and a loaded
-    # machine starts them slowly.
-    secret: str | None = field(default=None, repr=False)  # the run's (engine/rendezvous.py)
-
-    def __post_init__(self) -> None:
-        if self.transport not in TRANSPORTS:
-            raise ValueError(
-                f"unknown refit transport {self.transport!r}; choose from {TRANSPORTS}"
-            )
-        if not 0 <= self.group_rank < self.world_size:
-            raise ValueError(f"refit rank {self.group_rank} outside a group of {self.world_size}")
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> RefitEndpoint:
-        return cls(**json.loads(text))
 
 
 def describe_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -118,7 +84,7 @@ class RefitWorker:
         else:
             if self.host_staged:
                 raise ValueError("host staging goes with the gloo transport, not cupy-nccl")
-            from ..engine.cupy_nccl import CupyNcclTransport
+            from ...engine.cupy_nccl import CupyNcclTransport
 
             self.transport = CupyNcclTransport(
                 e.host, e.port, e.group_rank, e.world_size, self.device.index, e.timeout_s,

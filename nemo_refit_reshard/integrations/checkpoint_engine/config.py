@@ -1,0 +1,116 @@
+"""The checkpoint engine's settings, the model they name, and the settings every
+worker must agree on (the veRL and NeMo RL engines read them from their framework's
+config; the driver plans with the one text every worker reported)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ...spec import ModelSpec, load_model_spec
+from ..worker import TRANSPORTS
+
+MODES = ("reshard", "broadcast")
+
+
+@dataclass(frozen=True)
+class ReshardEngineConfig:
+    """The engine's settings (veRL: ``checkpoint_engine.engine_kwargs.reshard``; NeMo RL:
+    ``policy.generation.refit_cfg["<module>:<Class>"]``).
+
+    ``model``: HF model directory (or its config.json, or a preset name).
+    ``infer``: one rollout replica's vLLM parallelism, ``tp=,pp=,engine_dp=,ep=``; the
+    number of replicas follows from the rollout world size. ``train_dtype``: dtype of
+    the tensors the actor yields; ``infer_dtype``: vLLM's parameter dtype (both default
+    to the checkpoint's). ``transport``: ``gloo`` (CPU) or ``cupy-nccl`` (GPUs).
+    ``bucket_mb``: bytes per round (default: ``update_weights_bucket_megabytes``).
+    """
+
+    model: str
+    infer: str = "tp=1"
+    train_dtype: str | None = None
+    infer_dtype: str | None = None
+    vllm_version: str | None = None
+    transport: str = "gloo"
+    timeout_s: float = 600.0
+    bucket_mb: float | None = None
+    host: str | None = None
+    mode: str = "reshard"  # or "broadcast": the gather-broadcast baseline, for comparison
+
+    @classmethod
+    def from_engine_kwargs(
+        cls,
+        kwargs: Mapping[str, Any],
+        bucket_size: int,
+        where: str = "checkpoint_engine.engine_kwargs.reshard",
+    ) -> ReshardEngineConfig:
+        """``where`` names the settings' place in the framework's config, for errors."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"{where} has unknown key(s) {unknown}; known: {sorted(known)}")
+        if "model" not in kwargs:
+            raise ValueError(
+                f"{where}.model is required: the HF model path (the policy's model) or a "
+                "preset name"
+            )
+        config = cls(**kwargs)
+        if config.transport not in TRANSPORTS:
+            raise ValueError(f"{where}.transport={config.transport!r}; choose from {TRANSPORTS}")
+        if config.mode not in MODES:
+            raise ValueError(f"{where}.mode={config.mode!r}; choose from {MODES}")
+        if config.bucket_mb is None:
+            config = dataclasses.replace(config, bucket_mb=bucket_size / 2**20)
+        return config
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def engine_spec(model: str) -> ModelSpec:
+    """The model the engine plans for: a preset, a ``config.json`` path or folder, or a
+    HuggingFace repo id (its ``config.json`` through the local HuggingFace cache, as the
+    framework itself loaded the model)."""
+    try:
+        return load_model_spec(model)
+    except ValueError as err:
+        if model.count("/") != 1 or model.startswith((".", "/")):
+            raise
+        try:
+            from huggingface_hub import hf_hub_download
+
+            path = hf_hub_download(model, "config.json")
+        except Exception as hub_err:
+            raise ValueError(f"{err}; as a HuggingFace repo id: {hub_err}") from None
+        return load_model_spec(path)
+
+
+def check_same_settings(metadata: Iterable[Mapping[str, Any]], where: str) -> str:
+    """The one settings text every worker reported, or an error naming the disagreement."""
+    configs = {m["config"] for m in metadata}
+    if len(configs) != 1:
+        raise ValueError(
+            f"{where} differs between training and rollout workers ({len(configs)} "
+            "variants); give every worker the same settings"
+        )
+    return next(iter(configs))
+
+
+def planning_settings(text: str, rollout_metadata: Iterable[Mapping[str, Any]]) -> str:
+    """The settings to plan with: unless ``vllm_version`` is set, the vLLM version the
+    rollout workers run (training workers may not have vLLM at all, or another one)."""
+    settings = json.loads(text)
+    if settings.get("vllm_version"):
+        return text
+    versions = {m.get("vllm") for m in rollout_metadata} - {None}
+    if len(versions) > 1:
+        raise ValueError(
+            f"rollout workers run different vLLM versions {sorted(versions)}; run one, or set "
+            "the engine's vllm_version"
+        )
+    if versions:
+        settings["vllm_version"] = versions.pop()
+    return json.dumps(settings, sort_keys=True)

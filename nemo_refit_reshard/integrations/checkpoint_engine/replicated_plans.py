@@ -1,0 +1,151 @@
+"""Plans for checkpoint engines that are handed full tensors (veRL's, NeMo RL's).
+
+veRL and NeMo RL's checkpoint-engine route hand every training rank the *full* HF
+tensors (FSDP ``full_tensor()``, Megatron-Bridge ``export_hf_weights``) and expect
+every rollout GPU's engine to yield named tensors for vLLM's ``load_weights``. The
+plan therefore has:
+
+* sources: ``A`` actor ranks, each holding every canonical tensor whole — replicas of
+  one another (:func:`replicated_layout`), so the planner spreads the sending over all
+  of them;
+* destinations: the rollout GPUs' vLLM shards (``vllm_layouts``), ``R`` ranks.
+
+A rollout rank receives only its shard's elements and rebuilds the full-shape tensors
+vLLM's loader takes from them (``rebuild.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from ...engine.program import TORCH_DTYPES
+from ...layouts import RankLayout, Replicate, VllmOptions, dtensor_layout, vllm_layouts
+from ...plan import BroadcastPlan, RankPlan, RefitPlan, plan_broadcast, plan_refit, rank_plan
+from ...spec import InferParallel, ModelSpec
+from .config import ReshardEngineConfig, engine_spec
+
+
+@dataclass(frozen=True)
+class FullTensorPlan:
+    """The plan for ``A`` actor ranks and ``R`` rollout GPUs, and each rank's slice."""
+
+    plan: RefitPlan
+    infer: InferParallel
+    slices: tuple[RankPlan, ...]  # refit rank order: actors 0..A-1, then rollout GPUs
+    broadcast_bytes: int  # what a full-tensor broadcast to every rollout GPU moves
+
+    @property
+    def bytes(self) -> int:
+        return sum(m.nbytes for s in self.slices for m in s.messages if m.src == s.group_rank)
+
+    @cached_property
+    def slices_json(self) -> tuple[str, ...]:
+        """Every slice as JSON, made once (a driver ships them to the workers every
+        update)."""
+        return tuple(s.to_json() for s in self.slices)
+
+
+def replicated_layout(spec: ModelSpec, world: int, rank: int, dtype: str | None) -> RankLayout:
+    """Actor rank ``rank`` of ``world`` holding every canonical tensor whole (a DTensor
+    replicated over the actors), in ``dtype`` (None: the checkpoint's)."""
+    layout = dtensor_layout(spec, (world,), rank, lambda _t: (Replicate(),))
+    if dtype is None:
+        return layout
+    return dataclasses.replace(
+        layout, tensors=tuple(dataclasses.replace(t, dtype=dtype) for t in layout.tensors)
+    )
+
+
+def rollout_parallel(config: ReshardEngineConfig, rollout_world: int) -> InferParallel:
+    """The rollout's whole vLLM parallelism: one replica's (``config.infer``) times the
+    replicas ``rollout_world`` GPUs make."""
+    one = InferParallel.parse(config.infer)
+    if one.dp != 1:
+        raise ValueError(
+            f"infer={config.infer!r}: give one replica's parallelism "
+            "without dp; the number of replicas follows from the rollout workers"
+        )
+    if rollout_world % one.engine_world_size:
+        raise ValueError(
+            f"{rollout_world} rollout workers are not a whole number of replicas of "
+            f"infer={config.infer!r} ({one.engine_world_size} GPUs each); set the engine's "
+            "infer to the rollout's tensor/pipeline/data parallel sizes"
+        )
+    return dataclasses.replace(one, dp=rollout_world // one.engine_world_size)
+
+
+def _sent_only(slice_: RankPlan) -> RankPlan:
+    """An actor rank keeps only the tensors it sends (it is handed all of them)."""
+    used = {
+        t.src_tensor for m in slice_.messages if m.src == slice_.group_rank for t in m.transfers
+    }
+    return dataclasses.replace(
+        slice_, tensors={k: v for k, v in slice_.tensors.items() if k in used}
+    )
+
+
+def engine_layouts(
+    config: ReshardEngineConfig, actor_world: int, rollout_world: int
+) -> tuple[ModelSpec, InferParallel, list[RankLayout], list[RankLayout]]:
+    """The model, the rollout's parallelism, the replicated actor layouts (sources) and
+    the rollout GPUs' vLLM layouts (destinations)."""
+    spec = engine_spec(config.model)
+    infer = rollout_parallel(config, rollout_world)
+    sources = [
+        replicated_layout(spec, actor_world, r, config.train_dtype) for r in range(actor_world)
+    ]
+    opts = VllmOptions(params_dtype=config.infer_dtype, vllm_version=config.vllm_version)
+    return spec, infer, sources, vllm_layouts(spec, infer, opts)
+
+
+def build_broadcast_plan(
+    config: ReshardEngineConfig, actor_world: int, rollout_world: int
+) -> BroadcastPlan:
+    """The gather-broadcast baseline over the same layouts (every worker builds it: it is
+    deterministic). With every actor rank holding every tensor, actor rank 0 roots them
+    all and sends each full tensor to every rollout GPU that needs part of it — what
+    veRL's ``nccl`` engine does."""
+    spec, _, sources, destinations = engine_layouts(config, actor_world, rollout_world)
+    return plan_broadcast(spec, sources, destinations, bucket_mb=config.bucket_mb or 512)
+
+
+def broadcast_tensors(
+    bp: BroadcastPlan, group_rank: int, shapes: Mapping[str, tuple[int, ...]], dtype: str
+) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Source tensors an actor rank needs for the baseline: those it gathers from."""
+    names = {
+        name
+        for steps in bp.rounds
+        for st in steps
+        for holder, name, _, _ in st.gathers
+        if holder == group_rank
+    }
+    return {n: (tuple(shapes[n]), dtype) for n in names}
+
+
+def broadcast_bytes(bp: BroadcastPlan, group_rank: int) -> tuple[int, int]:
+    """Bytes ``group_rank`` sends and receives in the baseline (its gathers are local)."""
+    d = group_rank - bp.num_sources
+    rounds = [st for steps in bp.rounds for st in steps]
+    sent = sum(st.nbytes * len(st.readers) for st in rounds if st.root == group_rank)
+    received = sum(st.nbytes for st in rounds if any(r == d for r, _ in st.readers))
+    return sent, received
+
+
+def plan_full_tensors(
+    config: ReshardEngineConfig, actor_world: int, rollout_world: int
+) -> FullTensorPlan:
+    """Plan once (on veRL's driver): every config error surfaces here, before any transfer."""
+    spec, infer, sources, destinations = engine_layouts(config, actor_world, rollout_world)
+    plan = plan_refit(spec, sources, destinations, bucket_mb=config.bucket_mb or 512)
+    slices = [rank_plan(plan, r) for r in range(actor_world + rollout_world)]
+    slices[:actor_world] = [_sent_only(s) for s in slices[:actor_world]]
+    dtype = config.infer_dtype or spec.arch.dtype
+    item = torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
+    per_gpu = sum(t.numel for t in spec) * item
+    return FullTensorPlan(plan, infer, tuple(slices), broadcast_bytes=rollout_world * per_gpu)

@@ -1,0 +1,20 @@
+"""The framework-neutral worker API: what a training or generation worker calls to refit.
+
+``endpoint.py``: :class:`RefitEndpoint`, where and as whom a worker joins the refit
+group. ``refit_worker.py``: :class:`RefitWorker`, one worker's membership (join, load a
+plan, refit). ``weights.py``: :class:`WeightsState`, whether a rank's weights are whole
+or stale. Nothing here knows Megatron, vLLM or Ray.
+"""
+
+from .endpoint import TRANSPORTS, RefitEndpoint
+from .refit_worker import RefitWorker, describe_tensors
+from .weights import StaleWeightsError, WeightsState
+
+__all__ = [
+    "TRANSPORTS",
+    "RefitEndpoint",
+    "RefitWorker",
+    "StaleWeightsError",
+    "WeightsState",
+    "describe_tensors",
+]

@@ -1,0 +1,41 @@
+"""Where and as whom a worker joins the refit group: the endpoint the driver ships."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from ...engine.transport import DEFAULT_TIMEOUT_S
+
+TRANSPORTS = ("gloo", "cupy-nccl")  # the refit group's transports (engine/)
+
+
+@dataclass(frozen=True)
+class RefitEndpoint:
+    """Where and as whom a worker joins the refit group (JSON-serialisable)."""
+
+    host: str
+    port: int
+    world_size: int
+    group_rank: int  # training ranks 0..S-1, generation rank d is S + d
+    transport: str = "gloo"
+    timeout_s: float = DEFAULT_TIMEOUT_S  # every wait of a refit (a dead peer raises within)
+    connect_timeout_s: float | None = None  # rendezvous; None: timeout_s. Set it from the
+    # framework's start-up budget: processes join as they finish starting, and a loaded
+    # machine starts them slowly.
+    secret: str | None = field(default=None, repr=False)  # the run's (engine/rendezvous.py)
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"unknown refit transport {self.transport!r}; choose from {TRANSPORTS}"
+            )
+        if not 0 <= self.group_rank < self.world_size:
+            raise ValueError(f"refit rank {self.group_rank} outside a group of {self.world_size}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RefitEndpoint:
+        return cls(**json.loads(text))
