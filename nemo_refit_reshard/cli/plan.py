@@ -40,11 +40,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         write_plan_file(args.out, timed.plan.to_json())
     if args.json:
         print(json.dumps(summary))
-        return 0
-    print(plan_title(cfg, timed))
-    print_rows(plan_rows(summary), width=32)
-    if args.out:
-        print(f"  plan written to {args.out}")
+    else:
+        print_plan(plan_title(cfg, timed), plan_rows(summary), args.out)
     return 0
 
 
@@ -62,13 +59,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         plot_simulation(refit.plan, prediction.refit, refit.placement, args.plot)
     if args.json:
         print(json.dumps(report))
-        return 0
-    if stages_note:
-        print(f"note: {stages_note}")
-    print(simulation_title(report, refit))
-    print_rows(simulation_rows(report, refit, prediction), width=27)
-    if args.plot:
-        print(f"  plot written to {args.plot}")
+    else:
+        title, rows = simulation_title(report, refit), simulation_rows(report, refit, prediction)
+        print_simulation(stages_note, title, rows, args.plot)
     return 0
 
 
@@ -140,6 +133,14 @@ def plan_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ),
         ("plan build", f"{summary['build_seconds']:.2f} s"),
     ]
+
+
+def print_plan(title: str, rows: Sequence[tuple[str, str]], out: str | None) -> None:
+    """``plan``'s text: the title, the table, where the plan was written."""
+    print(title)
+    print_rows(rows, width=32)
+    if out:
+        print(f"  plan written to {out}")
 
 
 def print_rows(rows: Sequence[tuple[str, str]], width: int) -> None:
@@ -334,6 +335,19 @@ def simulation_rows(
         ("speedup over baseline", times(report["speedup"])),
     ]
     return rows
+
+
+def print_simulation(
+    note: str | None, title: str, rows: Sequence[tuple[str, str]], plot: str | None
+) -> None:
+    """``simulate``'s text: any note on the pipeline stages, the title, the table, where
+    the plot was written."""
+    if note:
+        print(f"note: {note}")
+    print(title)
+    print_rows(rows, width=27)
+    if plot:
+        print(f"  plot written to {plot}")
 
 
 def ms(seconds: float) -> str:
