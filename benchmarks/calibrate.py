@@ -26,9 +26,10 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from nemo_refit_reshard.cli_refit import run_report
-from nemo_refit_reshard.integrations.spawn import RunConfig, _free_port, build_layouts
+from nemo_refit_reshard.cli.run import run_report
+from nemo_refit_reshard.engine.rendezvous import free_port
 from nemo_refit_reshard.plan import Cluster, Placement, Topology, plan_refit, predict_refit
+from nemo_refit_reshard.runner import RunConfig, build_layouts
 
 CASES = [
     ("small-qwen3", "tp=2,pp=2", "tp=2,dp=2", "none"),
@@ -61,7 +62,7 @@ def measure(world: int, size: int, reps: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
             _pairs_worker,
-            args=(world, _free_port(), size, reps, tmp),
+            args=(world, free_port(), size, reps, tmp),
             nprocs=world,
             start_method="spawn",
         )

@@ -14,8 +14,8 @@ import json
 import os
 import sys
 
-from nemo_refit_reshard.cli_refit import run_report
-from nemo_refit_reshard.integrations.spawn import RunConfig
+from nemo_refit_reshard.cli.run import run_report
+from nemo_refit_reshard.runner import RunConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = [

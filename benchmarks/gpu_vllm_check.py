@@ -95,7 +95,7 @@ def check(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
     from safetensors.torch import load_file
     from vllm import LLM, SamplingParams
 
-    from nemo_refit_reshard.integrations.spawn import _free_port
+    from nemo_refit_reshard.engine.rendezvous import free_port
     from nemo_refit_reshard.integrations.worker import RefitEndpoint
     from nemo_refit_reshard.layouts import (
         MegatronOptions,
@@ -132,7 +132,7 @@ def check(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
         worker_extension_cls="nemo_refit_reshard.integrations.vllm.ReshardWorkerExtension",
     )
     before = llm.collective_rpc(pointers)[0]
-    endpoint = RefitEndpoint("127.0.0.1", _free_port(), 2, 0, "gloo", timeout_s=300)
+    endpoint = RefitEndpoint("127.0.0.1", free_port(), 2, 0, "gloo", timeout_s=300)
     ctx = mp.get_context("spawn")
     trainer = ctx.Process(target=train_rank, args=(cfg, canonical_path, endpoint.to_json(), plan))
     trainer.start()

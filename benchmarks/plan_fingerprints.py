@@ -27,8 +27,8 @@ try:  # the cluster model's home since the plan/ move; before it, plan/topology.
     from nemo_refit_reshard.plan import Placement, Topology
 except ImportError:
     from nemo_refit_reshard.plan.topology import Placement, Topology
-try:
-    from nemo_refit_reshard.run.layouts import RunConfig, build_layouts
+try:  # the runner's home since the CLI move; before it, integrations/spawn.py
+    from nemo_refit_reshard.runner import RunConfig, build_layouts
 except ImportError:
     from nemo_refit_reshard.integrations.spawn import RunConfig, build_layouts
 

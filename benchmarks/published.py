@@ -25,7 +25,6 @@ import os
 import sys
 import time
 
-from nemo_refit_reshard.integrations.spawn import RunConfig, build_layouts
 from nemo_refit_reshard.plan import (
     Cluster,
     Placement,
@@ -36,6 +35,7 @@ from nemo_refit_reshard.plan import (
     predict_broadcast,
     predict_refit,
 )
+from nemo_refit_reshard.runner import RunConfig, build_layouts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUNS = os.path.join(HERE, "..", "..", "shared", "reference", "published_runs.json")

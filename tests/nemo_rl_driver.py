@@ -184,7 +184,7 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
         CheckpointEngineWeightSynchronizer,
     )
 
-    from nemo_refit_reshard.integrations.spawn import _free_port
+    from nemo_refit_reshard.engine.rendezvous import free_port
 
     env = {"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path), "VLLM_TARGET_DEVICE": "cpu"}}
     policy = [
@@ -197,7 +197,7 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
             VllmWorkerProcess.options(runtime_env=env).remote(spec["config"], tp, r, port)
             for r in range(tp)
         ]
-        for port in [_free_port() for _ in range(engines)]
+        for port in [free_port() for _ in range(engines)]
     ]
     generation = [GenerationWorker.options(runtime_env=env).remote(p) for p in processes]
     sync = CheckpointEngineWeightSynchronizer(

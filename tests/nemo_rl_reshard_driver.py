@@ -121,16 +121,16 @@ def master_config(spec: dict[str, Any]) -> dict[str, Any]:
 def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
     from nemo_rl.algorithms.grpo import refit_policy_generation
 
+    from nemo_refit_reshard.engine.rendezvous import free_port
     from nemo_refit_reshard.integrations.nemo_rl.grpo import refit_config
     from nemo_refit_reshard.integrations.nemo_rl.synchronizer import ReshardWeightSynchronizer
-    from nemo_refit_reshard.integrations.spawn import _free_port
 
     ray.init(num_cpus=16, include_dashboard=False)
     env = {"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path), "VLLM_TARGET_DEVICE": "cpu"}}
     from nemo_refit_reshard.spec import TrainParallel
 
     world = TrainParallel.parse(spec["train"]).world_size
-    port = _free_port()
+    port = free_port()
     policy_actors = [
         MegatronPolicyProcess.options(runtime_env=env).remote(
             r, world, port, spec["config"], spec["train"]
@@ -145,7 +145,7 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
             for s in range(pp)
             for t in range(tp)
         ]
-        for p in [_free_port() for _ in range(engines)]
+        for p in [free_port() for _ in range(engines)]
     ]
     ray.get([p.load.remote(spec["checkpoints"][0]) for ps in processes for p in ps])
     generation_actors = [GenerationWorker.options(runtime_env=env).remote(p) for p in processes]

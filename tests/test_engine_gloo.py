@@ -15,7 +15,8 @@ import pytest
 import torch.multiprocessing as mp
 from hf_models import TINY_CONFIGS
 
-from nemo_refit_reshard.integrations.spawn import RunConfig, _free_port, run_local
+from nemo_refit_reshard.engine.rendezvous import free_port
+from nemo_refit_reshard.runner import RunConfig, run_local
 
 pytestmark = pytest.mark.slow
 
@@ -125,7 +126,7 @@ def _fingerprint_worker(rank: int, port: int, out_dir: str) -> None:
 def test_different_plans_are_refused_on_every_rank() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
-            _fingerprint_worker, args=(_free_port(), tmp), nprocs=3, start_method="spawn"
+            _fingerprint_worker, args=(free_port(), tmp), nprocs=3, start_method="spawn"
         )
         messages = [open(os.path.join(tmp, f"{r}.txt")).read() for r in range(3)]
     for m in messages:
@@ -142,8 +143,8 @@ def _torch_group_worker(rank: int, init_file: str, plan_json: str, cfg_json: str
     from nemo_refit_reshard.engine.materialize import SyntheticWeights, materialize, mismatches
     from nemo_refit_reshard.engine.refit import Refitter
     from nemo_refit_reshard.engine.transport import TorchTransport
-    from nemo_refit_reshard.integrations.spawn import build_layouts
     from nemo_refit_reshard.plan import RefitPlan
+    from nemo_refit_reshard.runner import build_layouts
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=3)
     cfg = RunConfig(**json.loads(cfg_json))
@@ -163,8 +164,8 @@ def test_existing_torch_distributed_group(tmp_path) -> None:
     """The torch transport runs the same plan over a world the frameworks already made."""
     from dataclasses import asdict
 
-    from nemo_refit_reshard.integrations.spawn import build_layouts
     from nemo_refit_reshard.plan import plan_refit
+    from nemo_refit_reshard.runner import build_layouts
 
     cfg = RunConfig(model=_config_file(tmp_path, "qwen2"), train="tp=1", infer="tp=2")
     plan = plan_refit(*build_layouts(cfg))
@@ -205,7 +206,7 @@ def _two_worlds_worker(rank: int, tmp: str, port: int) -> None:
 
 def test_refit_group_spans_pools_that_have_their_own_worlds(tmp_path) -> None:
     mp.start_processes(
-        _two_worlds_worker, args=(str(tmp_path), _free_port()), nprocs=3, start_method="spawn"
+        _two_worlds_worker, args=(str(tmp_path), free_port()), nprocs=3, start_method="spawn"
     )
     for rank in range(3):
         report = json.loads((tmp_path / f"{rank}.json").read_text())
@@ -218,8 +219,8 @@ def test_refit_group_spans_pools_that_have_their_own_worlds(tmp_path) -> None:
 def test_domain_relay_bit_exact_over_gloo(tmp_path) -> None:
     """2 training ranks -> 4 replicas on 2-GPU "nodes": the training ranks send one copy
     per node, entering at either GPU, which forwards it to the other; bit-exact."""
-    from nemo_refit_reshard.integrations.spawn import build_layouts
     from nemo_refit_reshard.plan import Cluster, Placement, Topology, plan_refit
+    from nemo_refit_reshard.runner import build_layouts
 
     cfg = RunConfig(
         model=_config_file(tmp_path, "qwen3"),
@@ -246,8 +247,8 @@ def test_carried_transfers_bit_exact_over_gloo(tmp_path) -> None:
     """Pipeline stages of unequal size on one 2-GPU "node": the busier stage hands part
     of its sending to the other over NVLink, which sends it on from its relay buffer;
     4 inference ranks on the next node receive everything bit-exact, twice."""
-    from nemo_refit_reshard.integrations.spawn import build_layouts
     from nemo_refit_reshard.plan import Cluster, Placement, Topology, is_relay, plan_refit
+    from nemo_refit_reshard.runner import build_layouts
 
     cfg = RunConfig(
         model=_config_file(tmp_path, "llama", num_hidden_layers=3, vocab_size=512),

@@ -13,13 +13,13 @@ import torch
 import torch.multiprocessing as mp
 
 from nemo_refit_reshard.cli import main
-from nemo_refit_reshard.cli_refit import write_plan_file
+from nemo_refit_reshard.cli.plan import write_plan_file
+from nemo_refit_reshard.engine.rendezvous import free_port
 from nemo_refit_reshard.engine.transport import GlooTransport, TransportError
-from nemo_refit_reshard.integrations.spawn import _free_port
 
 
 def test_nobody_listening_is_named_within_the_connect_timeout() -> None:
-    port = _free_port()
+    port = free_port()
     t0 = time.monotonic()
     with pytest.raises(TransportError) as err:
         GlooTransport("127.0.0.1", port, 1, 2, timeout_s=600, connect_timeout_s=3)
@@ -48,7 +48,7 @@ def _hung_peer(rank: int, port: int, out: str) -> None:
 def test_a_hung_peer_fails_the_others_within_the_timeout(tmp_path) -> None:
     out = str(tmp_path / "rank0.txt")
     ctx = mp.start_processes(
-        _hung_peer, args=(_free_port(), out), nprocs=2, start_method="spawn", join=False
+        _hung_peer, args=(free_port(), out), nprocs=2, start_method="spawn", join=False
     )
     deadline = time.monotonic() + 300
     while not Path(out).exists() and time.monotonic() < deadline:

@@ -47,7 +47,7 @@ def test_compiled_programs_on_cuda_tensors() -> None:
     reason="needs CuPy and 2+ GPUs (NCCL refuses two ranks on one GPU)",
 )
 def test_cupy_nccl_refit_bit_exact(tmp_path) -> None:
-    from nemo_refit_reshard.integrations.spawn import RunConfig, run_local
+    from nemo_refit_reshard.runner import RunConfig, run_local
 
     path = tmp_path / "llama.json"
     path.write_text(json.dumps(TINY_CONFIGS["llama"]))
@@ -79,7 +79,7 @@ def test_gpu_check_program_checks_on_cpu() -> None:
     """The CPU twin of gpu-check's program checks: both programs compile and replay
     serially and overlapped through the loopback; the inference rank's tensors are
     bit-equal either way; no storage moved."""
-    from nemo_refit_reshard.gpu_check import run_program_checks
+    from nemo_refit_reshard.cli.gpu_check import run_program_checks
     from nemo_refit_reshard.layouts import MegatronOptions
 
     rows = run_program_checks(
@@ -103,6 +103,6 @@ def test_gpu_check_program_checks_on_cpu() -> None:
 @needs_cuda
 @pytest.mark.skipif(not cupy_available(), reason="needs CuPy")
 def test_gpu_check_quick_passes() -> None:
-    from nemo_refit_reshard.gpu_check import run
+    from nemo_refit_reshard.cli.gpu_check import run
 
     assert run(repeats=2, quick=True) == 0

@@ -23,8 +23,8 @@ from hf_models import unit_scale_weights
 from torch import Tensor
 from vllm_reference import canonical_state_dict, materialize
 
+from nemo_refit_reshard.engine.rendezvous import free_port
 from nemo_refit_reshard.grpo_cpu.generator import ForwardConfig, VllmLayoutGenerator
-from nemo_refit_reshard.integrations.spawn import _free_port
 from nemo_refit_reshard.layouts import VllmOptions, vllm_layout
 from nemo_refit_reshard.spec import InferParallel, ModelSpec, load_model_spec, spec_from_hf_config
 
@@ -301,7 +301,7 @@ def tp_results() -> dict[str, list[Any]]:
         payload = os.path.join(tmp, "payload.pt")
         torch.save(data, payload)
         mp.start_processes(
-            _tp_worker, args=(_free_port(), payload, tmp), nprocs=WORLD, start_method="spawn"
+            _tp_worker, args=(free_port(), payload, tmp), nprocs=WORLD, start_method="spawn"
         )
         per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
     cases = [*TP_CASES, CORRUPT_CASE]

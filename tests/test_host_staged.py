@@ -11,7 +11,7 @@ import torch
 from hf_models import TINY_CONFIGS
 
 from nemo_refit_reshard.engine.host_staged import HostStagedTransport
-from nemo_refit_reshard.integrations.spawn import RunConfig, run_local
+from nemo_refit_reshard.runner import RunConfig, run_local
 
 
 class Recorder:

@@ -12,15 +12,19 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from nemo_refit_reshard.engine.rendezvous import RendezvousError, new_secret, refit_store
-from nemo_refit_reshard.integrations.spawn import _free_port
+from nemo_refit_reshard.engine.rendezvous import (
+    RendezvousError,
+    free_port,
+    new_secret,
+    refit_store,
+)
 
 PACKAGE = Path(__file__).resolve().parents[1] / "nemo_refit_reshard"
 
 
 def _host_then(join, secret: str | None, timeout_s: float = 60.0):
     """Rank 0 hosts with ``secret``; ``join(port)`` runs as rank 1 in a thread."""
-    port = _free_port()
+    port = free_port()
     out: dict = {}
 
     def joiner() -> None:
@@ -84,7 +88,7 @@ def test_an_outsider_cannot_read_the_groups_keys() -> None:
     """Without the secret the key names cannot be computed: a plain client of the same
     TCPStore sees nothing under the names the group uses."""
     secret = new_secret()
-    port = _free_port()
+    port = free_port()
     host = refit_store("127.0.0.1", port, 0, 2, 60, secret)
     host.set("uid", "nccl-id")
     outsider = dist.TCPStore(
@@ -108,7 +112,7 @@ def _other_address() -> str | None:
 
 @pytest.mark.skipif(_other_address() is None, reason="no non-loopback address here")
 def test_the_store_listens_on_the_endpoint_interface_only() -> None:
-    port = _free_port()
+    port = free_port()
     store = refit_store("127.0.0.1", port, 0, 2, 60, None)
     with socket.socket() as probe:
         probe.settimeout(5)

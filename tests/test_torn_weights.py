@@ -20,8 +20,7 @@ import torch.multiprocessing as mp
 from hf_models import TINY_CONFIGS
 
 from nemo_refit_reshard.engine.materialize import empty_like_layout, materialize, mismatches
-from nemo_refit_reshard.engine.rendezvous import new_secret
-from nemo_refit_reshard.integrations.spawn import _free_port
+from nemo_refit_reshard.engine.rendezvous import free_port, new_secret
 from nemo_refit_reshard.integrations.worker import (
     RefitEndpoint,
     RefitWorker,
@@ -111,7 +110,7 @@ def test_a_sender_killed_mid_refit_leaves_stale_weights_until_the_next_refit() -
         ).to_json()
 
     ctx = mp.get_context("spawn")
-    first, second = (_free_port(), new_secret()), (_free_port(), new_secret())
+    first, second = (free_port(), new_secret()), (free_port(), new_secret())
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "receiver.json")
         receiver = ctx.Process(

@@ -23,7 +23,7 @@ import vllm_env
 from safetensors.torch import save_file
 from test_vllm_truth import MODELS, rank_fields
 
-from nemo_refit_reshard.integrations.spawn import _free_port
+from nemo_refit_reshard.engine.rendezvous import free_port
 from nemo_refit_reshard.integrations.worker import RefitEndpoint
 from nemo_refit_reshard.layouts import MegatronOptions, VllmOptions, megatron_layout, vllm_layouts
 from nemo_refit_reshard.plan import plan_refit, rank_plan
@@ -79,7 +79,7 @@ def run_refit(
     initial, *checkpoints = write_checkpoints(spec, work, steps)
     plan = write_plan(spec, train, infer, work, installed_version())
     s, world = train.world_size, train.world_size + infer.world_size
-    endpoint = RefitEndpoint("127.0.0.1", _free_port(), world, 0, "gloo", timeout_s=300)
+    endpoint = RefitEndpoint("127.0.0.1", free_port(), world, 0, "gloo", timeout_s=300)
     procs = []
     for r in range(s):
         path = work / f"train{r}.json"

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hf_models import TINY_CONFIGS
 
-from nemo_refit_reshard.integrations.spawn import _free_port
+from nemo_refit_reshard.engine.rendezvous import free_port
 from nemo_refit_reshard.integrations.worker import RefitEndpoint, RefitWorker, describe_tensors
 from nemo_refit_reshard.layouts import megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import plan_refit
@@ -32,7 +32,7 @@ def test_call_order_and_plan_for_another_group() -> None:
     plan = plan_refit(
         spec, [megatron_layout(spec, TrainParallel(), 0)], [vllm_layout(spec, InferParallel(), 0)]
     )
-    worker = RefitWorker(RefitEndpoint("127.0.0.1", _free_port(), 1, 0, timeout_s=10), {})
+    worker = RefitWorker(RefitEndpoint("127.0.0.1", free_port(), 1, 0, timeout_s=10), {})
     with pytest.raises(RuntimeError, match=r"call join\(\) before load_plan\(\)"):
         worker.load_plan(plan)
     with pytest.raises(RuntimeError, match=r"call load_plan\(\) before refit\(\)"):

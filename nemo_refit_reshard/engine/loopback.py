@@ -1,6 +1,6 @@
 """A transport for one rank alone: sends drain into a sink, receives fill from a pattern.
 
-For device checks of one rank's compiled program (``gpu_check.py``): the program runs
+For device checks of one rank's compiled program (``cli/gpu_check.py``): the program runs
 exactly as in a refit — same staging views, same copies — while the "wire" is a copy
 per message. On CUDA those copies run on the transport's own stream, ordered after the
 packs by an event, so the wire works while the host packs the next round, as a NIC

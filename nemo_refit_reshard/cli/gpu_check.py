@@ -28,18 +28,21 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine.loopback import LoopbackTransport
-from .engine.program import TORCH_DTYPES, RankProgram
-from .layouts import MegatronOptions, megatron_layout, vllm_layouts
-from .layouts.base import RankLayout
-from .plan import RankPlan, plan_refit, rank_plan
-from .spec import InferParallel, TrainParallel, load_model_spec
+from ..engine.loopback import LoopbackTransport
+from ..engine.program import TORCH_DTYPES, RankProgram
+from ..engine.rendezvous import free_port
+from ..layouts import MegatronOptions, RankLayout, refit_layouts
+from ..plan import RankPlan, plan_refit, rank_plan
+from ..spec import InferParallel, TrainParallel, load_model_spec
 
 NEEDS = "gpu-check needs a CUDA GPU and CuPy (pip install -e '.[gpu]')"
 
 
 @dataclass(frozen=True)
 class Row:
+    """One line of the table: what was checked, the figure measured, its ratio to the
+    reference measured in the same run, and whether the check passed."""
+
     check: str
     figure: str
     ratio: str
@@ -72,10 +75,10 @@ def copy_gbps(device: torch.device, nbytes: int, repeats: int) -> float:
 
 
 def nccl_loopback_rows(device: torch.device, sizes_mib: list[int], repeats: int) -> list[Row]:
-    from .engine.cupy_nccl import CupyNcclTransport
-    from .integrations.spawn import _free_port
+    """Check 1: one rank sending to itself over NCCL, each size against a device copy."""
+    from ..engine.cupy_nccl import CupyNcclTransport
 
-    transport = CupyNcclTransport("127.0.0.1", _free_port(), 0, 1, device.index)
+    transport = CupyNcclTransport("127.0.0.1", free_port(), 0, 1, device.index)
     rows = []
     try:
         for mib in sizes_mib:
@@ -143,8 +146,7 @@ def run_program_checks(
 ) -> list[Row]:
     """Checks 2-4 on one training and one inference rank's programs."""
     spec = load_model_spec(model)
-    sources = [megatron_layout(spec, train, r, options) for r in range(train.world_size)]
-    destinations = vllm_layouts(spec, infer)
+    sources, destinations = refit_layouts(spec, train, infer, options)
     plan = plan_refit(spec, sources, destinations, bucket_mb=bucket_mb)
     s = plan.num_sources
     rows = _rank_checks(
@@ -237,6 +239,7 @@ def _rank_checks(
 
 
 def print_table(rows: list[Row]) -> None:
+    """The rows as a Markdown table."""
     print("| check | figure | ratio | ok |")
     print("|---|---|---|---|")
     for r in rows:
@@ -244,7 +247,8 @@ def print_table(rows: list[Row]) -> None:
 
 
 def run(repeats: int, quick: bool) -> int:
-    from .engine.cupy_nccl import cupy_available
+    """Every check on the current GPU, then the table; the exit status."""
+    from ..engine.cupy_nccl import cupy_available
 
     if not torch.cuda.is_available() or not cupy_available():
         print(f"{NEEDS}; found torch.cuda.is_available()={torch.cuda.is_available()}, "
@@ -272,4 +276,5 @@ def run(repeats: int, quick: bool) -> int:
 
 
 def cmd_gpu_check(args: argparse.Namespace) -> int:
+    """``nemo-refit-reshard gpu-check [--repeats N] [--quick]``."""
     return run(args.repeats, args.quick)

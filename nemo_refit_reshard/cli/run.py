@@ -1,0 +1,157 @@
+"""The ``demo`` and ``bench`` commands: refit between local processes (every rank a
+process on this machine), time each backend and check every destination bit for bit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from typing import Any
+
+from ..plan import plan_broadcast
+from ..runner import RunConfig, RunResult, run_local
+from .plan import TimedPlan, mib, plan_summary, timed_plan
+from .run_args import run_config
+
+# What ``report["config"]`` repeats of the run's configuration.
+REPORTED_CONFIG = ("model", "train", "infer", "steps", "bucket_mb", "transport", "relay")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Run the refit for a few steps; print the backends side by side (or the report)."""
+    return run_command(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``demo`` with more steps by default; ``--json`` for the figures."""
+    return run_command(args)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run the refit the arguments describe and print its report; the exit status."""
+    # A progress bar only for a person watching, never into JSON or a log file.
+    show_progress = sys.stderr.isatty() and not args.json
+    report, _ = run_report(run_config(args), show_progress=show_progress)
+    return finish(report, args.json)
+
+
+def run_report(cfg: RunConfig, show_progress: bool) -> tuple[dict[str, Any], RunResult]:
+    """Plan the refit, run it between local processes; the report (JSON) and the raw
+    result of every rank."""
+    timed = timed_plan(cfg)
+    nbytes = backend_bytes(cfg, timed)
+    result = run_local(
+        cfg,
+        timed.plan,
+        join_timeout_s=cfg.timeout_s + 300,  # past the ranks' own timeouts: they report first
+        progress=progress_bar if show_progress else None,
+    )
+    if show_progress:
+        sys.stderr.write("\n")
+    return build_report(cfg, timed, result, nbytes), result
+
+
+def backend_bytes(cfg: RunConfig, timed: TimedPlan) -> dict[str, int]:
+    """Bytes each backend the run times moves per refit."""
+    nbytes = {"reshard": timed.plan.stats.total_bytes}
+    if "broadcast" in cfg.backends:
+        bplan = plan_broadcast(timed.spec, timed.sources, timed.destinations, cfg.bucket_mb)
+        nbytes["broadcast"] = bplan.total_bytes
+    return nbytes
+
+
+def progress_bar(done: int, total: int) -> None:
+    """Redraw a one-line bar of rank-steps done on stderr."""
+    width = 30
+    filled = width * done // max(1, total)
+    sys.stderr.write(f"\r  [{'#' * filled}{' ' * (width - filled)}] {done}/{total} rank-steps")
+    sys.stderr.flush()
+
+
+def build_report(
+    cfg: RunConfig, timed: TimedPlan, result: RunResult, nbytes: dict[str, int]
+) -> dict[str, Any]:
+    """The run's report: its configuration, the plan's figures, any rank's error and,
+    when no rank failed, each backend's times and check."""
+    report: dict[str, Any] = {
+        "config": {k: getattr(cfg, k) for k in REPORTED_CONFIG},
+        "plan": plan_summary(timed.plan, timed.seconds),
+        "errors": {str(k): v for k, v in result.errors().items()},
+        "backends": {},
+    }
+    if report["errors"]:
+        return report
+    for backend in cfg.backends:
+        report["backends"][backend] = {
+            **step_stats(result, backend),
+            "bytes": nbytes[backend],
+            **check(result, backend, timed.plan.num_sources, cfg.verify),
+        }
+    return report
+
+
+def step_stats(result: RunResult, backend: str) -> dict[str, float]:
+    """Per step, the slowest rank's time; then the median over steps."""
+    per_rank = [r["backends"][backend]["timings"] for r in result.ranks]
+    steps = len(per_rank[0])
+    wall = [max(t[k][0] for t in per_rank) for k in range(steps)]
+    host = [max(t[k][0] - t[k][1] for t in per_rank) for k in range(steps)]
+    return {
+        "median_s": statistics.median(wall),
+        "min_s": min(wall),
+        "median_host_s": statistics.median(host),
+        "steps": steps,
+    }
+
+
+def check(result: RunResult, backend: str, num_sources: int, verify: bool) -> dict[str, Any]:
+    """``verified`` and the ``mismatches`` per inference rank (by inference rank) that
+    the inference ranks found after the backend's last step."""
+    bad = {
+        r["rank"] - num_sources: r["backends"][backend].get("mismatches")
+        for r in result.ranks
+        if r["rank"] >= num_sources and r["backends"][backend].get("mismatches")
+    }
+    return {"verified": verify and not bad, "mismatches": bad}
+
+
+def finish(report: dict[str, Any], as_json: bool) -> int:
+    """Print the report (JSON or text) and any rank's error; the exit status: 0 when
+    every backend's result was checked bit-exact."""
+    if as_json:
+        print(json.dumps(report))
+    if report["errors"]:
+        for rank, err in sorted(report["errors"].items(), key=lambda kv: int(kv[0])):
+            print(f"nemo-refit-reshard: rank {rank} failed: {err}", file=sys.stderr)
+        return 1
+    if not as_json:
+        print_report(report)
+    return 0 if all(b["verified"] for b in report["backends"].values()) else 1
+
+
+def print_report(report: dict[str, Any]) -> None:
+    """The report as text: one line per backend, the broadcast the speedups' base."""
+    cfg, plan = report["config"], report["plan"]
+    print(
+        f"refit {cfg['model']}: training {cfg['train']} ({plan['sources']} ranks) -> "
+        f"inference {cfg['infer']} ({plan['destinations']} ranks), gloo on localhost, "
+        f"{cfg['steps']} timed steps"
+    )
+    base = report["backends"].get("broadcast", {}).get("median_s")
+    print(
+        f"  {'backend':10} {'bytes moved':>14} {'median refit':>13} {'speedup':>8} "
+        f"{'host overhead':>14}  check"
+    )
+    for name, b in report["backends"].items():
+        speed = f"{base / b['median_s']:.2f}x" if base else "-"
+        verdict = "bit-exact" if b["verified"] else f"MISMATCH {b['mismatches']}"
+        print(
+            f"  {name:10} {mib(b['bytes']):>14} {b['median_s'] * 1e3:>10.1f} ms {speed:>8} "
+            f"{b['median_host_s'] * 1e3:>11.1f} ms  {verdict}"
+        )
+    print(
+        f"  minimum bytes {mib(plan['min_bytes'])}; plan {plan['fingerprint']}, "
+        f"{plan['messages']} messages in {plan['rounds']} round(s), "
+        f"built in {plan['build_seconds']:.2f} s"
+    )

@@ -1,0 +1,108 @@
+"""The arguments ``plan``, ``demo``, ``bench`` and ``simulate`` share, and the
+``RunConfig`` they describe."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..runner import RunConfig
+
+BACKENDS = ("reshard", "broadcast")
+# Relay modes that need to know which ranks share NVLink: only ``simulate`` has a cluster.
+CLUSTER_RELAYS = ("auto", "domain")
+
+
+def add_run_arguments(p: argparse.ArgumentParser, steps: int) -> None:
+    """The model, both parallelisms and how to run the refit; ``steps`` is the default
+    number of timed steps."""
+    p.add_argument("--model", default="small-qwen3", help="preset name or config.json path")
+    p.add_argument("--train", default="tp=2,pp=2", help="tp=,pp=,vpp=,cp=,dp=,ep=,etp=")
+    p.add_argument("--infer", default="tp=2,dp=2", help="tp=,pp=,dp=,engine_dp=,ep=")
+    p.add_argument("--bucket-mb", type=float, default=512)
+    p.add_argument(
+        "--relay",
+        choices=("none", "chain", "domain", "auto"),
+        default=None,
+        help="chain: forward slices between inference replicas; domain (simulate only): "
+        "one copy per NVLink domain, forwarded inside it; auto (simulate only, its "
+        "default): the mode the cluster model predicts fastest (default elsewhere: none)",
+    )
+    p.add_argument("--train-dtype", default=None, help="training params dtype (e.g. float32)")
+    p.add_argument(
+        "--first-stage-layers",
+        type=int,
+        default=None,
+        help="Megatron num_layers_in_first_pipeline_stage",
+    )
+    p.add_argument(
+        "--last-stage-layers",
+        type=int,
+        default=None,
+        help="Megatron num_layers_in_last_pipeline_stage",
+    )
+    p.add_argument("--infer-dtype", default=None, help="inference params dtype")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--backends", default="reshard,broadcast")
+    p.add_argument("--timeout", type=float, default=600, help="seconds any wait may take")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--transport",
+        choices=("gloo", "cupy-nccl"),
+        default="gloo",
+        help="gloo on CPU (default) or CuPy NCCL, one GPU per rank",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="with --transport gloo: where the ranks' tensors live (cuda: through host twins)",
+    )
+    p.add_argument(
+        "--host-staged",
+        action="store_true",
+        help="with --transport gloo: exchange through host twins even for CPU tensors",
+    )
+    p.add_argument(
+        "--overlap",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="overlap pack/unpack with the wire (two staging sets); auto: on for CUDA",
+    )
+    p.add_argument("--json", action="store_true")
+
+
+def run_config(args: argparse.Namespace) -> RunConfig:
+    """The run the arguments describe; a ``ValueError`` for a choice no command takes."""
+    backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
+    for b in backends:
+        if b not in BACKENDS:
+            raise ValueError(f"unknown backend {b!r}; choose from reshard, broadcast")
+    if args.steps < 1:
+        raise ValueError("--steps must be >= 1")
+    relay = args.relay
+    if relay is None:
+        relay = "auto" if args.command == "simulate" else "none"
+    if relay in CLUSTER_RELAYS and args.command != "simulate":
+        raise ValueError(
+            f"--relay {relay} needs a cluster model (which ranks share NVLink): "
+            "use it with simulate"
+        )
+    return RunConfig(
+        model=args.model,
+        train=args.train,
+        infer=args.infer,
+        backends=backends,
+        steps=args.steps,
+        bucket_mb=args.bucket_mb,
+        timeout_s=args.timeout,
+        seed=args.seed,
+        train_dtype=args.train_dtype,
+        infer_dtype=args.infer_dtype,
+        transport=args.transport,
+        first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers,
+        relay=relay,
+        overlap={"auto": None, "on": True, "off": False}[args.overlap],
+        device=args.device,
+        host_staged=True if args.host_staged else None,
+    )

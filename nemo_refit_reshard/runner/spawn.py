@@ -1,0 +1,205 @@
+"""Run a refit between local processes: training ranks and inference ranks on gloo.
+
+The driver (this process) builds the plan once and writes it as JSON; it then
+spawns one process per training rank and per inference rank. Training ranks
+hold Megatron-layout shards of deterministic random weights, inference ranks
+hold vLLM-layout tensors. All of them join one gloo refit group over a
+``TCPStore`` on localhost, replay each backend for a number of steps and check
+every destination element bit for bit against the canonical weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..engine.rendezvous import free_port, new_secret
+from ..plan import RefitPlan, plan_broadcast, plan_refit, rank_plan
+from .config import RunConfig, build_layouts
+
+
+@dataclass
+class RunResult:
+    """What a local run came back with: the plan it replayed, every rank's report (in
+    rank order; a rank that failed has an ``"error"``) and the run's wall time."""
+
+    plan: RefitPlan
+    ranks: list[dict[str, Any]]
+    seconds: float
+
+    def errors(self) -> dict[int, str]:
+        """Each failed rank's error, by refit-group rank."""
+        return {r["rank"]: r["error"] for r in self.ranks if "error" in r}
+
+
+def run_local(
+    cfg: RunConfig,
+    plan: RefitPlan | None = None,
+    join_timeout_s: float = 900,
+    progress: Callable[[int, int], None] | None = None,
+) -> RunResult:
+    """Spawn every rank on this machine, run the refit, return every rank's report."""
+    import torch.multiprocessing as mp
+
+    t0 = time.perf_counter()
+    if cfg.connect_timeout_s is None:  # ranks start as fast as the machine lets them
+        cfg = dataclasses.replace(cfg, connect_timeout_s=join_timeout_s)
+    if plan is None:
+        spec, sources, destinations = build_layouts(cfg)
+        plan = plan_refit(spec, sources, destinations, bucket_mb=cfg.bucket_mb, relay=cfg.relay)
+    world = plan.num_sources + plan.num_destinations
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_path = _write_plans(plan, world, tmp)
+        ctx = mp.start_processes(
+            _worker,
+            args=(json.dumps(asdict(cfg)), plan_path, free_port(), tmp, new_secret()),
+            nprocs=world,
+            start_method="spawn",
+            join=False,
+        )
+        total = world * cfg.steps * len(cfg.backends)
+        hung = _wait(ctx.processes, tmp, join_timeout_s, total, progress)
+        ranks = _collect(ctx.processes, tmp, hung)
+    return RunResult(plan, ranks, time.perf_counter() - t0)
+
+
+def _write_plans(plan: RefitPlan, world: int, tmp: str) -> str:
+    """Write the whole plan and every rank's slice of it; return the whole plan's path
+    (each rank finds its slice beside it)."""
+    plan_path = os.path.join(tmp, "plan.json")
+    Path(plan_path).write_text(plan.to_json())
+    for r in range(world):
+        Path(tmp, f"plan{r}.json").write_text(rank_plan(plan, r).to_json())
+    return plan_path
+
+
+def _wait(
+    processes: Sequence[Any],
+    tmp: str,
+    join_timeout_s: float,
+    total: int,
+    progress: Callable[[int, int], None] | None,
+) -> list[int]:
+    """Wait until every rank exits or the deadline passes, reporting rank-steps done;
+    kill the ranks still running then and return their ranks."""
+    deadline = time.monotonic() + join_timeout_s
+    while time.monotonic() < deadline and any(p.is_alive() for p in processes):
+        time.sleep(0.2)
+        if progress:
+            done = sum(_read_int(Path(tmp, f"progress{r}")) for r in range(len(processes)))
+            progress(done, total)
+    hung = [i for i, p in enumerate(processes) if p.is_alive()]
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+    return hung
+
+
+def _collect(processes: Sequence[Any], tmp: str, hung: list[int]) -> list[dict[str, Any]]:
+    """Every rank's report; for a rank that wrote none, an error saying why."""
+    ranks = []
+    for r, process in enumerate(processes):
+        path = Path(tmp, f"rank{r}.json")
+        if path.exists():
+            ranks.append(json.loads(path.read_text()))
+        else:
+            why = "still running at the deadline" if r in hung else f"exit code {process.exitcode}"
+            ranks.append({"rank": r, "error": f"process died without a report ({why})"})
+    return ranks
+
+
+def _read_int(path: Path) -> int:
+    try:
+        return int(path.read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0  # not written yet, or caught mid-write
+
+
+def _worker(rank: int, cfg_json: str, plan_path: str, port: int, out_dir: str, secret: str) -> None:
+    """One spawned rank: run it and write its report, errors included, for the driver."""
+    import torch
+
+    torch.set_num_threads(1)
+    result: dict[str, Any] = {"rank": rank, "backends": {}}
+    try:
+        _run_rank(rank, RunConfig(**json.loads(cfg_json)), plan_path, port, secret, result)
+    except BaseException as err:  # reported to the driver, which decides what to raise
+        result["error"] = f"{type(err).__name__}: {err}"
+        result["traceback"] = traceback.format_exc()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    if "error" in result:
+        os._exit(1)
+
+
+def _run_rank(
+    rank: int, cfg: RunConfig, plan_path: str, port: int, secret: str, result: dict
+) -> None:
+    """Join the refit group, then time every backend for ``cfg.steps`` steps (after one
+    warm-up refit), checking an inference rank's tensors after the last step."""
+    import torch
+
+    # Loaded in the ranks only: importing the runner (every CLI command does) stays light.
+    from ..engine.materialize import SyntheticWeights, materialize, mismatches
+    from ..integrations.worker import RefitEndpoint, RefitWorker
+
+    # Each worker reads only its own slice of the plan (written by the driver).
+    plan_json = Path(plan_path).with_name(f"plan{rank}.json").read_text()
+    spec, sources, destinations = build_layouts(cfg)
+    weights = SyntheticWeights(spec, cfg.seed)
+    s = len(sources)
+    is_source = rank < s
+    layout = sources[rank] if is_source else destinations[rank - s]
+    if cfg.transport == "cupy-nccl" or cfg.device == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    tensors = materialize(layout, weights, fill=float("nan"), device=device)
+    endpoint = RefitEndpoint(
+        "127.0.0.1", port, s + len(destinations), rank, cfg.transport, cfg.timeout_s,
+        cfg.connect_timeout_s, secret=secret,
+    )  # fmt: skip
+    worker = RefitWorker(
+        endpoint, tensors, device, overlap=cfg.overlap, host_staged=cfg.host_staged
+    )
+    worker.join()
+    result["transport"] = type(worker.transport).__name__
+    bplan = (
+        plan_broadcast(spec, sources, destinations, cfg.bucket_mb)
+        if ("broadcast" in cfg.backends)
+        else None
+    )
+    progress = Path(plan_path).with_name(f"progress{rank}")
+    done = 0
+    for b_index, backend in enumerate(cfg.backends):
+        worker.load_plan(plan_json, backend, bplan)
+        worker.refit()  # warm-up: gloo connects pairs lazily on first use
+        timings = []
+        for step in range(cfg.steps):
+            if not is_source:
+                for t in tensors.values():
+                    t.fill_(float("nan"))
+            if cfg.kill_rank == rank and b_index == 0 and step == cfg.kill_step:
+                os._exit(3)  # simulated crash: no cleanup, sockets reset
+            worker.barrier()  # every rank starts the step together
+            timing = worker.refit()
+            timings.append([timing.seconds, timing.exchange_seconds])
+            done += 1
+            progress.write_text(str(done))
+        entry: dict[str, Any] = {"timings": timings, "staging_bytes": _staging(worker.refitter)}
+        if not is_source and cfg.verify:
+            entry["mismatches"] = mismatches(layout, tensors, weights)
+        result["backends"][backend] = entry
+
+
+def _staging(refitter: Any) -> int:
+    """Bytes of staging buffers the rank's compiled program holds (0 if it reports none)."""
+    return int(getattr(refitter.program, "staging_bytes", 0))
