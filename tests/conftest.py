@@ -1,12 +1,11 @@
-"""Shared pytest setup: make ``tests/`` helpers importable and quiet framework warnings."""
+"""Shared pytest setup: quiet framework warnings. (``tests`` is a package: its helpers
+import as ``tests.helpers.*``, its subprocess programs run as ``python -m tests.programs.*``.)"""
 
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 warnings.filterwarnings("ignore", message=".*Apex is not installed.*")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 
 import pytest
-from hf_models import TINY_CONFIGS
 
 from nemo_refit_reshard.layouts import (
     MegatronOptions,
@@ -19,6 +18,7 @@ from nemo_refit_reshard.layouts import (
 )
 from nemo_refit_reshard.layouts.dtensor import Shard
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
+from tests.helpers.hf_models import TINY_CONFIGS
 
 LLAMA = spec_from_hf_config(TINY_CONFIGS["llama"])  # 4 heads, 2 KV heads, vocab 100, F 96
 MOE = spec_from_hf_config(TINY_CONFIGS["qwen3_moe"])  # 4 experts, moe_intermediate 32

@@ -7,8 +7,6 @@ import dataclasses
 
 import pytest
 import torch
-from hf_models import TINY_CONFIGS
-from plan_checks import assert_delivers_exactly
 
 from nemo_refit_reshard.engine.checksum import (
     combine,
@@ -32,6 +30,8 @@ from nemo_refit_reshard.plan import (
     verify_plan,
 )
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
+from tests.helpers.hf_models import TINY_CONFIGS
+from tests.helpers.plan_checks import assert_delivers_exactly
 
 # 3 layers over 2 pipeline stages, the first holding 1: stage 0 = embedding + 1 layer,
 # stage 1 = 2 layers + final norm + head, about a third more bytes.

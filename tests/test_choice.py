@@ -4,13 +4,13 @@ the candidates, a candidate it did not schedule could not have won, and it says 
 from __future__ import annotations
 
 import pytest
-from hf_models import TINY_CONFIGS
 
 from nemo_refit_reshard.layouts import megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import Cluster, Placement, Topology, plan_refit, predict_refit
 from nemo_refit_reshard.plan.pass1_needs import find_needs
 from nemo_refit_reshard.plan.relay_choice import ingress_bound
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
+from tests.helpers.hf_models import TINY_CONFIGS
 
 SPEC = spec_from_hf_config(dict(TINY_CONFIGS["llama"], torch_dtype="float32"))
 MOE = spec_from_hf_config(dict(TINY_CONFIGS["qwen3_moe"], torch_dtype="float32"))

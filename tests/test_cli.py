@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from hf_models import TINY_CONFIGS
 
 from nemo_refit_reshard.cli import main
 from nemo_refit_reshard.layouts import megatron_layout
 from nemo_refit_reshard.spec import TrainParallel, load_model_spec
+from tests.helpers.hf_models import TINY_CONFIGS
 
 
 @pytest.fixture()

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from hf_models import TINY_CONFIGS
-from plan_checks import assert_delivers_exactly
-
 from nemo_refit_reshard.layouts import megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import Cluster, Placement, Topology, plan_refit, predict_refit
 from nemo_refit_reshard.plan.pass4_routes.domain import entry_weights
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
+from tests.helpers.hf_models import TINY_CONFIGS
+from tests.helpers.plan_checks import assert_delivers_exactly
 
 SPEC = spec_from_hf_config(dict(TINY_CONFIGS["llama"], torch_dtype="float32"))
 

@@ -13,10 +13,10 @@ import time
 
 import pytest
 import torch.multiprocessing as mp
-from hf_models import TINY_CONFIGS
 
 from nemo_refit_reshard.engine.rendezvous import free_port
 from nemo_refit_reshard.runner import RunConfig, run_local
+from tests.helpers.hf_models import TINY_CONFIGS
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from hf_models import TINY_CONFIGS
 
 from nemo_refit_reshard.engine.cupy_nccl import cupy_available
 from nemo_refit_reshard.engine.materialize import empty_like_layout, materialize, mismatches
@@ -14,6 +13,7 @@ from nemo_refit_reshard.engine.simulate import simulate_plan
 from nemo_refit_reshard.layouts import VllmOptions, megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import plan_refit
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
+from tests.helpers.hf_models import TINY_CONFIGS
 
 # GPU-only tests carry the marker themselves; the gpu-check CPU twins run everywhere.
 

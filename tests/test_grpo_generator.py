@@ -19,14 +19,14 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from hf_models import unit_scale_weights
 from torch import Tensor
-from vllm_reference import canonical_state_dict, materialize
 
 from nemo_refit_reshard.engine.rendezvous import free_port
 from nemo_refit_reshard.grpo_cpu.generator import ForwardConfig, VllmLayoutGenerator
 from nemo_refit_reshard.layouts import VllmOptions, vllm_layout
 from nemo_refit_reshard.spec import InferParallel, ModelSpec, load_model_spec, spec_from_hf_config
+from tests.helpers.hf_models import unit_scale_weights
+from tests.helpers.vllm_reference import canonical_state_dict, materialize
 
 P = InferParallel
 VOCAB = 100  # padded to 128: tp ranks past id 100 hold padding rows

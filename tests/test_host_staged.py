@@ -8,10 +8,10 @@ import json
 
 import pytest
 import torch
-from hf_models import TINY_CONFIGS
 
 from nemo_refit_reshard.engine.host_staged import HostStagedTransport
 from nemo_refit_reshard.runner import RunConfig, run_local
+from tests.helpers.hf_models import TINY_CONFIGS
 
 
 class Recorder:

@@ -36,7 +36,6 @@ import warnings
 from datetime import timedelta
 from typing import Any
 
-import megatron_cpu as mc
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -46,6 +45,7 @@ from nemo_refit_reshard.integrations.megatron.cpu import CPU_CONFIG
 from nemo_refit_reshard.layouts.megatron import MegatronOptions, megatron_layout
 from nemo_refit_reshard.spec.model import spec_from_hf_config
 from nemo_refit_reshard.spec.parallel import TrainParallel
+from tests.helpers import megatron_cpu as mc
 
 pytestmark = pytest.mark.slow
 
@@ -172,7 +172,8 @@ def _run_case(rank: int, par: P, payload: dict[str, Any], attn_cls: type) -> dic
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from test_megatron_truth import _corrupt, _shard_record
+
+    from tests.test_megatron_truth import _corrupt, _shard_record
 
     hf = payload["hf"]
     spec = spec_from_hf_config(hf)
@@ -259,8 +260,8 @@ def _worker(rank: int, tmp: str) -> None:
 # ------------------------------------------------------------------------------- parent
 @pytest.fixture(scope="module")
 def truth() -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
-    from hf_models import checkpoint_state_dict, hf_config_dict
-    from test_megatron_truth import _random_hf
+    from tests.helpers.hf_models import checkpoint_state_dict, hf_config_dict
+    from tests.test_megatron_truth import _random_hf
 
     for name, par in CASES.items():
         assert par.world_size == WORLD, name

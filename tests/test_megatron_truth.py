@@ -28,7 +28,6 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
-import megatron_cpu as mc
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -40,6 +39,7 @@ from nemo_refit_reshard.layouts.megatron import MegatronOptions, megatron_layout
 from nemo_refit_reshard.plan import PlanError
 from nemo_refit_reshard.spec.model import spec_from_hf_config
 from nemo_refit_reshard.spec.parallel import TrainParallel
+from tests.helpers import megatron_cpu as mc
 
 pytestmark = pytest.mark.slow
 
@@ -102,7 +102,7 @@ def _corrupt(tensors: tuple[LocalTensor, ...], neg: tuple[str, str, str]) -> tup
 
 def _shard_record(name: str, st: Any, arch: Any, tags: dict, vocab: int) -> dict[str, Any]:
     """Where the provider's tags put ``st``'s local data, next to what ``st`` claims."""
-    import megatron_cpu as mc
+    from tests.helpers import megatron_cpu as mc
 
     rec: dict[str, Any] = dict(
         param=name,
@@ -135,10 +135,11 @@ def _shard_record(name: str, st: Any, arch: Any, tags: dict, vocab: int) -> dict
 
 
 def _run_case(rank: int, case: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
-    import megatron_cpu as mc
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from tests.helpers import megatron_cpu as mc
 
     par, hf = case["par"], payload["hf"]
     spec = spec_from_hf_config(hf)
@@ -221,8 +222,9 @@ def _through_wrappers(chunks: list, params: dict, layout: Any) -> dict[str, Any]
 
 def _worker(rank: int, tmp: str) -> None:
     warnings.filterwarnings("ignore")  # megatron's TE/Apex fallback notices, once per rank
-    import megatron_cpu as mc
     import torch.distributed as dist
+
+    from tests.helpers import megatron_cpu as mc
 
     torch.set_num_threads(1)
     mc.apply_cpu_patches()
@@ -247,7 +249,7 @@ def _worker(rank: int, tmp: str) -> None:
 # ------------------------------------------------------------------------------- parent
 def _random_hf(family: str, seed: int, **overrides: Any) -> torch.nn.Module:
     """A tiny HF model with every weight random (norm weights around 1), seeded."""
-    from hf_models import tiny_hf_model
+    from tests.helpers.hf_models import tiny_hf_model
 
     model = tiny_hf_model(family, seed=seed, **overrides)
     gen = torch.Generator().manual_seed(seed)
@@ -259,7 +261,7 @@ def _random_hf(family: str, seed: int, **overrides: Any) -> torch.nn.Module:
 
 
 def _payload(seed: int, case: dict[str, Any]) -> dict[str, Any]:
-    from hf_models import TINY_CONFIGS, checkpoint_state_dict, hf_config_dict
+    from tests.helpers.hf_models import TINY_CONFIGS, checkpoint_state_dict, hf_config_dict
 
     overrides = case.get("hf", {})
     if not case.get("forward"):

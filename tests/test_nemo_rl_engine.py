@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 import torch
-import vllm_env
 from safetensors.torch import save_file
-from test_vllm_truth import MODELS
 
 from nemo_refit_reshard.spec import spec_from_hf_config
+from tests.helpers import vllm_env
+from tests.test_vllm_truth import MODELS
 
 _SKIP = vllm_env.nemo_rl_skip_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
@@ -61,7 +61,7 @@ def drive(tmp: Path, model: str, tp: int, engines: int, steps: int, **kwargs: An
         )
     )
     proc = vllm_env.start(
-        "nemo_rl_driver.py", str(spec_path), str(result), python=vllm_env.nemo_rl_python()
+        "nemo_rl_driver", str(spec_path), str(result), python=vllm_env.nemo_rl_python()
     )
     vllm_env.finish(proc, "NeMo RL driver")
     return json.loads(result.read_text())

@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 import torch
-import vllm_env
 from safetensors.torch import save_file
-from test_vllm_truth import MODELS
 
 from nemo_refit_reshard.spec import spec_from_hf_config
+from tests.helpers import vllm_env
+from tests.test_vllm_truth import MODELS
 
 _SKIP = vllm_env.nemo_rl_grpo_skip_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
@@ -63,7 +63,7 @@ def drive(tmp: Path, scenario: str, steps: int, sizes: dict = TP2, **refit: Any)
     spec_path, result = tmp / "spec.json", tmp / "result.json"
     spec_path.write_text(json.dumps(spec))
     python = vllm_env.nemo_rl_grpo_python()
-    proc = vllm_env.start("nemo_rl_reshard_driver.py", str(spec_path), str(result), python=python)
+    proc = vllm_env.start("nemo_rl_reshard_driver", str(spec_path), str(result), python=python)
     vllm_env.finish(proc, "NeMo RL reshard driver")
     out = json.loads(result.read_text())
     assert "error" not in out, out.get("traceback")

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
-from hf_models import TINY_CONFIGS
 
 from nemo_refit_reshard.layouts import megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import (
@@ -28,6 +27,7 @@ from nemo_refit_reshard.plan.pass5_rounds import plan_rounds
 from nemo_refit_reshard.plan.pass6_messages import to_messages
 from nemo_refit_reshard.plan.pass7_assemble import assemble_plan
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
+from tests.helpers.hf_models import TINY_CONFIGS
 
 SPEC = spec_from_hf_config(dict(TINY_CONFIGS["llama"], torch_dtype="float32"))
 TENSOR_BYTES = sum(t.numel for t in SPEC) * 4

@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from hf_models import TINY_CONFIGS
-from test_carry import _plan as carried_plan
 
 from nemo_refit_reshard.engine.materialize import empty_like_layout, materialize, mismatches
 from nemo_refit_reshard.engine.pipeline import replay_overlapped
@@ -27,6 +25,8 @@ from nemo_refit_reshard.engine.transport import TransportError
 from nemo_refit_reshard.layouts import megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import plan_refit
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
+from tests.helpers.hf_models import TINY_CONFIGS
+from tests.test_carry import _plan as carried_plan
 
 
 # -- the order ------------------------------------------------------------------------
@@ -251,7 +251,7 @@ def test_overlapped_refit_is_bit_exact(mode: str) -> None:
 @pytest.mark.parametrize("mode", ["late", "early"])
 def test_carried_bytes_survive_the_overlap(mode: str) -> None:
     plan, sources, destinations, _ = carried_plan()
-    from test_carry import SPEC
+    from tests.test_carry import SPEC
 
     assert any(
         p.reads_previous

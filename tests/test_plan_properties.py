@@ -11,8 +11,6 @@ import os
 
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from plan_checks import assert_delivers_exactly
-from test_layout_properties import hf_configs
 
 from nemo_refit_reshard.layouts import (
     MegatronOptions,
@@ -24,6 +22,8 @@ from nemo_refit_reshard.layouts import (
 )
 from nemo_refit_reshard.plan import RefitPlan, is_relay, plan_refit
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
+from tests.helpers.plan_checks import assert_delivers_exactly
+from tests.test_layout_properties import hf_configs
 
 # HYPOTHESIS_EXAMPLES=600 runs a deeper search locally; CI keeps the default.
 EXAMPLES = int(os.environ.get("HYPOTHESIS_EXAMPLES", "60"))

@@ -7,7 +7,6 @@ from collections import defaultdict
 
 import pytest
 import torch
-from hf_models import TINY_CONFIGS
 
 from nemo_refit_reshard.engine.program import RankProgram
 from nemo_refit_reshard.layouts import (
@@ -20,6 +19,7 @@ from nemo_refit_reshard.layouts import (
 from nemo_refit_reshard.layouts.base import LocalTensor
 from nemo_refit_reshard.plan import PlanError, RefitPlan, plan_broadcast, plan_refit
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
+from tests.helpers.hf_models import TINY_CONFIGS
 
 LLAMA = spec_from_hf_config(dict(TINY_CONFIGS["llama"], torch_dtype="float32"))
 MOE = spec_from_hf_config(dict(TINY_CONFIGS["qwen3_moe"], torch_dtype="float32"))

@@ -6,7 +6,6 @@ import json
 import sys
 
 import pytest
-from hf_models import TINY_CONFIGS
 
 from nemo_refit_reshard.cli import main
 from nemo_refit_reshard.layouts import Box, megatron_layout, vllm_layout
@@ -30,6 +29,7 @@ from nemo_refit_reshard.plan import (
 from nemo_refit_reshard.plan.analysis.baseline import broadcast_chain
 from nemo_refit_reshard.plan.analysis.predict import GpuBytes
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, load_model_spec
+from tests.helpers.hf_models import TINY_CONFIGS
 
 LLAMA = load_model_spec(TINY_CONFIGS["llama"])
 FULL = 74_560 * 2  # tiny llama in bf16: 6400 embed + 2 x 30848 per layer + 64 norm + 6400 head

@@ -5,9 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from hf_models import TINY_CONFIGS, checkpoint_state_dict, hf_config_dict, tiny_hf_model
 
 from nemo_refit_reshard.spec import load_model_spec, preset_configs, spec_from_hf_config
+from tests.helpers.hf_models import (
+    TINY_CONFIGS,
+    checkpoint_state_dict,
+    hf_config_dict,
+    tiny_hf_model,
+)
 
 
 @pytest.mark.parametrize("family", sorted(TINY_CONFIGS))

@@ -5,7 +5,6 @@ and even traffic comes out at the busiest link's time."""
 from __future__ import annotations
 
 import pytest
-from hf_models import TINY_CONFIGS
 
 import nemo_refit_reshard.plan.pass5_rounds.rounds as rounds_module
 from nemo_refit_reshard.layouts import MegatronOptions, megatron_layout, vllm_layout
@@ -19,6 +18,7 @@ from nemo_refit_reshard.plan import (
     verify_plan,
 )
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
+from tests.helpers.hf_models import TINY_CONFIGS
 
 SPEC = spec_from_hf_config(
     dict(TINY_CONFIGS["llama"], num_hidden_layers=3, vocab_size=256, torch_dtype="float32")

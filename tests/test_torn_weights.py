@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from hf_models import TINY_CONFIGS
 
 from nemo_refit_reshard.engine.materialize import empty_like_layout, materialize, mismatches
 from nemo_refit_reshard.engine.rendezvous import free_port, new_secret
@@ -30,6 +29,7 @@ from nemo_refit_reshard.integrations.worker import (
 from nemo_refit_reshard.layouts import megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import plan_refit, rank_plan
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
+from tests.helpers.hf_models import TINY_CONFIGS
 
 SPEC = spec_from_hf_config(dict(TINY_CONFIGS["llama"], torch_dtype="float32"))
 SOURCE = megatron_layout(SPEC, TrainParallel(), 0)

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 import torch
-import vllm_env
 from safetensors.torch import save_file
-from test_vllm_truth import MODELS
 
 from nemo_refit_reshard.integrations.checkpoint_engine import ReshardEngineConfig, plan_full_tensors
 from nemo_refit_reshard.layouts import vllm_layouts
 from nemo_refit_reshard.spec import InferParallel, spec_from_hf_config
+from tests.helpers import vllm_env
+from tests.test_vllm_truth import MODELS
 
 _SKIP = vllm_env.verl_skip_reason()
 LOCAL = {"host": "127.0.0.1"}  # the refit group's rendezvous stays on loopback
@@ -49,9 +49,7 @@ def checkpoints(model: Path, steps: int) -> list[str]:
 def drive(tmp: Path, **spec: Any) -> dict[str, Any]:
     spec_path, result = tmp / "spec.json", tmp / "result.json"
     spec_path.write_text(json.dumps(spec))
-    proc = vllm_env.start(
-        "verl_driver.py", str(spec_path), str(result), python=vllm_env.verl_python()
-    )
+    proc = vllm_env.start("verl_driver", str(spec_path), str(result), python=vllm_env.verl_python())
     vllm_env.finish(proc, "veRL driver")
     out = json.loads(result.read_text())
     assert "error" not in out, out.get("traceback")

@@ -18,13 +18,19 @@ from typing import Any
 
 import pytest
 import torch
-from hf_models import unit_scale_weights
 from safetensors import safe_open
 from torch import Tensor
-from vllm_reference import Grid, VllmReference, canonical_state_dict, case_id, materialize
 
 from nemo_refit_reshard.layouts import LocalTensor, RankLayout, vllm_layout, vllm_pp_indices
 from nemo_refit_reshard.spec import InferParallel, ModelSpec, spec_from_hf_config
+from tests.helpers.hf_models import unit_scale_weights
+from tests.helpers.vllm_reference import (
+    Grid,
+    VllmReference,
+    canonical_state_dict,
+    case_id,
+    materialize,
+)
 
 transformers = pytest.importorskip("transformers")
 

@@ -32,9 +32,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_models import checkpoint_state_dict, hf_config_dict, tiny_hf_model
 from torch import Tensor
-from vllm_reference import (
+
+from nemo_refit_reshard.layouts import LocalTensor, RankLayout, vllm_layout
+from nemo_refit_reshard.spec import InferParallel, ModelSpec, spec_from_hf_config
+from tests.helpers.hf_models import checkpoint_state_dict, hf_config_dict, tiny_hf_model
+from tests.helpers.vllm_reference import (
     Grid,
     Shards,
     VllmReference,
@@ -43,9 +46,6 @@ from vllm_reference import (
     materialize,
     rms_norm,
 )
-
-from nemo_refit_reshard.layouts import LocalTensor, RankLayout, vllm_layout
-from nemo_refit_reshard.spec import InferParallel, ModelSpec, spec_from_hf_config
 
 transformers = pytest.importorskip("transformers")
 

@@ -21,13 +21,13 @@ from typing import Any
 
 import pytest
 import torch
-import vllm_env
-from hf_models import TINY_CONFIGS
 
 from nemo_refit_reshard.engine.materialize import mismatches
 from nemo_refit_reshard.layouts import VLLM_RELEASES, RankLayout, VllmOptions, vllm_layout
 from nemo_refit_reshard.layouts.vllm import vllm_position
 from nemo_refit_reshard.spec import InferParallel, ModelSpec, spec_from_hf_config
+from tests.helpers import vllm_env
+from tests.helpers.hf_models import TINY_CONFIGS
 
 _SKIP = vllm_env.skip_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
@@ -224,7 +224,7 @@ def vllm_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         d = work / name
         d.mkdir()
         (d / "job.json").write_text(json.dumps(job))
-        procs[name] = (vllm_env.start("vllm_cpu_job.py", str(d / "job.json"), str(d / "r.json")), d)
+        procs[name] = (vllm_env.start("vllm_cpu_job", str(d / "job.json"), str(d / "r.json")), d)
     out: dict[str, Any] = {}
     for name, (proc, d) in procs.items():
         vllm_env.finish(proc, f"vLLM {name} builds")

@@ -19,15 +19,15 @@ from typing import Any
 
 import pytest
 import torch
-import vllm_env
 from safetensors.torch import save_file
-from test_vllm_truth import MODELS, rank_fields
 
 from nemo_refit_reshard.engine.rendezvous import free_port
 from nemo_refit_reshard.integrations.worker import RefitEndpoint
 from nemo_refit_reshard.layouts import MegatronOptions, VllmOptions, megatron_layout, vllm_layouts
 from nemo_refit_reshard.plan import plan_refit, rank_plan
 from nemo_refit_reshard.spec import InferParallel, ModelSpec, TrainParallel, spec_from_hf_config
+from tests.helpers import vllm_env
+from tests.test_vllm_truth import MODELS, rank_fields
 
 _SKIP = vllm_env.skip_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
@@ -97,8 +97,9 @@ def run_refit(
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(vllm_env.TESTS / "train_refit_rank.py"), str(path)],
+                [sys.executable, *vllm_env.program("train_refit_rank"), str(path)],
                 env=vllm_env.vllm_env(),
+                cwd=vllm_env.REPO,
             )
         )
     results = []
@@ -121,7 +122,7 @@ def run_refit(
                     )
                 )
             )
-            procs.append(vllm_env.start("vllm_refit_rank.py", str(path), str(out)))
+            procs.append(vllm_env.start("vllm_refit_rank", str(path), str(out)))
             results.append(out)
     try:
         for p in procs:
@@ -180,7 +181,7 @@ def _single(tmp_path: Path, mode: str, plan: str, first_rank: int = 2) -> dict[s
             )
         )
     )
-    vllm_env.finish(vllm_env.start("vllm_refit_rank.py", str(path), str(out)), "vLLM rank")
+    vllm_env.finish(vllm_env.start("vllm_refit_rank", str(path), str(out)), "vLLM rank")
     return json.loads(out.read_text())
 
 

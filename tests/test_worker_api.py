@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import TINY_CONFIGS
 
 from nemo_refit_reshard.engine.rendezvous import free_port
 from nemo_refit_reshard.integrations.worker import RefitEndpoint, RefitWorker, describe_tensors
 from nemo_refit_reshard.layouts import megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import plan_refit
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
+from tests.helpers.hf_models import TINY_CONFIGS
 
 
 def test_endpoint_round_trip_and_validation() -> None:

@@ -1,6 +1,6 @@
 """Build vLLM model ranks on CPU and report their parameters (run with vLLM's Python).
 
-    python tests/vllm_cpu_job.py JOB.json RESULT.json
+    python -m tests.programs.vllm_cpu_job JOB.json RESULT.json
 
 JOB: ``{"configs": {key: <HF config.json dict>}, "builds": [{"id", "config": key,
 "rank": EngineRank fields, "device": "meta"|"cpu", "dtype", "weights": <safetensors
@@ -16,7 +16,7 @@ import json
 import sys
 import time
 
-import vllm_cpu
+from tests.helpers import vllm_cpu
 
 
 def main(job_path: str, result_path: str) -> None:

@@ -1,6 +1,6 @@
 """Drive the drop-in NeMo RL engine through NeMo RL's real classes on CPU (NeMo RL's Python).
 
-    python tests/nemo_rl_driver.py SPEC.json RESULT.json
+    python -m tests.programs.nemo_rl_driver SPEC.json RESULT.json
 
 SPEC: ``{"config": <HF config>, "policy": T, "tp": vLLM tp, "engines": n, "steps": k,
 "checkpoints": [safetensors per step], "engine_kwargs": {...}}``.
@@ -29,7 +29,8 @@ from typing import Any
 
 import ray
 import torch
-from driver_report import report_to
+
+from tests.helpers.driver_report import report_to
 
 ENGINE = "nemo_refit_reshard.integrations.nemo_rl:ReshardCheckpointEngine"
 
@@ -78,7 +79,8 @@ class VllmWorkerProcess:
         os.environ["VLLM_TARGET_DEVICE"] = "cpu"
         _cpu_stand_ins()
         import torch.distributed as dist
-        import vllm_cpu
+
+        from tests.helpers import vllm_cpu
 
         vllm_cpu.use_cpu_platform()  # before NeMo RL's vllm_backend imports vLLM's layers
         from nemo_rl.models.generation.vllm.vllm_backend import (
@@ -108,7 +110,7 @@ class VllmWorkerProcess:
 
     def load(self, checkpoint: str) -> None:
         """vLLM's start-up load (its loader also zeroes the vocabulary padding)."""
-        import vllm_cpu
+        from tests.helpers import vllm_cpu
 
         self.model.load_weights(vllm_cpu.checkpoint_tensors(checkpoint))
 
@@ -119,7 +121,7 @@ class VllmWorkerProcess:
 
     def compare(self, checkpoint: str) -> list[str]:
         """Parameters that differ from vLLM's own load of ``checkpoint``."""
-        import vllm_cpu
+        from tests.helpers import vllm_cpu
 
         truth, _ = vllm_cpu.build_model(self.config, self.rank, "cpu", "float32")
         truth.load_weights(vllm_cpu.checkpoint_tensors(checkpoint))
@@ -169,7 +171,6 @@ class WorkerGroup:
 
 def main(spec_path: str, result_path: str, run: Any = None) -> None:
     """Run ``run(spec, result)`` (default: this driver's), reporting to RESULT.json."""
-    sys.path.insert(0, os.path.dirname(__file__))
     spec = json.load(open(spec_path))
     try:
         with report_to(result_path) as result:

@@ -1,7 +1,7 @@
 """One training rank in the vLLM worker test: Megatron-layout tensors of each step's
 checkpoint, sent through the refit group (run with the project's Python).
 
-    python tests/train_refit_rank.py SPEC.json
+    python -m tests.programs.train_refit_rank SPEC.json
 
 SPEC: ``{"config", "train", "rank", "endpoint", "plan", "checkpoints"}``.
 """
@@ -13,11 +13,11 @@ import sys
 
 import torch
 from safetensors.torch import load_file
-from vllm_reference import materialize
 
 from nemo_refit_reshard.integrations.worker import RefitEndpoint, RefitWorker
 from nemo_refit_reshard.layouts import MegatronOptions, megatron_layout
 from nemo_refit_reshard.spec import TrainParallel, spec_from_hf_config
+from tests.helpers.vllm_reference import materialize
 
 
 def main(spec_path: str) -> None:

@@ -1,6 +1,6 @@
 """Drive ``refit.backend: reshard`` through NeMo RL's GRPO refit on CPU (NeMo RL's Python).
 
-    python tests/nemo_rl_reshard_driver.py SPEC.json RESULT.json
+    python -m tests.programs.nemo_rl_reshard_driver SPEC.json RESULT.json
 
 SPEC: ``{"config": <HF config>, "model_dir", "train": Megatron TrainParallel text (what
 the workers run), "megatron_cfg": what the NeMo RL config claims, "vllm_tp", "vllm_pp",
@@ -27,7 +27,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import ray
-from nemo_rl_driver import GenerationWorker, VllmWorkerProcess, WorkerGroup, _cpu_stand_ins, main
+
+from tests.programs.nemo_rl_driver import (
+    GenerationWorker,
+    VllmWorkerProcess,
+    WorkerGroup,
+    _cpu_stand_ins,
+    main,
+)
 
 
 @ray.remote

@@ -14,8 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-TESTS = REPO / "tests"
+REPO = Path(__file__).resolve().parents[2]
 SETUP_HINT = "run scripts/setup_vllm_cpu.sh (about 1 minute) to install vLLM for these tests"
 
 
@@ -114,16 +113,24 @@ def vllm_env() -> dict[str, str]:
     env = dict(os.environ)
     env["VLLM_TARGET_DEVICE"] = "cpu"
     env["VLLM_LOGGING_LEVEL"] = "ERROR"
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")])
+    # the repository first: ``tests.programs.*`` and this checkout's package
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     return env
 
 
-def start(script: str, *args: str, python: str | None = None) -> subprocess.Popen[str]:
-    """Start ``tests/<script>`` under vLLM's Python, or ``python`` (output captured)."""
+def program(name: str) -> list[str]:
+    """The command line tail that runs ``tests/programs/<name>.py`` as a module."""
+    return ["-m", f"tests.programs.{name}"]
+
+
+def start(name: str, *args: str, python: str | None = None) -> subprocess.Popen[str]:
+    """Start the program ``tests.programs.<name>`` under vLLM's Python, or ``python``
+    (output captured), from the repository's root."""
     python = python or vllm_python()
     assert python is not None, SETUP_HINT
     return subprocess.Popen(
-        [python, str(TESTS / script), *args],
+        [python, *program(name), *args],
+        cwd=REPO,
         env=vllm_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -138,8 +145,8 @@ def finish(proc: subprocess.Popen[str], what: str) -> None:
 
 
 def run_job(job: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    """Run one ``vllm_cpu_job.py`` job and return its result."""
+    """Run one ``tests.programs.vllm_cpu_job`` job and return its result."""
     job_path, result_path = workdir / "job.json", workdir / "result.json"
     job_path.write_text(json.dumps(job))
-    finish(start("vllm_cpu_job.py", str(job_path), str(result_path)), "vLLM CPU job")
+    finish(start("vllm_cpu_job", str(job_path), str(result_path)), "vLLM CPU job")
     return json.loads(result_path.read_text())

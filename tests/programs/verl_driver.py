@@ -1,6 +1,6 @@
 """Drive the ``reshard`` checkpoint engine through veRL's real manager on CPU (veRL's Python).
 
-    python tests/verl_driver.py SPEC.json RESULT.json
+    python -m tests.programs.verl_driver SPEC.json RESULT.json
 
 SPEC: ``{"model", "actors", "infer", "replicas", "steps", "checkpoints": [one
 safetensors path per step], "engine_kwargs", "kill_rollout_before_step": int|null}``.
@@ -21,7 +21,6 @@ import time
 
 import ray
 import torch
-from driver_report import report_to
 from safetensors.torch import load_file
 from verl.checkpoint_engine import CheckpointEngineManager, CheckpointEngineRegistry
 from verl.checkpoint_engine.base import CheckpointEngineWorker
@@ -31,6 +30,8 @@ from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, Ra
 from verl.utils.import_utils import import_external_libs
 from verl.workers.config import CheckpointEngineConfig, RolloutConfig
 from verl.workers.rollout import BaseRollout, RolloutReplica
+
+from tests.helpers.driver_report import report_to
 
 MODULE = "nemo_refit_reshard.integrations.verl"
 

@@ -1,6 +1,6 @@
 """One vLLM generation rank in a refit test (run with vLLM's Python).
 
-    python tests/vllm_refit_rank.py SPEC.json RESULT.json
+    python -m tests.programs.vllm_refit_rank SPEC.json RESULT.json
 
 SPEC: ``{"config", "rank": EngineRank fields, "endpoint", "first_rank", "plan",
 "initial": the start-up checkpoint, "checkpoints": [one safetensors path per step],
@@ -25,10 +25,10 @@ import traceback
 from types import SimpleNamespace
 
 import torch
-import vllm_cpu
 
 from nemo_refit_reshard.integrations import vllm as refit_vllm
 from nemo_refit_reshard.integrations.vllm import ReshardWorkerExtension
+from tests.helpers import vllm_cpu
 
 
 class StandInWorker:

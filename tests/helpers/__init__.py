@@ -1,0 +1,1 @@
+"""What the tests share: tiny models, framework runners, independent references, checks."""
