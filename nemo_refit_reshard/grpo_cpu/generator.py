@@ -20,7 +20,7 @@ given) and broadcasts the token ids over the tp group; the other ranks never tou
 their generator. Every rank then computes the log-probabilities from the same
 all-gathered logits, so all ranks of an engine return identical tokens.
 
-The per-rank math is the one ``tests/vllm_reference.py`` verifies against HF logits
+The per-rank math is the one ``tests/helpers/vllm_reference.py`` verifies against HF logits
 (there all ranks run in one process and the collectives are explicit sums).
 """
 
