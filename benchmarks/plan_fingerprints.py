@@ -36,6 +36,8 @@ assert CLUSTERS  # (the cluster models are published.py's)
 
 
 def plans_of(run: dict) -> dict[str, dict]:
+    # The run's config as published.py builds it, repeated here: this script runs on
+    # older codes too, whose packages lack what published.py imports beyond CLUSTERS.
     model, train, infer = run["model"], run["train"], run["infer"]
     pp = next((int(kv.split("=")[1]) for kv in train.split(",") if kv.startswith("pp=")), 1)
     first, last = UNEVEN.get((model, pp), (None, None))
