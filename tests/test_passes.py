@@ -19,6 +19,7 @@ from nemo_refit_reshard.plan import (
     predict_refit,
 )
 from nemo_refit_reshard.plan.base import message_order
+from nemo_refit_reshard.plan.cluster import nvlink_domains
 from nemo_refit_reshard.plan.pass1_needs import find_needs
 from nemo_refit_reshard.plan.pass2_fanout import plan_fanout
 from nemo_refit_reshard.plan.pass3_senders import choose_senders
@@ -236,3 +237,23 @@ def test_c_speed_helpers_equal_their_python_definitions() -> None:
     common = Box((0, 0), (4, 4)).intersect(Box((2, 1), (4, 4)))
     assert common == Box((2, 1), (2, 3)) and common.numel == 6
     assert Box((0, 0), (1, 4)).followed_by(Box((1, 0), (1, 4))) == Box((0, 0), (2, 4))
+
+
+def test_nvlink_domains_whole_or_contiguous() -> None:
+    """Ranks of equal parity share NVLink: whole domains gather every such rank; the
+    contiguous runs (what relay chains and ``relay="domain"`` runs take) stop at the
+    first rank of another domain, and on a packed placement both agree."""
+
+    class Parity:
+        def link(self, src: int, dst: int) -> tuple[str, float]:
+            return ("nvlink", 1e-9) if src % 2 == dst % 2 else ("nic", 1e-8)
+
+        def latency(self, link: str) -> float:
+            return 1e-6
+
+    ranks = [2, 3, 4, 5, 7]
+    assert nvlink_domains(ranks, Parity()) == [[2, 4], [3, 5, 7]]
+    assert nvlink_domains(ranks, Parity(), contiguous=True) == [[2], [3], [4], [5, 7]]
+    packed = _links(4, 4, 8)  # nodes of 4: inference ranks 4..7 on one, 8..11 on the next
+    assert nvlink_domains(range(4, 12), packed) == [[4, 5, 6, 7], [8, 9, 10, 11]]
+    assert nvlink_domains(range(4, 12), packed, contiguous=True) == [[4, 5, 6, 7], [8, 9, 10, 11]]

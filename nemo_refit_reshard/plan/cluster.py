@@ -214,11 +214,26 @@ class Topology:
             )
 
 
-def nvlink_domains(ranks: Iterable[int], links: LinkModel) -> list[list[int]]:
-    """``ranks`` grouped by NVLink domain (``nvlink`` both ways), each domain in the order
-    of ``ranks``, domains in the order of their first member."""
+def nvlink_domains(
+    ranks: Iterable[int], links: LinkModel, contiguous: bool = False
+) -> list[list[int]]:
+    """``ranks`` grouped by NVLink domain, each group in the order of ``ranks``, groups in
+    the order of their first member.
+
+    By default a group is every rank joined to its first member by ``nvlink`` both ways.
+    ``contiguous=True`` groups only runs of consecutive entries of ``ranks`` whose link
+    from the run's first member is ``nvlink``: a rank of an earlier domain that comes
+    after a rank of another starts a new group (relay chains and ``relay="domain"`` runs
+    forward along consecutive members; on a placement that packs each node's ranks
+    together both give the same groups)."""
     domains: list[list[int]] = []
     for rank in ranks:
+        if contiguous:
+            if domains and links.link(domains[-1][0], rank)[0] == NVLINK:
+                domains[-1].append(rank)
+            else:
+                domains.append([rank])
+            continue
         for d in domains:
             if links.link(d[0], rank)[0] == links.link(rank, d[0])[0] == NVLINK:
                 d.append(rank)

@@ -121,7 +121,7 @@ def domain_runs(
         )
     out = {}
     for g in groups:
-        runs = [tuple(run) for run in nvlink_domains(g, links)]
+        runs = [tuple(run) for run in nvlink_domains(g, links, contiguous=True)]
         out[g[0]] = sorted(runs, key=len, reverse=True)  # stable: equal widths keep order
     return out
 

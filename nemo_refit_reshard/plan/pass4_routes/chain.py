@@ -46,7 +46,11 @@ def chain_replicas(
     for key in sorted(groups, key=lambda k: (k[0], k[1], k[2].offsets, k[4], k[5].offsets)):
         by_dst = {t.dst: t for t in groups[key]}
         receivers = sorted(by_dst)
-        nodes = [[d] for d in receivers] if links is None else nvlink_domains(receivers, links)
+        nodes = (
+            [[d] for d in receivers]
+            if links is None
+            else nvlink_domains(receivers, links, contiguous=True)
+        )
         width = max(len(g) for g in nodes)
         boxes = split_box(key[7], width) if width > 1 else [key[7]]
         for j, box in enumerate(boxes):
