@@ -82,6 +82,7 @@ class Figures:
     worker_staging: int | None
     trainer_staging: int | None
     notes: list[str] = field(default_factory=list)
+    whole: frozenset[str] = frozenset()  # nccl_m2n: names some worker receives whole
 
 
 # ---------------------------------------------------------------------------------------
@@ -482,6 +483,7 @@ def run_case(model_name: str, train_text: str, infer_text: str) -> dict[str, Fig
             f"{len(fallback_names):,} of {len(tensors):,} tensors whole "
             f"({sum(nbytes[n] for n in fallback_names) / model_bytes:.1%} of bytes)"
         ],
+        frozenset(fallback_names),
     )
 
     # -- sharded_rdt ----------------------------------------------------------------
