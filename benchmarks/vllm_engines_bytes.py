@@ -53,11 +53,13 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
-# (model preset, Megatron, vLLM): the common layouts the table reports.
+# (model preset, Megatron, vLLM, Megatron's first/last stage layers): the common
+# layouts the table reports (DeepSeek-V3's 61 layers at pp=16: 3 + 14 x 4 + 2, the
+# published split, as benchmarks/published.py).
 CASES = [
-    ("qwen3-8b", "tp=4,pp=2,dp=2", "tp=2,dp=4"),
-    ("qwen3-30b-a3b", "pp=2,dp=8,ep=8", "tp=8,dp=2"),
-    ("deepseek-v3", "pp=16,dp=16,ep=16", "tp=32,dp=8"),
+    ("qwen3-8b", "tp=4,pp=2,dp=2", "tp=2,dp=4", None),
+    ("qwen3-30b-a3b", "pp=2,dp=8,ep=8", "tp=8,dp=2", None),
+    ("deepseek-v3", "pp=16,dp=16,ep=16", "tp=32,dp=8", (3, 2)),
 ]
 
 
@@ -347,7 +349,12 @@ def reshard_staging(plan, num_sources: int) -> tuple[int, int]:
     return worker, trainer
 
 
-def run_case(model_name: str, train_text: str, infer_text: str) -> dict[str, Figures]:
+def run_case(
+    model_name: str,
+    train_text: str,
+    infer_text: str,
+    stages: tuple[int, int] | None = None,
+) -> dict[str, Figures]:
     from vllm.distributed.weight_transfer.m2n_common import M2NMesh, resolve_layout
     from vllm.distributed.weight_transfer.packed_tensor import (
         DEFAULT_PACKED_BUFFER_SIZE_BYTES,
@@ -366,7 +373,14 @@ def run_case(model_name: str, train_text: str, infer_text: str) -> dict[str, Fig
     from tests.helpers.vllm_cpu import EngineRank, build_model
 
     t0 = time.perf_counter()
-    cfg = RunConfig(model=model_name, train=train_text, infer=infer_text)
+    first, last = stages or (None, None)
+    cfg = RunConfig(
+        model=model_name,
+        train=train_text,
+        infer=infer_text,
+        first_stage_layers=first,
+        last_stage_layers=last,
+    )
     spec, sources, destinations = build_layouts(cfg)
     train, infer = cfg.parallel()
     T, N = len(sources), len(destinations)
@@ -554,10 +568,10 @@ def main() -> None:
         "all workers | trainer gathers | staging: worker | staging: trainer | notes |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    for model, train, infer in CASES:
+    for model, train, infer, stages in CASES:
         if model not in which:
             continue
-        figs = run_case(model, train, infer)
+        figs = run_case(model, train, infer, stages)
         first = True
         for engine, f in figs.items():
             head = f"| {model} | {train} → {infer} " if first else "| | "
