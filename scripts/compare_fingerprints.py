@@ -3,7 +3,7 @@
 
     python scripts/compare_fingerprints.py BEFORE.json AFTER.json
 
-Prints the number of plans compared and every difference; exits 1 on any difference.
+Prints the number of keys compared and every difference; exits 1 on any difference.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ def main() -> int:
     for key in sorted(set(before) | set(after)):
         if before.get(key) != after.get(key):
             diffs.append(f"{key}: {before.get(key)} -> {after.get(key)}")
-    plans = sum(len(v) for v in before.values())
-    print(f"{len(before)} keys, {plans} plans before, {sum(len(v) for v in after.values())} after")
+    print(f"{len(before)} keys before, {len(after)} after")
     for line in diffs:
         print("DIFFERENT", line)
     print("identical" if not diffs else f"{len(diffs)} key(s) differ")
