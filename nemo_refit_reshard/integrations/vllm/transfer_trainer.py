@@ -28,7 +28,7 @@ Phases (rank 0 drives the client; every RPC blocks until all workers answer):
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -187,19 +187,24 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         return engine
 
     def concurrently(self, rpc: Any, local: Any) -> None:
-        """Run the blocking client ``rpc`` (rank 0 only) in a thread while this rank does
-        its ``local`` half of the same collective; raise the first failure."""
+        """Run the blocking client ``rpc`` (rank 0 only) and this rank's ``local`` half of
+        the same collective side by side; raise the first failure as soon as it happens
+        (a request the workers refuse must not wait for the group's timeout)."""
         if rpc is None:
             local()
             return
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-rpc")
+        pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="reshard")
         try:
-            future: Future[Any] = pool.submit(rpc)
-            local()
-            future.result()
+            futures = [pool.submit(rpc), pool.submit(local)]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for future in futures:
+                if future in done and future.exception() is not None:
+                    raise future.exception()  # type: ignore[misc]
+            for future in futures:
+                future.result()
         finally:
-            # Never join a stuck RPC: if our half failed, the workers wait in the
-            # group until its timeout, and the caller must see our error now.
+            # Never join a stuck half: the caller must see the error now; the group is
+            # unusable either way and times out on its own.
             pool.shutdown(wait=False)
 
     def send_weights(self, weight_version: str | None = None) -> None:
