@@ -46,7 +46,11 @@ class _WorkerState:
 
 
 def _model(worker: Any) -> torch.nn.Module:
-    runner = worker.model_runner
+    # vLLM's Worker holds the model in its runner; a weight-transfer engine
+    # (``transfer_worker.py``) is handed the model itself.
+    runner = getattr(worker, "model_runner", None)
+    if runner is None:
+        return worker.model
     return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
 
@@ -176,17 +180,25 @@ def refit_check_plan(
     return loaded
 
 
-def refit_load_plan(worker: Any, plan: str | Mapping[str, str]) -> int:
+def refit_load_plan(
+    worker: Any, plan: str | Mapping[str, str], fingerprint: str | None = None
+) -> int:
     """Check the plan against the live parameters (:func:`refit_check_plan`) and compile
     this rank's program. Collective over the refit group: every rank calls it. ``plan``
     is JSON text, a path where ``{rank}`` stands for this worker's refit rank, or a
-    mapping from refit rank to slice (ship each worker its slice). Returns the number of
-    parameters the plan writes."""
+    mapping from refit rank to slice (ship each worker its slice). ``fingerprint``, when
+    given, is the plan the driver built: a slice of another plan is refused. Returns the
+    number of parameters the plan writes."""
     s = _state(worker)
     if s.refit is None:
         raise RuntimeError("call refit_join before refit_load_plan")
     rank = s.refit.endpoint.group_rank
     loaded = refit_check_plan(worker, plan, rank)
+    if fingerprint is not None and loaded.fingerprint != fingerprint:
+        raise PlanError(
+            f"the plan shipped to refit rank {rank} is {loaded.fingerprint[:12]}, not the "
+            f"driver's plan {fingerprint[:12]}: ship every rank a slice of the same plan"
+        )
     s.refit.load_plan(loaded)
     return len(loaded.expected_tensors(rank))
 

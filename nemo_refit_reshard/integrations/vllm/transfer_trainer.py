@@ -1,0 +1,231 @@
+"""The trainer side of vLLM's weight-transfer API: the ``reshard``
+``TrainerWeightTransferEngine`` and its ``TrainerInitInfo``.
+
+Built on every trainer rank by ``WeightTransferTrainerFactory.trainer_init(
+ReshardTrainerInitInfo(...), client=..., source=...)``. Unlike vLLM's own backends,
+where rank 0 gathers and sends everything, here **every trainer rank sends its own
+shards**: the refit group is the S trainer ranks followed by the engine's D workers
+(refit rank ``S + engine rank``). Rank 0 is still vLLM's "sender" in one sense: it
+alone drives the inference side through the ``VLLMWeightSyncClient``.
+
+Who plans: every trainer rank, alone and identically. The training layouts come from
+the source (the same on every rank); the vLLM layout from the init info, which states
+the engine's parallelism and release — the client protocol has no way to ask the
+engine, and each worker checks its slice against its live parameters at init, so a
+wrong statement fails there, naming the tensors. The plan is deterministic, so every
+rank's fingerprint agrees (checked when the group loads it) with no exchange.
+
+Phases (rank 0 drives the client; every RPC blocks until all workers answer):
+
+* ``trainer_init``: plan; rank 0 ships each worker its plan slice, the endpoint and the
+  fingerprint (``client.init_weight_transfer_engine``) *in a thread* while it joins the
+  group and compiles its own program — joining and loading are collective over the
+  whole group, so the RPC returns only once every trainer rank has joined too;
+* ``send_weights()``: ``start_weight_update``; ``update_weights`` in a thread while
+  this rank replays its own program (the workers' replay is the other half of the
+  same exchange); then ``finish_weight_update(weight_version)``.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
+
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+)
+
+from ...engine.rendezvous import free_address, new_secret
+from ...engine.transport import DEFAULT_TIMEOUT_S
+from ...layouts import VllmOptions, vllm_layouts
+from ...plan import RefitPlan, plan_refit, rank_plan
+from ...spec import InferParallel
+from ..worker import RefitEndpoint, RefitWorker
+from .plugin import BACKEND
+from .transfer_sources import ReshardSource
+
+
+@dataclass
+class ReshardTrainerInitInfo(TrainerInitInfo):
+    """What every trainer rank passes to ``trainer_init`` (the same on each, but ``rank``).
+
+    ``vllm_parallel``: the engine's parallelism (``InferParallel`` fields: tp, pp,
+    engine_dp, ep; one engine per client). ``vllm_version`` / ``params_dtype`` /
+    ``all2all_backend``: the engine's release, parameter dtype and all2all backend
+    (``VllmOptions``; None: the installed vLLM, the source's dtype, the default).
+    ``host`` / ``port`` / ``secret``: the refit group's rendezvous, hosted by trainer
+    rank 0 (reachable from the workers); with ``port=None`` rank 0 picks one and shares
+    it (and a new secret) over ``torch.distributed`` when there are several trainer
+    ranks. ``transport``: ``"gloo"`` or ``"cupy-nccl"``.
+    """
+
+    backend: ClassVar[str] = BACKEND
+
+    vllm_parallel: dict[str, int] = field(default_factory=dict)
+    vllm_version: str | None = None
+    params_dtype: str | None = None
+    all2all_backend: str | None = None
+    host: str = "127.0.0.1"
+    port: int | None = None
+    secret: str | None = None
+    transport: str = "gloo"
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    connect_timeout_s: float | None = None
+    bucket_mb: float = 512
+
+
+def _installed_vllm() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def _shared_address(info: ReshardTrainerInitInfo, world: int) -> tuple[str, int, str]:
+    """``(host, port, secret)``, the same on every trainer rank."""
+    if info.port is not None and info.secret is not None:
+        return info.host, info.port, info.secret
+    mine = [free_address(info.host)[1] if info.port is None else info.port, new_secret()]
+    if world > 1:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                "several trainer ranks with port=None or secret=None: set both in the init "
+                "info, or initialise torch.distributed so rank 0 can share them"
+            )
+        dist.broadcast_object_list(mine, src=0)
+    port, secret = mine
+    return info.host, int(port), info.secret or str(secret)
+
+
+def build_plan(info: ReshardTrainerInitInfo, source: ReshardSource) -> RefitPlan:
+    """The refit plan from the source's trainer layouts to the stated vLLM engine."""
+    infer = InferParallel(**info.vllm_parallel)
+    if infer.dp != 1:
+        raise ValueError(
+            f"vllm_parallel dp={infer.dp}: one reshard engine serves one vLLM engine per "
+            "client (its data-parallel ranks inside: engine_dp)"
+        )
+    options = VllmOptions(
+        params_dtype=info.params_dtype,
+        vllm_version=info.vllm_version or _installed_vllm(),
+        all2all_backend=info.all2all_backend,
+    )
+    destinations = vllm_layouts(source.spec, infer, options)
+    return plan_refit(source.spec, source.layouts(), destinations, bucket_mb=info.bucket_mb)
+
+
+class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
+    """vLLM trainer engine ``reshard``: every trainer rank replays its compiled program,
+    sending its local shards straight to the workers' live parameters."""
+
+    init_info_cls = ReshardTrainerInitInfo
+
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: ReshardSource,
+        refit: RefitWorker,
+        plan: RefitPlan,
+        is_sender: bool = True,
+        rank: int = 0,
+    ) -> None:
+        super().__init__(client=client, source=None, is_sender=is_sender, rank=rank)
+        self.source = source  # ours, not a vLLM WeightSource (see transfer_sources.py)
+        self.refit = refit
+        self.plan = plan
+        self.step = 0
+
+    @classmethod
+    def trainer_init(
+        cls,
+        init_info: ReshardTrainerInitInfo,
+        *,
+        client: VLLMWeightSyncClient,
+        source: Any = None,
+    ) -> ReshardTrainerWeightTransferEngine:
+        """Plan, then join the refit group and load the plan with every worker (rank 0
+        ships the workers their slices through ``client`` meanwhile)."""
+        if not isinstance(source, ReshardSource):
+            raise TypeError(
+                "the reshard trainer engine sends local shards: pass a MegatronSource, "
+                "DTensorSource or FullModuleSource (nemo_refit_reshard.integrations.vllm."
+                f"transfer_sources), not {type(source).__name__}"
+            )
+        if source.rank != init_info.rank:
+            raise ValueError(f"source is rank {source.rank}, init info rank {init_info.rank}")
+        plan = build_plan(init_info, source)
+        s, d = plan.num_sources, plan.num_destinations
+        host, port, secret = _shared_address(init_info, s)
+        endpoint = RefitEndpoint(
+            host, port, s + d, init_info.rank, init_info.transport, init_info.timeout_s,
+            init_info.connect_timeout_s, secret,
+        )  # fmt: skip
+        refit = RefitWorker(endpoint, source.tensors())
+        engine = cls(
+            client=client,
+            source=source,
+            refit=refit,
+            plan=plan,
+            is_sender=init_info.is_sender,
+            rank=init_info.rank,
+        )
+        payload = {
+            "endpoint": replace(endpoint, group_rank=s).to_json(),
+            "first_rank": s,
+            "plan": {str(r): rank_plan(plan, r).to_json() for r in range(s, s + d)},
+            "fingerprint": plan.fingerprint,
+        }
+        engine.concurrently(
+            (lambda: client.init_weight_transfer_engine(payload)) if engine.is_sender else None,
+            lambda: (refit.join(), refit.load_plan(rank_plan(plan, init_info.rank))),
+        )
+        return engine
+
+    def concurrently(self, rpc: Any, local: Any) -> None:
+        """Run the blocking client ``rpc`` (rank 0 only) and this rank's ``local`` half of
+        the same collective side by side; raise the first failure as soon as it happens
+        (a request the workers refuse must not wait for the group's timeout)."""
+        if rpc is None:
+            local()
+            return
+        pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="reshard")
+        try:
+            futures = [pool.submit(rpc), pool.submit(local)]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for future in futures:
+                if future in done and future.exception() is not None:
+                    raise future.exception()  # type: ignore[misc]
+            for future in futures:
+                future.result()
+        finally:
+            # Never join a stuck half: the caller must see the error now; the group is
+            # unusable either way and times out on its own.
+            pool.shutdown(wait=False)
+
+    def send_weights(self, weight_version: str | None = None) -> None:
+        """One full refit, on every trainer rank. Rank 0 drives the workers through
+        ``start_weight_update`` -> ``update_weights`` (overlapping this rank's own
+        replay) -> ``finish_weight_update(weight_version)`` (default: the step)."""
+        self.step += 1
+        step = self.step
+        version = weight_version if weight_version is not None else str(step)
+        if self.is_sender:
+            self.client.start_weight_update()
+        update = {"step": step, "weight_version": version}
+        self.concurrently(
+            (lambda: self.client.update_weights(update)) if self.is_sender else None,
+            lambda: self.refit.refit(step),
+        )
+        if self.is_sender:
+            self.client.finish_weight_update(weight_version=version)
+
+    def shutdown(self) -> None:
+        self.refit.close()
+
+
+__all__ = ["ReshardTrainerInitInfo", "ReshardTrainerWeightTransferEngine", "build_plan"]

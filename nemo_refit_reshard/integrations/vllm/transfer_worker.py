@@ -1,0 +1,151 @@
+"""The worker side of vLLM's weight-transfer API: the ``reshard`` ``WeightTransferEngine``.
+
+vLLM builds one engine per worker from ``WeightTransferConfig(backend="reshard")``
+(``WeightTransferEngineFactory.create_engine``) once the model is loaded, then drives it
+through the four phases its trainer engine sends over a ``VLLMWeightSyncClient``:
+
+* ``init_weight_transfer_engine(ReshardInitInfo)``: join the refit group as rank
+  ``first_rank + engine rank``, check this rank's plan slice against the live
+  parameters and the trainer's plan fingerprint, compile its program (once);
+* ``start_weight_update()``: open a session (the weights are written in place, so
+  there is nothing to prepare);
+* ``update_weights(ReshardUpdateInfo)``: replay the compiled program, writing the live
+  parameters in place, concurrently with the trainer ranks' own replay;
+* ``finish_weight_update()``: commit the update's version — only if the replay
+  completed; a failed update leaves the last committed version in place.
+
+Everything is the vLLM worker-side code of ``worker.py`` (this engine stands in for
+vLLM's ``Worker`` there: it holds ``vllm_config`` and the model); nothing is forked.
+Refused at creation, as there: quantization, EPLB, context parallel, MoE backends that
+re-lay weights after loading.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from ..worker import StaleWeightsError
+from .config import engine_layout
+from .worker import (
+    check_moe_backends,
+    refit_close,
+    refit_join,
+    refit_load_plan,
+    refit_status,
+    refit_step,
+)
+
+BACKEND = "reshard"
+
+
+@dataclass
+class ReshardInitInfo(WeightTransferInitInfo):
+    """What the trainer decided, shipped to every worker of the engine alike.
+
+    ``endpoint``: the refit group's :class:`RefitEndpoint` JSON (rendezvous, secret,
+    transport, timeouts; its ``group_rank`` is ignored). ``first_rank``: the refit rank
+    of this engine's rank 0 (the S training ranks come first). ``plan``: refit rank (as
+    a string) -> that rank's plan slice JSON, or one JSON text / path template as
+    ``refit_load_plan`` takes. ``fingerprint``: the full plan the trainer built.
+    """
+
+    endpoint: str
+    first_rank: int
+    plan: str | dict[str, str]
+    fingerprint: str
+
+
+@dataclass
+class ReshardUpdateInfo(WeightTransferUpdateInfo):
+    """One update: the trainer's step number and the version it will commit."""
+
+    step: int
+    weight_version: str | None = None
+
+
+@dataclass
+class _Session:
+    step: int | None = None
+    version: str | None = None
+    updated: bool = False
+
+
+class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
+    """vLLM worker engine ``reshard``: the trainer's local shards straight into this
+    rank's live parameters (fused ones included), in place, on a plan built once."""
+
+    init_info_cls = ReshardInitInfo
+    update_info_cls = ReshardUpdateInfo
+    # The plan covers the target model; a draft model would need its own plan.
+    supports_draft_weight_update = False
+
+    def __init__(
+        self,
+        config: Any,
+        vllm_config: Any,
+        device: torch.device,
+        model: torch.nn.Module,
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        # Refuse at engine creation (vLLM start-up), before any trainer connects.
+        import vllm
+
+        engine_layout(vllm_config, vllm.__version__)
+        check_moe_backends(model)
+        self.weight_version: str | None = None  # the last committed update's
+        self.refit_rank: int | None = None
+        self._session: _Session | None = None
+
+    def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
+        """Join the refit group and compile this rank's program. Collective with every
+        trainer rank and every other worker (they all load the plan together)."""
+        self.refit_rank = refit_join(self, init_info.endpoint, init_info.first_rank)
+        refit_load_plan(self, init_info.plan, init_info.fingerprint)
+
+    def start_weight_update(self) -> None:
+        if self.refit_rank is None:
+            raise RuntimeError("init_weight_transfer_engine must come before a weight update")
+        self._session = _Session()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # As the base class, but the device sync only where there is a device queue:
+        # the program's unpack already ran on this thread on CPU.
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
+        """Replay this rank's program: the parameters are written in place. A failure
+        leaves them marked stale and the session uncommittable."""
+        if self._session is None:
+            raise RuntimeError("start_weight_update must come before update_weights")
+        self._session.updated = False
+        refit_step(self, update_info.step)
+        self._session.step, self._session.version = update_info.step, update_info.weight_version
+        self._session.updated = True
+
+    def finish_weight_update(self) -> None:
+        """Commit the session's version; refused if its replay did not complete."""
+        session, self._session = self._session, None
+        if session is None or not session.updated:
+            raise StaleWeightsError(
+                f"refit rank {self.refit_rank}: no completed update to commit; the weights "
+                f"stay at version {self.weight_version!r} ({refit_status(self)['stale']})"
+            )
+        self.weight_version = session.version if session.version is not None else str(session.step)
+
+    def status(self) -> dict[str, object]:
+        """The committed version and the weights' state (last complete step, staleness)."""
+        return {"weight_version": self.weight_version, **refit_status(self)}
+
+    def shutdown(self) -> None:
+        refit_close(self)
+        self.refit_rank = None
