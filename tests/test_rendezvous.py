@@ -137,3 +137,18 @@ def test_no_pickle_in_the_package() -> None:
         if banned.search(line) and not line.lstrip().startswith("#")
     ]
     assert hits == []
+
+
+def test_rank_zero_shares_text_as_bytes_not_pickles(tmp_path) -> None:
+    """``broadcast_text`` (the vLLM trainer engine's port and secret) over a gloo group."""
+    from nemo_refit_reshard.engine.rendezvous import broadcast_text
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        text = "29500:" + "ab" * 32
+        assert broadcast_text(text) == text
+        with pytest.raises(ValueError, match="300 bytes to share, more than 256"):
+            broadcast_text("x" * 300)
+    finally:
+        dist.destroy_process_group()

@@ -122,3 +122,21 @@ def tcp_port(store: dist.Store, fallback: int) -> int:
     while isinstance(inner, dist.PrefixStore):
         inner = inner.underlying_store
     return inner.port if isinstance(inner, dist.TCPStore) else fallback
+
+
+def broadcast_text(text: str) -> str:
+    """Rank 0's ``text`` on every rank of the default ``torch.distributed`` group, as raw
+    bytes in a tensor (never a pickled object: the package sends JSON and tensor bytes
+    only). At most 256 bytes: a port and a secret."""
+    import torch
+
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":  # NCCL groups carry CUDA tensors only
+        device = torch.device("cuda", torch.cuda.current_device())
+    buf = torch.zeros(256, dtype=torch.uint8, device=device)
+    data = text.encode()
+    if len(data) > buf.numel():
+        raise ValueError(f"{len(data)} bytes to share, more than {buf.numel()}")
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dist.broadcast(buf, src=0)
+    return bytes(buf.cpu().tolist()).rstrip(b"\0").decode()

@@ -38,7 +38,7 @@ from vllm.distributed.weight_transfer.base import (
     VLLMWeightSyncClient,
 )
 
-from ...engine.rendezvous import free_address, new_secret
+from ...engine.rendezvous import broadcast_text, free_address, new_secret
 from ...engine.transport import DEFAULT_TIMEOUT_S
 from ...layouts import VllmOptions, vllm_layouts
 from ...plan import RefitPlan, plan_refit, rank_plan
@@ -96,7 +96,7 @@ def _shared_address(info: ReshardTrainerInitInfo, world: int) -> tuple[str, int,
                 "several trainer ranks with port=None or secret=None: set both in the init "
                 "info, or initialise torch.distributed so rank 0 can share them"
             )
-        dist.broadcast_object_list(mine, src=0)
+        mine = broadcast_text(f"{mine[0]}:{mine[1]}").split(":")
     port, secret = mine
     return info.host, int(port), info.secret or str(secret)
 
