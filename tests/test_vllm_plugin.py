@@ -1,17 +1,13 @@
-"""The ``vllm.general_plugins`` entry point: a fresh vLLM process with the package's
-metadata selects ``WeightTransferConfig(backend="reshard")`` through vLLM's own
-``load_general_plugins()``.
-
-The entry point is read from ``pyproject.toml`` and written as the package's
-``entry_points.txt`` in a ``.dist-info`` on the path, as ``pip install`` writes it: the
-checkout's own editable install may predate it, and the test must not depend on that.
+"""The ``vllm.general_plugins`` entry point: a fresh vLLM process, with the package
+installed by ``pip install`` (the README's command; CI runs it first), selects
+``WeightTransferConfig(backend="reshard")`` through vLLM's own ``load_general_plugins()``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
+from importlib.metadata import distribution
 from pathlib import Path
 
 import pytest
@@ -19,50 +15,36 @@ import pytest
 from tests.helpers import vllm_env
 from tests.test_vllm_truth import MODELS
 
-tomllib = pytest.importorskip("tomllib")  # Python >= 3.11 (the vLLM venv is 3.11)
 _SKIP = vllm_env.skip_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+ENTRY_POINT = "nemo_refit_reshard.integrations.vllm.plugin:register"
 
 
-def entry_points_txt() -> str:
-    project = tomllib.loads((vllm_env.REPO / "pyproject.toml").read_text())["project"]
-    groups = project["entry-points"]
-    return "".join(
-        f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n"
-        for group, eps in groups.items()
-    )
-
-
-def test_entry_point_declared() -> None:
-    assert (
-        "[vllm.general_plugins]\nreshard = nemo_refit_reshard.integrations.vllm.plugin:register"
-        in (entry_points_txt())
+def test_installed_metadata_declares_the_entry_point() -> None:
+    """What pip wrote for this package (stale after a pyproject change: reinstall)."""
+    eps = distribution("nemo-refit-reshard").entry_points.select(group="vllm.general_plugins")
+    assert {(ep.name, ep.value) for ep in eps} == {("reshard", ENTRY_POINT)}, (
+        "the installed metadata lacks the vLLM entry point: run pip install -e ."
     )
 
 
 def test_fresh_process_selects_reshard(tmp_path: Path) -> None:
-    dist = tmp_path / "site" / "nemo_refit_reshard_plugin-0.1.0.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: nemo-refit-reshard-plugin\nVersion: 0.1.0\n"
-    )
-    (dist / "entry_points.txt").write_text(entry_points_txt())
     config, result = tmp_path / "config.json", tmp_path / "result.json"
     config.write_text(json.dumps(MODELS["qwen3_moe"]))
-    env = vllm_env.vllm_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(dist.parent), env["PYTHONPATH"]])
     python = vllm_env.vllm_python()
     assert python is not None
     done = subprocess.run(
         [python, *vllm_env.program("vllm_plugin_check"), str(result), str(config)],
         cwd=vllm_env.REPO,
-        env=env,
+        env=vllm_env.vllm_env(),
         capture_output=True,
         text=True,
         timeout=500,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     r = json.loads(result.read_text())
+    assert r["plugin_loaded_by_vllm"] is True
+    assert r["engine_loaded_early"] is False  # registered lazily
     assert r["engine"] == (
         "nemo_refit_reshard.integrations.vllm.transfer_worker.ReshardWeightTransferEngine"
     )
@@ -72,3 +54,8 @@ def test_fresh_process_selects_reshard(tmp_path: Path) -> None:
     assert "'reshard'" in r["unknown"]
     assert r["quantized"].startswith("UnsupportedVllmOption: this vLLM engine uses options"), r
     assert "quantization='fp8'" in r["quantized"]
+    assert r["conflict"] == (
+        "nemo-refit-reshard cannot register vLLM's 'reshard' weight-transfer backend: another "
+        "package registered that name first (Weight transfer engine 'reshard' is already "
+        "registered.). Uninstall it, or stop it from registering the name."
+    )

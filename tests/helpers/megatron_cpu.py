@@ -257,3 +257,34 @@ def sharded_tensors(chunks: list, vpp: int) -> list[tuple[str, Any]]:
                 continue
             out += [(prefix + name, st) for st in shards]
     return out
+
+
+@torch.no_grad()
+def load_hf_through_sharded_state_dict(
+    chunks: list, vpp: int, arch: ArchConfig, canonical: dict[str, Tensor], vocab: int
+) -> int:
+    """Fill a live Megatron model from HF checkpoint tensors the way Megatron's own
+    checkpoint loading places them, never through this project's layout.
+
+    Megatron's ``sharded_state_dict()`` says where each local tensor sits in its global
+    tensor (``global_offset``, ``local_shape``; the SwiGLU factory splits ``linear_fc1``
+    into its gate and up halves); the global tensor comes from :func:`megatron_global`
+    (written from megatron-core's sources). Every parameter is first set to NaN, and any
+    NaN left afterwards is an element Megatron's own mapping never wrote: refused.
+    Returns the number of ShardedTensors loaded."""
+    live = local_tensors(chunks, vpp)
+    for value in live.values():
+        value.fill_(float("nan"))
+    loaded = 0
+    for _, st in sharded_tensors(chunks, vpp):
+        if st.flattened_range is not None:
+            raise AssertionError(f"{st.key}: flattened (distributed-optimizer) shards unexpected")
+        shape = (1,) * st.prepend_axis_num + tuple(st.local_shape)
+        glob = megatron_global(st.key, arch, canonical, vocab)
+        region = glob[tuple(slice(o, o + n) for o, n in zip(st.global_offset, shape))]
+        st.data.copy_(region.reshape(st.data.shape))
+        loaded += 1
+    unwritten = sorted(n for n, v in live.items() if v.is_floating_point() and v.isnan().any())
+    if unwritten:
+        raise AssertionError(f"Megatron's sharded state dict left unwritten: {unwritten}")
+    return loaded

@@ -2,8 +2,8 @@
 
     python -m tests.programs.vllm_plugin_check RESULT.json CONFIG.json
 
-Nothing of ours is imported before vLLM's own plugin loader runs; the test puts the
-package's entry-point metadata on the path (as ``pip install`` does).
+Nothing of ours is imported before vLLM's own plugin loader runs; it finds the entry point
+in the metadata ``pip install`` wrote for this package.
 """
 
 from __future__ import annotations
@@ -24,7 +24,12 @@ def main(result_path: str, config_path: str) -> None:
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
-    result["loaded_ours"] = "nemo_refit_reshard.integrations.vllm.transfer_worker" in sys.modules
+    # vLLM's loader imported our plugin module (found through the installed metadata);
+    # the engines themselves load lazily, on first use.
+    result["plugin_loaded_by_vllm"] = "nemo_refit_reshard.integrations.vllm.plugin" in sys.modules
+    result["engine_loaded_early"] = "nemo_refit_reshard.integrations.vllm.transfer_worker" in (
+        sys.modules
+    )
     from nemo_refit_reshard.integrations.vllm import plugin
 
     plugin.register()  # a second registration is harmless
@@ -51,6 +56,13 @@ def main(result_path: str, config_path: str) -> None:
         )
     except ValueError as err:
         result["quantized"] = f"{type(err).__name__}: {err}"
+    import importlib
+
+    importlib.reload(plugin)  # as if another package had registered "reshard" first
+    try:
+        plugin.register()
+    except ValueError as err:
+        result["conflict"] = str(err)
     with open(result_path, "w") as f:
         json.dump(result, f)
 

@@ -9,7 +9,8 @@ front end, the engine core, each worker), so with the package installed
 
 Registration is lazy (vLLM imports the engine modules on first use) and idempotent:
 vLLM may load plugins more than once per process, and its registries refuse a name
-twice. An unknown backend name still gets vLLM's own error.
+twice, so the module remembers that it registered. An unknown backend name still gets
+vLLM's own error.
 """
 
 from __future__ import annotations
@@ -25,8 +26,16 @@ TRAINER_ENGINE = (
 )
 
 
+_registered = False  # this process registered both engines (vLLM may call us again)
+
+
 def register() -> None:
-    """Register the ``reshard`` worker and trainer engines with vLLM's factories (once)."""
+    """Register the ``reshard`` worker and trainer engines with vLLM's factories (once per
+    process; later calls do nothing). A ``reshard`` backend that vLLM already has from
+    someone else is a conflict, reported with vLLM's own message."""
+    global _registered
+    if _registered:
+        return
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferEngineFactory,
         WeightTransferTrainerFactory,
@@ -39,7 +48,9 @@ def register() -> None:
         try:
             factory.register_engine(BACKEND, *target)
         except ValueError as err:
-            # vLLM may load plugins more than once per process; its registries
-            # refuse a name twice. Ours is already there: nothing to do.
-            if "already registered" not in str(err):
-                raise
+            raise ValueError(
+                f"nemo-refit-reshard cannot register vLLM's {BACKEND!r} weight-transfer "
+                f"backend: another package registered that name first ({err}). Uninstall "
+                "it, or stop it from registering the name."
+            ) from err
+    _registered = True
