@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import ray
 import torch
@@ -24,17 +25,26 @@ import torch
 
 @ray.remote(num_gpus=1)
 class TrainerRank:
-    """One Megatron-core tensor-parallel rank holding its local shards."""
+    """One Megatron-core tensor-parallel rank holding its local shards, loaded from the
+    model's HF checkpoint (so generation stays sensible across the small updates)."""
 
     def __init__(self, rank: int, world: int, master: str, model_id: str) -> None:
-        os.environ.update(MASTER_ADDR=master.split(":")[0], MASTER_PORT=master.split(":")[1])
+        host, port = master.rsplit(":", 1)
+        os.environ.update(MASTER_ADDR=host, MASTER_PORT=port)
         torch.distributed.init_process_group("nccl", rank=rank, world_size=world)
-        torch.cuda.set_device(0)
+        torch.cuda.set_device(0)  # Ray gives each rank one GPU, visible as device 0
+        from huggingface_hub import snapshot_download
         from megatron.core import parallel_state as ps
+        from safetensors.torch import load_file
         from transformers import AutoConfig
 
+        from nemo_refit_reshard.integrations.megatron import load_canonical, megatron_live_tensors
         from nemo_refit_reshard.integrations.megatron.cpu import build_gpt, transformer_config
-        from nemo_refit_reshard.layouts import megatron_padded_vocab
+        from nemo_refit_reshard.layouts import (
+            MegatronOptions,
+            megatron_layout,
+            megatron_padded_vocab,
+        )
         from nemo_refit_reshard.spec import TrainParallel, spec_from_hf_config
 
         ps.initialize_model_parallel(tensor_model_parallel_size=world)
@@ -43,9 +53,15 @@ class TrainerRank:
         self.parallel, self.rank = TrainParallel(tp=world), rank
         config = transformer_config(self.spec.arch, self.parallel, norm_eps=hf["rms_norm_eps"])
         vocab = megatron_padded_vocab(self.spec.arch.vocab_size, world)
-        self.model = build_gpt(
-            config, self.spec.arch, self.parallel, vocab, rope_theta=hf["rope_theta"]
+        rope = (hf.get("rope_parameters") or {}).get("rope_theta") or hf.get("rope_theta")
+        self.model = build_gpt(config, self.spec.arch, self.parallel, vocab, rope_theta=rope)
+        layout = megatron_layout(
+            self.spec, self.parallel, rank, MegatronOptions(params_dtype="float32")
         )
+        checkpoint = {}
+        for path in sorted(Path(snapshot_download(model_id)).glob("*.safetensors")):
+            checkpoint.update(load_file(str(path)))
+        load_canonical(megatron_live_tensors(self.model), layout, checkpoint)
         for chunk in self.model:
             chunk.cuda()
 
@@ -61,6 +77,7 @@ class TrainerRank:
         info = ReshardTrainerInitInfo(
             rank=self.rank,
             vllm_parallel={"tp": 2},
+            params_dtype="bfloat16",  # vLLM's; senders cast their float32 shards on packing
             host=ray.util.get_node_ip_address(),
             port=port,
             secret=secret,
@@ -97,8 +114,10 @@ def main() -> None:
         distributed_executor_backend="ray",
         weight_transfer_config=WeightTransferConfig(backend="reshard"),
     )
-    host, port = free_address(ray.util.get_node_ip_address())
-    trainers = [TrainerRank.remote(r, 2, f"{host}:{port + 1}", args.model) for r in range(2)]
+    host = ray.util.get_node_ip_address()
+    _, port = free_address(host)  # the refit group's rendezvous, hosted by trainer rank 0
+    _, master_port = free_address(host)  # the trainers' own torch.distributed world
+    trainers = [TrainerRank.remote(r, 2, f"{host}:{master_port}", args.model) for r in range(2)]
     secret = new_secret()
     ray.get([t.init_transfer.remote(llm, port, secret, args.transport) for t in trainers])
     for step in range(args.steps):

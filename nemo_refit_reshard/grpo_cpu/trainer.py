@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..integrations.megatron import cpu as megatron_cpu
+from ..integrations.megatron import load_canonical
 from ..layouts import MegatronOptions, megatron_layout, megatron_padded_vocab
-from ..layouts.base import RankLayout
 from ..spec.model import ModelSpec
 from ..spec.parallel import TrainParallel
 from .loss import group_advantages, grpo_loss
@@ -79,18 +79,6 @@ def init_canonical_weights(spec: ModelSpec, seed: int, std: float) -> dict[str, 
         else:
             out[t.name] = torch.randn(t.shape, generator=gen) * std
     return out
-
-
-@torch.no_grad()
-def load_canonical(params: dict[str, Tensor], layout: RankLayout, canonical: dict) -> None:
-    """``param[piece.local_box] = canonical[piece.canonical][piece.canonical_box]``;
-    padding (vocabulary rows past the real vocabulary) is zero."""
-    for t in layout.tensors:
-        p = params[t.name]
-        p.zero_()
-        for piece in t.pieces:
-            src = canonical[piece.canonical][piece.canonical_box.slices()]
-            p[piece.local_box.slices()] = src.reshape(piece.local_box.sizes).to(p.dtype)
 
 
 def check_trainer_supported(spec: ModelSpec, train: TrainParallel) -> None:

@@ -80,7 +80,7 @@ class MegatronPolicyProcess:
         """The training step's result: new weights in the live parameters, in place."""
         from safetensors.torch import load_file
 
-        from nemo_refit_reshard.grpo_cpu.trainer import load_canonical
+        from nemo_refit_reshard.integrations.megatron import load_canonical
 
         params = dict(self.trainer.model.named_parameters())
         load_canonical(params, self.trainer.layout, load_file(checkpoint))

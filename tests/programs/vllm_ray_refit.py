@@ -196,7 +196,9 @@ def run(spec: dict[str, Any], work: str) -> dict[str, Any]:
     llm = ray.remote(num_cpus=0)(cpu_llm_class()).remote(workers)
     trainers = [MegatronTrainerRank.remote(cfg, tp, r, f"{work}/init") for r in range(tp)]
     out: dict[str, Any] = {}
-    out["sharded_tensors"] = ray.get([t.load.remote(checkpoints[0]) for t in trainers], timeout=WAIT_S)
+    out["sharded_tensors"] = ray.get(
+        [t.load.remote(checkpoints[0]) for t in trainers], timeout=WAIT_S
+    )
     infer_tp = spec["infer"][0]["tp"]
     out["fingerprints"] = ray.get(
         [t.init_transfer.remote(llm, infer_tp) for t in trainers], timeout=WAIT_S

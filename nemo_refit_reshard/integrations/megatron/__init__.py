@@ -11,6 +11,7 @@ as ``nemo_refit_reshard.integrations.megatron.cpu``.
 from .live import (
     live_megatron_options,
     live_megatron_position,
+    load_canonical,
     match_layout,
     megatron_live_tensors,
     unwrap,
@@ -19,6 +20,7 @@ from .live import (
 __all__ = [
     "live_megatron_options",
     "live_megatron_position",
+    "load_canonical",
     "match_layout",
     "megatron_live_tensors",
     "unwrap",

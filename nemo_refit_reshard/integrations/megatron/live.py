@@ -116,3 +116,19 @@ def live_megatron_position() -> dict[str, int]:
         "ep_size": ps.get_expert_model_parallel_world_size(),
         "etp_size": ps.get_expert_tensor_parallel_world_size(),
     }
+
+
+@torch.no_grad()
+def load_canonical(
+    params: Mapping[str, torch.Tensor], layout: RankLayout, canonical: Mapping[str, torch.Tensor]
+) -> None:
+    """Load HF checkpoint tensors into a live model through the layout:
+    ``param[piece.local_box] = canonical[piece.canonical][piece.canonical_box]``; padding
+    (vocabulary rows past the real vocabulary) is zero. ``params``: the live tensors by
+    layout name (:func:`megatron_live_tensors`)."""
+    for t in layout.tensors:
+        p = params[t.name]
+        p.zero_()
+        for piece in t.pieces:
+            src = canonical[piece.canonical][piece.canonical_box.slices()]
+            p[piece.local_box.slices()] = src.reshape(piece.local_box.sizes).to(p.dtype)
