@@ -5,7 +5,8 @@ The tree follows the planner (``build.py``'s ``plan_refit`` calls the passes in 
 * shared by every pass: ``base.py`` (:class:`Transfer`, dtype sizes, box cutting, the
   order of transfers in a message, :class:`PlanError`, relay-buffer names),
   ``cluster.py`` (:class:`Cluster`, :class:`Placement`, :class:`Topology`, NVLink
-  domains, the round-time formula), ``config.py`` (:class:`PlanConfig`);
+  domains, the round-time formula), ``colocation.py`` (:class:`Colocation`: which
+  training rank shares each inference rank's GPU), ``config.py`` (:class:`PlanConfig`);
 * the passes: ``pass1_needs.py``, ``pass2_fanout.py``, ``pass3_senders.py``,
   ``pass4_routes/`` (chain, domain, carry), ``pass5_rounds/`` (first-fit, timed:
   pair loads, fills, budget), ``pass6_messages.py``, ``pass7_assemble.py``; and
@@ -29,6 +30,7 @@ from .analysis.verify import verify_plan
 from .base import DTYPE_BYTES, PlanError, Transfer, is_relay, relay_tensor, relayed_to
 from .build import check_specs_match, plan_refit, plan_with
 from .cluster import Cluster, LinkModel, Placement, Topology
+from .colocation import ColocatedBytes, Colocation, colocated_bytes
 from .config import RELAY_CHOICES, RELAY_MODES, PlanConfig
 from .pass6_messages import Message
 from .relay_choice import RelayChoice
@@ -44,6 +46,8 @@ __all__ = [
     "BroadcastPrediction",
     "BroadcastStep",
     "Cluster",
+    "ColocatedBytes",
+    "Colocation",
     "Floor",
     "FloorTerm",
     "LinkModel",
@@ -60,6 +64,7 @@ __all__ = [
     "Transfer",
     "bandwidth_floor",
     "check_specs_match",
+    "colocated_bytes",
     "is_relay",
     "load_plan_json",
     "plan_broadcast",

@@ -23,6 +23,7 @@ from ..layouts.base import RankLayout, paused_gc
 from ..spec.model import ModelSpec
 from .base import PlanError
 from .cluster import LinkModel
+from .colocation import Colocation
 from .config import RELAY_CHOICES, PlanConfig
 from .pass1_needs import find_needs
 from .pass2_fanout import plan_fanout
@@ -44,6 +45,7 @@ def plan_refit(
     relay: str = "auto",
     links: LinkModel | None = None,
     carry: bool = True,
+    colocation: Colocation | None = None,
 ) -> RefitPlan:
     """Build the transfer plan from every source layout to every destination layout.
 
@@ -58,8 +60,11 @@ def plan_refit(
     instead of bytes per sender and schedules rounds by time
     (``pass5_rounds/timed.py``); with it and ``carry``, training ranks busier than their
     NVLink domain's mean hand part of their sending to neighbours, which carry it
-    through a relay buffer (``pass4_routes/carry.py``). The settings travel through the
-    passes as one :class:`~.config.PlanConfig`.
+    through a relay buffer (``pass4_routes/carry.py``). ``colocation`` (a
+    :class:`~.colocation.Colocation`): each inference rank shares its GPU with a training
+    rank, which sends it whatever it holds of its needs as a device-local copy
+    (``colocation.py``). The settings travel through the passes as one
+    :class:`~.config.PlanConfig`.
     """
     if relay not in RELAY_CHOICES:
         raise PlanError(f"unknown relay mode {relay!r}; choose one of {RELAY_CHOICES}")
@@ -69,7 +74,9 @@ def plan_refit(
         raise PlanError("source layouts must be given for ranks 0..S-1 in order")
     if [lay.rank for lay in destinations] != list(range(len(destinations))):
         raise PlanError("destination layouts must be given for ranks 0..D-1 in order")
-    config = PlanConfig(int(bucket_mb * 2**20), relay, links, carry)
+    if colocation is not None:
+        colocation.check(len(sources), len(destinations))
+    config = PlanConfig(int(bucket_mb * 2**20), relay, links, carry, colocation)
     return plan_with(spec, sources, destinations, config)
 
 

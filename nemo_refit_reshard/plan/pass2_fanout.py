@@ -2,6 +2,8 @@
 
 * ``relay="none"``: a sender sends each transfer to every member of the group (the
   plan stores it once, ``replica_groups``); it is charged once per member.
+* colocated (``config.colocation``): every destination is planned on its own, with no
+  relays: replicas on different GPUs have different hosts, so they share no message.
 * ``relay="chain"``: every destination is planned on its own, and the routes pass
   chains the replicas that receive the same box from the same sender
   (``pass4_routes/chain.py``).
@@ -60,7 +62,7 @@ def plan_fanout(needs: Needs, config: PlanConfig) -> FanOut:
     """Pass 2 (module docstring) for ``config.mode``; ``relay="domain"`` needs
     ``config.links``."""
     relay, links = config.mode, config.links
-    if relay == "chain":
+    if relay == "chain" or config.colocation is not None:
         groups = [(m,) for g in needs.groups for m in g]
         groups.sort()
         return FanOut(

@@ -10,6 +10,10 @@ is first cut along its outermost non-unit dimension into up to ``len(holders)`` 
 so replicas share one large tensor instead of one replica carrying it whole. Ties break
 on rank, so the result is deterministic. Transfers between the same pair of local
 tensors whose boxes continue each other are then merged (:func:`coalesce`).
+
+Colocated (``config.colocation``): a destination's host — the training rank on its GPU —
+sends every box it holds (a device-local copy, no interconnect bytes, never split); only
+boxes the host lacks are balanced as above.
 """
 
 from __future__ import annotations
@@ -53,7 +57,11 @@ class Senders:
 
 def choose_senders(needs: Needs, fanout: FanOut, config: PlanConfig) -> Senders:
     """Pass 3 (module docstring); topology-aware when ``config.links`` is set."""
-    chosen = assign_senders(fanout.needs, needs.dtype_of, config.links, fanout.members)
+    hosts = None
+    if config.colocation is not None:
+        s = needs.num_sources
+        hosts = {s + d: h for d, h in enumerate(config.colocation.hosts)}
+    chosen = assign_senders(fanout.needs, needs.dtype_of, config.links, fanout.members, hosts)
     return Senders(coalesce(chosen))
 
 
@@ -62,6 +70,7 @@ def assign_senders(
     dtype_of: dict[tuple[int, str], str],
     links: LinkModel | None = None,
     members: Mapping[int, tuple[int, ...]] | None = None,
+    hosts: Mapping[int, int] | None = None,
 ) -> list[Transfer]:
     """Turn needs into transfers, each with one sender, balancing the senders.
 
@@ -72,6 +81,8 @@ def assign_senders(
     sender sends. With ``links`` it minimises the largest predicted busy time of
     a sender's link — bytes × seconds-per-byte, per (sender, link) — so holders
     on the receiver's node (NVLink) are preferred and NIC load is spread.
+    ``hosts[dst]``: the source rank on ``dst``'s GPU (colocated); it sends every need it
+    holds, whole.
     """
     members = members or {}
 
@@ -143,7 +154,12 @@ def assign_senders(
         total += nbytes * copies_of_dst
         holders = region.holders
         if len(holders) > 1:
-            chosen.append((need, nbytes))
+            host = hosts.get(dst) if hosts else None
+            local = [h for h in holders if h.rank == host] if host is not None else []
+            if local:  # colocated: a same-GPU copy costs no interconnect bytes
+                emit(local[0], need, box, nbytes)
+            else:
+                chosen.append((need, nbytes))
             continue
         # ``emit`` inlined: this loop runs over every expert slice of the model.
         rank, src_piece = holders[0].rank, holders[0].piece

@@ -89,6 +89,7 @@ def assemble_plan(
         stats=stats,
         replica_groups=tuple(sorted(receivers)),
         relay_chains=tuple(chains),
+        colocated_hosts=config.colocation.hosts if config.colocation is not None else (),
         relay_choice=choice,
     )
     return plan

@@ -31,6 +31,7 @@ class RankPlan:
     num_rounds: int
     tensors: dict[str, tuple[tuple[int, ...], str]]  # live name -> (shape, dtype)
     messages: tuple[Message, ...]
+    colocated_hosts: tuple[int, ...] = ()  # the full plan's (plan/colocation.py)
 
     def expected_tensors(self, group_rank: int) -> dict[str, tuple[tuple[int, ...], str]]:
         self._check(group_rank)
@@ -61,6 +62,7 @@ class RankPlan:
                 "tensors": {k: [list(s), d] for k, (s, d) in sorted(self.tensors.items())},
                 "names": names.names,
                 "messages": messages,
+                **({"colocated_hosts": list(self.colocated_hosts)} if self.colocated_hosts else {}),
             },
             separators=(",", ":"),
         )
@@ -81,6 +83,7 @@ class RankPlan:
             messages=tuple(
                 message_from_json(r, m, data["names"], boxes) for r, m in data["messages"]
             ),
+            colocated_hosts=tuple(data.get("colocated_hosts", ())),
         )
 
 
@@ -94,6 +97,7 @@ def rank_plan(plan: RefitPlan, group_rank: int) -> RankPlan:
         num_rounds=plan.num_rounds,
         tensors=dict(plan.expected_tensors(group_rank)),
         messages=tuple(plan.messages_of(group_rank)),
+        colocated_hosts=plan.colocated_hosts,
     )
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...layouts.base import Box
 from ..base import PlanError
+from ..colocation import ColocatedBytes, colocated_bytes
 from ..pass6_messages import Message
 from .expand import Expansion
 from .serialize import NameTable, compact_json, fingerprint_of, message_from_json, message_json
@@ -73,6 +74,8 @@ class RefitPlan:
     stats: PlanStats
     replica_groups: tuple[tuple[int, ...], ...] = ()  # refit-group ranks, first = stored one
     relay_chains: tuple[tuple[int, ...], ...] = ()  # (entry, next, ...): forwarding order
+    # Colocated refit (plan/colocation.py): the source rank on each destination's GPU.
+    colocated_hosts: tuple[int, ...] = ()
     # How ``relay="auto"`` picked the relay mode (``relay_choice.py``); not part of the
     # plan's content, so not in its JSON or fingerprint.
     relay_choice: RelayChoice | None = field(default=None, compare=False, repr=False)
@@ -105,6 +108,12 @@ class RefitPlan:
         """Every message this refit-group rank sends or receives, in round order."""
         return self._expansion.messages_of(group_rank)
 
+    def colocated_bytes(self) -> ColocatedBytes:
+        """A colocated plan's bytes, device-local and over the interconnect."""
+        if not self.colocated_hosts:
+            raise PlanError("not a colocated plan: every byte crosses the interconnect")
+        return colocated_bytes(self.traffic(), self.colocated_hosts, self.num_sources)
+
     # -- serialization (JSON, no pickle) ----------------------------------------------
     def _body(self) -> dict[str, Any]:
         def tensors(table: TensorTable) -> list[dict[str, Any]]:
@@ -115,7 +124,7 @@ class RefitPlan:
 
         names = NameTable()
         rounds = [[message_json(m, names) for m in msgs] for msgs in self.class_rounds]
-        return {
+        body: dict[str, Any] = {
             "version": PLAN_VERSION,
             "model": self.model,
             "num_sources": self.num_sources,
@@ -129,6 +138,9 @@ class RefitPlan:
             "rounds": rounds,
             "stats": self.stats.to_json(),
         }
+        if self.colocated_hosts:  # absent otherwise: separate-pool plans keep their bytes
+            body["colocated_hosts"] = list(self.colocated_hosts)
+        return body
 
     @cached_property
     def _body_text(self) -> str:
@@ -189,6 +201,7 @@ class RefitPlan:
             ),
             replica_groups=tuple(tuple(g) for g in data["replica_groups"]),
             relay_chains=tuple(tuple(c) for c in data["relay_chains"]),
+            colocated_hosts=tuple(data.get("colocated_hosts", ())),
         )
         if plan.fingerprint != data["fingerprint"]:
             raise PlanError(
