@@ -20,7 +20,7 @@ arrive in round ``r`` into one half of a relay buffer and leave from it in round
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -147,7 +147,13 @@ class RankProgram:
         tensors: Mapping[str, torch.Tensor],
         device: torch.device | str = "cpu",
         overlap: bool = False,
+        make_recv_buffer: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
+        """``make_recv_buffer(nbytes)``: where incoming messages land, in place of a
+        buffer of this program's own (the colocated refit's shared staging,
+        ``engine/colocated.py``); without ``overlap`` only."""
+        if make_recv_buffer is not None and overlap:
+            raise ValueError("an outside receive buffer serves serial replay only")
         self.plan = plan
         self.group_rank = group_rank
         self.device = torch.device(device)
@@ -172,7 +178,10 @@ class RankProgram:
             torch.empty(send_size, dtype=torch.uint8, device=self.device) for _ in range(sets)
         ]
         self.recv_buffers = [
-            torch.empty(recv_size, dtype=torch.uint8, device=self.device) for _ in range(sets)
+            torch.empty(recv_size, dtype=torch.uint8, device=self.device)
+            if make_recv_buffer is None
+            else make_recv_buffer(recv_size)
+            for _ in range(sets)
         ]
         self.relay_buffer = torch.empty(2 * self._relay_size, dtype=torch.uint8, device=self.device)
         self.rounds = [self._bind(lay[0], tensors, k % sets) for k, lay in enumerate(layouts)]

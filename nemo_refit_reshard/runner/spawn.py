@@ -57,7 +57,7 @@ def run_local(
         plan = plan_refit(spec, sources, destinations, bucket_mb=cfg.bucket_mb, relay=cfg.relay)
     world = plan.num_sources + plan.num_destinations
     with tempfile.TemporaryDirectory() as tmp:
-        plan_path = _write_plans(plan, world, tmp)
+        plan_path = write_plans(plan, world, tmp)
         ctx = mp.start_processes(
             _worker,
             args=(json.dumps(asdict(cfg)), plan_path, free_port(), tmp, new_secret()),
@@ -66,12 +66,12 @@ def run_local(
             join=False,
         )
         total = world * cfg.steps * len(cfg.backends)
-        hung = _wait(ctx.processes, tmp, join_timeout_s, total, progress)
-        ranks = _collect(ctx.processes, tmp, hung)
+        hung = wait_ranks(ctx.processes, tmp, join_timeout_s, total, progress)
+        ranks = collect_reports(ctx.processes, tmp, hung)
     return RunResult(plan, ranks, time.perf_counter() - t0)
 
 
-def _write_plans(plan: RefitPlan, world: int, tmp: str) -> str:
+def write_plans(plan: RefitPlan, world: int, tmp: str) -> str:
     """Write the whole plan and every rank's slice of it; return the whole plan's path
     (each rank finds its slice beside it)."""
     plan_path = os.path.join(tmp, "plan.json")
@@ -81,7 +81,7 @@ def _write_plans(plan: RefitPlan, world: int, tmp: str) -> str:
     return plan_path
 
 
-def _wait(
+def wait_ranks(
     processes: Sequence[Any],
     tmp: str,
     join_timeout_s: float,
@@ -103,7 +103,7 @@ def _wait(
     return hung
 
 
-def _collect(processes: Sequence[Any], tmp: str, hung: list[int]) -> list[dict[str, Any]]:
+def collect_reports(processes: Sequence[Any], tmp: str, hung: list[int]) -> list[dict[str, Any]]:
     """Every rank's report; for a rank that wrote none, an error saying why."""
     ranks = []
     for r, process in enumerate(processes):
