@@ -10,7 +10,9 @@ import sys
 from typing import Any
 
 from ..plan import plan_broadcast
-from ..runner import RunConfig, RunResult, run_local
+from ..runner import RunConfig, RunResult, run_colocated, run_local
+from ..runner.colocated import BACKEND as COLOCATED
+from ..runner.colocated import colocated_plan
 from .plan import TimedPlan, mib, plan_summary, timed_plan
 from .run_args import run_config
 
@@ -49,7 +51,34 @@ def run_report(cfg: RunConfig, show_progress: bool) -> tuple[dict[str, Any], Run
     )
     if show_progress:
         sys.stderr.write("\n")
-    return build_report(cfg, timed, result, nbytes), result
+    report = build_report(cfg, timed, result, nbytes)
+    if cfg.colocated and not report["errors"]:
+        add_colocated(report, cfg, show_progress)
+    return report, result
+
+
+def add_colocated(report: dict[str, Any], cfg: RunConfig, show_progress: bool) -> None:
+    """Run the colocated refit (inference rank d on training rank d's GPU) and add its
+    row: bytes over the interconnect, and those copied on the device."""
+    plan = colocated_plan(cfg)
+    result = run_colocated(
+        cfg, plan, join_timeout_s=cfg.timeout_s + 300,
+        progress=progress_bar if show_progress else None,
+    )  # fmt: skip
+    if show_progress:
+        sys.stderr.write("\n")
+    errors = {str(k): v for k, v in result.errors().items()}
+    if errors:
+        report["errors"].update({f"{k} (colocated)": v for k, v in errors.items()})
+        return
+    split = plan.colocated_bytes()
+    report["backends"][COLOCATED] = {
+        **step_stats(result, COLOCATED),
+        "bytes": split.network,
+        "local_bytes": split.local,
+        "fingerprint": plan.fingerprint,
+        **check(result, COLOCATED, plan.num_sources, cfg.verify),
+    }
 
 
 def backend_bytes(cfg: RunConfig, timed: TimedPlan) -> dict[str, int]:
@@ -122,12 +151,17 @@ def finish(report: dict[str, Any], as_json: bool) -> int:
     if as_json:
         print(json.dumps(report))
     if report["errors"]:
-        for rank, err in sorted(report["errors"].items(), key=lambda kv: int(kv[0])):
+        for rank, err in sorted(report["errors"].items(), key=lambda kv: _rank_key(kv[0])):
             print(f"nemo-refit-reshard: rank {rank} failed: {err}", file=sys.stderr)
         return 1
     if not as_json:
         print_report(report)
     return 0 if all(b["verified"] for b in report["backends"].values()) else 1
+
+
+def _rank_key(text: str) -> tuple[int, str]:
+    number, _, rest = text.partition(" ")
+    return int(number), rest
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -139,16 +173,24 @@ def print_report(report: dict[str, Any]) -> None:
         f"{cfg['steps']} timed steps"
     )
     base = report["backends"].get("broadcast", {}).get("median_s")
+    w = max(10, *(len(name) for name in report["backends"]))
     print(
-        f"  {'backend':10} {'bytes moved':>14} {'median refit':>13} {'speedup':>8} "
+        f"  {'backend':{w}} {'bytes moved':>14} {'median refit':>13} {'speedup':>8} "
         f"{'host overhead':>14}  check"
     )
     for name, b in report["backends"].items():
         speed = f"{base / b['median_s']:.2f}x" if base else "-"
         verdict = "bit-exact" if b["verified"] else f"MISMATCH {b['mismatches']}"
         print(
-            f"  {name:10} {mib(b['bytes']):>14} {b['median_s'] * 1e3:>10.1f} ms {speed:>8} "
+            f"  {name:{w}} {mib(b['bytes']):>14} {b['median_s'] * 1e3:>10.1f} ms {speed:>8} "
             f"{b['median_host_s'] * 1e3:>11.1f} ms  {verdict}"
+        )
+    colocated = report["backends"].get(COLOCATED)
+    if colocated:
+        print(
+            f"  {COLOCATED}: inference rank d on training rank d's GPU; bytes moved = over "
+            f"the interconnect, plus {mib(colocated['local_bytes'])} copied on the device "
+            f"(never sent); plan {colocated['fingerprint']}"
         )
     print(
         f"  minimum bytes {mib(plan['min_bytes'])}; plan {plan['fingerprint']}, "

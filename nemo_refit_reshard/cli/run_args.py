@@ -68,6 +68,12 @@ def add_run_arguments(p: argparse.ArgumentParser, steps: int) -> None:
         default="auto",
         help="overlap pack/unpack with the wire (two staging sets); auto: on for CUDA",
     )
+    p.add_argument(
+        "--colocated",
+        action="store_true",
+        help="also run the colocated refit: inference rank d shares training rank d's GPU "
+        "(CPU twin: OS shared memory in place of CUDA IPC)",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -87,6 +93,12 @@ def run_config(args: argparse.Namespace) -> RunConfig:
             f"--relay {relay} needs a cluster model (which ranks share NVLink): "
             "use it with simulate"
         )
+    colocated = getattr(args, "colocated", False)
+    if colocated and (args.transport != "gloo" or args.device != "cpu"):
+        raise ValueError(
+            "--colocated runs the CPU twin (gloo, CPU tensors); on GPUs run the colocated "
+            "check script (scripts/gpu_checks.sh)"
+        )
     return RunConfig(
         model=args.model,
         train=args.train,
@@ -103,6 +115,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         last_stage_layers=args.last_stage_layers,
         relay=relay,
         overlap={"auto": None, "on": True, "off": False}[args.overlap],
+        colocated=colocated,
         device=args.device,
         host_staged=True if args.host_staged else None,
     )

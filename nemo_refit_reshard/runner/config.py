@@ -36,6 +36,7 @@ class RunConfig:
     device: str = "cpu"  # gloo ranks' tensors: "cpu", or "cuda" (through host twins)
     host_staged: bool | None = None  # gloo through host twins; None: when device is cuda
     connect_timeout_s: float | None = None  # rendezvous; None: run_local's join timeout
+    colocated: bool = False  # also run the colocated refit (runner/colocated.py)
 
     def parallel(self) -> tuple[TrainParallel, InferParallel]:
         """The training and inference parallelisms ``train`` and ``infer`` spell."""
