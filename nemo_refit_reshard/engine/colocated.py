@@ -31,11 +31,10 @@ import json
 import time
 from collections.abc import Mapping
 from multiprocessing.connection import Connection
-from typing import Any
 
 import torch
 
-from ..plan import PlanError, RankPlan, RefitPlan
+from ..plan import Colocation, PlanError, RankPlan, RefitPlan
 from .program import TORCH_DTYPES, RankProgram
 from .staging import SharedBuffer, create_shared_buffer, open_shared_buffer
 from .transport import Transport, TransportError
@@ -98,14 +97,13 @@ class ColocatedHost:
             raise PlanError("not a colocated plan: build it with plan_refit(..., colocation=)")
         self.rank, self.device = rank, torch.device(device)
         self.num_sources, self.hosts = own.num_sources, hosts
-        self.guest_rank = None
-        if rank in hosts:
-            self.guest_rank = own.num_sources + hosts.index(rank)
+        self.guest_rank = Colocation(hosts).guest_of(rank, own.num_sources)
         if (guest is None) != (self.guest_rank is None):
+            planned = "no" if self.guest_rank is None else "an"
+            given = "no" if guest is None else "a"
             raise PlanError(
-                f"training rank {rank}: the plan puts {'a' if self.guest_rank else 'no'} "
-                f"inference rank on its GPU, the caller gave {'no' if guest is None else 'a'} "
-                "guest share"
+                f"training rank {rank}: the plan puts {planned} inference rank on its GPU, "
+                f"the caller gave {given} guest share"
             )
         self.own = RankProgram(own, rank, tensors, self.device)
         self.staging: SharedBuffer | None = None
@@ -200,27 +198,27 @@ class ColocatedGuest:
         )
         self.signals.send_text("opened")
 
-    def replay(self) -> None:
-        """One refit step: per round with messages for this worker, wait, unpack, answer."""
+    def replay(self) -> float:
+        """One refit step: per round with messages for this worker, wait, unpack, answer.
+        Returns the seconds spent waiting for the host."""
         assert self.program is not None and self.signals is not None, "attach() first"
+        waited = 0.0
         with torch.no_grad():
             for k, phase in enumerate(self.program.rounds):
                 if not phase.recvs:
                     continue
+                t0 = time.perf_counter()
                 self.signals.wait("F", k)
+                waited += time.perf_counter() - t0
                 phase.unpack()
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()
                 self.signals.send("C", k)
+        return waited
 
     def close(self) -> None:
         if self.staging is not None:
             self.staging.close()
 
 
-def describe(host: ColocatedHost) -> dict[str, Any]:
-    """What a host holds, for reports."""
-    return {"staging_bytes": host.staging_bytes, "guest": host.guest_rank}
-
-
-__all__ = ["ColocatedGuest", "ColocatedHost", "Signals", "describe"]
+__all__ = ["ColocatedGuest", "ColocatedHost", "Signals"]

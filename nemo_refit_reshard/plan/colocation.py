@@ -94,10 +94,6 @@ class Colocation:
                 "training rank's GPU; each GPU hosts at most one vLLM worker"
             )
 
-    def host_of(self, group_rank: int, num_sources: int) -> int:
-        """The host of refit-group rank ``group_rank`` (a destination)."""
-        return self.hosts[group_rank - num_sources]
-
     def guest_of(self, source: int, num_sources: int) -> int | None:
         """The refit-group rank of the destination on ``source``'s GPU, if any."""
         for d, h in enumerate(self.hosts):

@@ -103,7 +103,8 @@ def _run(
     timings, key = [], secret.encode()[:32]
     if rank < s:  # a training rank: the refit group's member, and its guest's host
         tensors = materialize(sources[rank], weights, fill=float("nan"))
-        guest = share(s + hosts.index(rank)) if rank in hosts else None
+        guest_rank = Colocation(hosts).guest_of(rank, s)
+        guest = share(guest_rank) if guest_rank is not None else None
         host = ColocatedHost(own, guest, rank, tensors)
         if guest is not None:
             with Listener(("127.0.0.1", ports[rank]), authkey=key) as listener:
@@ -129,9 +130,9 @@ def _run(
             for t in tensors.values():
                 t.fill_(float("nan"))
             t0 = time.perf_counter()
-            worker.replay()
+            waited = worker.replay()
             if step:
-                timings.append([time.perf_counter() - t0, 0.0])
+                timings.append([time.perf_counter() - t0, waited])
                 progress.write_text(str(step))
         entry = {"timings": timings, "staging_bytes": 0}
         if cfg.verify:

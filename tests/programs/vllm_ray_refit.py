@@ -44,7 +44,9 @@ WAIT_S = 480
 class VllmWorkerRank:
     """One vLLM worker rank: its model, the engine vLLM's factory makes, vLLM's methods."""
 
-    def __init__(self, config: dict[str, Any], rank: dict[str, Any], initial: str) -> None:
+    def __init__(
+        self, config: dict[str, Any], rank: dict[str, Any], initial: str, checkpoints: list[str]
+    ) -> None:
         torch.set_num_threads(1)
         from vllm.config import WeightTransferConfig
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
@@ -56,6 +58,7 @@ class VllmWorkerRank:
         install_vllm_worker_methods()
         plugin.register()  # what vLLM's load_general_plugins() does via the entry point
         self.config, self.rank = config, vllm_cpu.EngineRank.from_dict(rank)
+        self.checkpoints = checkpoints  # step n's truth: vLLM's load_weights of entry n-1
         self.model, vllm_config = vllm_cpu.build_model(config, self.rank, "cpu", "float32")
         self.model.load_weights(vllm_cpu.checkpoint_tensors(initial))
         self.engine = WeightTransferEngineFactory.create_engine(
@@ -95,8 +98,7 @@ class VllmWorkerRank:
             }
         )
 
-    def expect(self, checkpoints: list[str]) -> int:
-        self.checkpoints = checkpoints
+    def ready(self) -> int:
         return len(self.pointers)
 
     def report(self) -> dict[str, Any]:
@@ -191,8 +193,8 @@ def run(spec: dict[str, Any], work: str) -> dict[str, Any]:
 
     cfg, tp, checkpoints = spec["config"], spec["train_tp"], spec["checkpoints"]
     fail_after = spec.get("fail_after")
-    workers = [VllmWorkerRank.remote(cfg, r, spec["initial"]) for r in spec["infer"]]
-    ray.get([w.expect.remote(checkpoints) for w in workers], timeout=WAIT_S)
+    workers = [VllmWorkerRank.remote(cfg, r, spec["initial"], checkpoints) for r in spec["infer"]]
+    ray.get([w.ready.remote() for w in workers], timeout=WAIT_S)
     llm = ray.remote(num_cpus=0)(cpu_llm_class()).remote(workers)
     trainers = [MegatronTrainerRank.remote(cfg, tp, r, f"{work}/init") for r in range(tp)]
     out: dict[str, Any] = {}
