@@ -29,7 +29,9 @@ _SKIP = vllm_env.skip_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
 
 
-def run(model: str, work: Path, steps: int, fail_after: int | None = None) -> dict[str, Any]:
+def run(
+    model: str, work: Path, steps: int, fail_after: int | None = None, colocated_steps: int = 0
+) -> dict[str, Any]:
     """The Ray job's result (see the program's docstring)."""
     cfg, infer = MODELS[model], InferParallel(tp=2)
     initial, *checkpoints = write_checkpoints(spec_from_hf_config(cfg, name=model), work, steps)
@@ -40,6 +42,7 @@ def run(model: str, work: Path, steps: int, fail_after: int | None = None) -> di
         initial=initial,
         checkpoints=checkpoints,
         fail_after=fail_after,
+        colocated_steps=colocated_steps,
     )
     (work / "spec.json").write_text(json.dumps(spec))
     proc = vllm_env.start("vllm_ray_refit", str(work / "spec.json"), str(work / "out.json"))
@@ -47,19 +50,29 @@ def run(model: str, work: Path, steps: int, fail_after: int | None = None) -> di
     return json.loads((work / "out.json").read_text())
 
 
-def test_reshard_backend_over_ray_bit_exact_then_failed_update(tmp_path: Path) -> None:
+def test_reshard_backend_over_ray_bit_exact_then_failed_update_then_colocated(
+    tmp_path: Path,
+) -> None:
     """Two versions committed bit-exact vs vLLM's load_weights; the third update fails
-    (a trainer rank left) and commits nothing."""
-    r = run("qwen3_moe", tmp_path, steps=3, fail_after=2)
+    (a trainer rank left) and commits nothing. Then the same engine again, colocated
+    (re-initialised through vLLM's own shutdown/init calls), weights poisoned first: two
+    more versions, bit-exact."""
+    r = run("qwen3_moe", tmp_path, steps=3, fail_after=2, colocated_steps=2)
     assert r["ok"], r.get("traceback")
     assert r["fingerprints"][0] == r["fingerprints"][1]
     assert r["llm_version"] == "v2"
     for d, w in enumerate(r["workers"]):
         assert w["engine"] == "ReshardWeightTransferEngine"
-        assert w["committed"] == ["v1", "v2"], d
-        assert [s["step"] for s in w["steps"]] == [1, 2]
-        assert [s["differ"] for s in w["steps"]] == [[], []], w["steps"]
-        assert [s["moved"] for s in w["steps"]] == [[], []]
+        assert w["committed"] == ["v1", "v2", "c1", "c2"], d
+        assert [s["step"] for s in w["steps"]] == [1, 2, 1, 2]
+        assert [s["differ"] for s in w["steps"]] == [[], [], [], []], w["steps"]
+        assert [s["moved"] for s in w["steps"]] == [[], [], [], []]
+    colocated = r["colocated"]
+    assert colocated["fingerprints"][0] == colocated["fingerprints"][1]
+    assert colocated["fingerprints"][0] != r["fingerprints"][0]
+    assert colocated["llm_version"] == "c2"
+    for status in colocated["status"]:
+        assert status["weight_version"] == "c2" and status["stale"] is None, status
     assert r["failed_update"] is not None
     assert r["llm_version_after_failure"] == "v2"
     for status in r["status"]:

@@ -49,6 +49,9 @@ def _meta_tensors(plan: RefitPlan | RankPlan, group_rank: int) -> dict[str, torc
     }
 
 
+ABORT = "abort:"  # a failed step, with the error that failed it
+
+
 class Signals:
     """Round-by-round hand-over between a host and its guest over a local connection:
     raw bytes (``F<round>``: staged; ``C<round>``: consumed), never pickled objects. Every
@@ -61,24 +64,42 @@ class Signals:
         self.conn.send_bytes(f"{kind}{round_index}".encode())
 
     def wait(self, kind: str, round_index: int) -> None:
-        if not self.conn.poll(self.timeout_s):
+        got = self._next(f"did not signal round {round_index}")
+        if got.startswith(ABORT):
             raise TransportError(
-                f"colocated refit: the {self.peer} did not signal round {round_index} within "
-                f"{self.timeout_s:g} s (it died or hung)"
+                f"colocated refit: the {self.peer} failed in round {round_index}: "
+                f"{got[len(ABORT) :]}"
             )
-        got = self.conn.recv_bytes().decode()
         if got != f"{kind}{round_index}":
             raise TransportError(
                 f"colocated refit: expected {kind}{round_index} from the {self.peer}, got {got!r}"
             )
 
+    def abort(self, err: BaseException) -> None:
+        """Tell the other side this step failed (so it stops waiting now); best effort."""
+        try:
+            self.conn.send_bytes(f"{ABORT}{type(err).__name__}: {err}".encode()[:2000])
+        except OSError:
+            pass  # the other side is gone: it learns by its own wait
+
     def send_text(self, text: str) -> None:
         self.conn.send_bytes(text.encode())
 
     def recv_text(self) -> str:
-        if not self.conn.poll(self.timeout_s):
-            raise TransportError(f"colocated refit: no word from the {self.peer} in time")
-        return self.conn.recv_bytes().decode()
+        return self._next("sent nothing")
+
+    def _next(self, what: str) -> str:
+        try:
+            if not self.conn.poll(self.timeout_s):
+                raise TransportError(
+                    f"colocated refit: the {self.peer} {what} within {self.timeout_s:g} s "
+                    "(it died or hung)"
+                )
+            return self.conn.recv_bytes().decode()
+        except (EOFError, OSError) as err:
+            raise TransportError(
+                f"colocated refit: the {self.peer} closed its connection ({what})"
+            ) from err
 
 
 class ColocatedHost:
@@ -131,6 +152,14 @@ class ColocatedHost:
 
     def replay(self, network: Transport) -> float:
         """One refit step; returns seconds spent waiting for the guest."""
+        try:
+            return self._replay(network)
+        except BaseException as err:
+            if self.signals is not None:
+                self.signals.abort(err)
+            raise
+
+    def _replay(self, network: Transport) -> float:
         s, hosts, waited = self.num_sources, self.hosts, 0.0
         with torch.no_grad():
             for k, mine in enumerate(self.own.rounds):
@@ -202,6 +231,15 @@ class ColocatedGuest:
         """One refit step: per round with messages for this worker, wait, unpack, answer.
         Returns the seconds spent waiting for the host."""
         assert self.program is not None and self.signals is not None, "attach() first"
+        try:
+            return self._replay()
+        except BaseException as err:
+            if not isinstance(err, TransportError):  # a failed unpack: the host must know
+                self.signals.abort(err)
+            raise
+
+    def _replay(self) -> float:
+        assert self.program is not None and self.signals is not None
         waited = 0.0
         with torch.no_grad():
             for k, phase in enumerate(self.program.rounds):

@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import secrets
 import socket
+from typing import Any
 
 import torch.distributed as dist
 
@@ -124,6 +125,31 @@ def tcp_port(store: dist.Store, fallback: int) -> int:
     return inner.port if isinstance(inner, dist.TCPStore) else fallback
 
 
+def gather_texts(text: str) -> list[str]:
+    """Every rank's ``text`` (at most 256 bytes each), in rank order, on every rank of the
+    default ``torch.distributed`` group; tensor bytes, never pickled objects."""
+    import torch
+
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    mine = _text_buffer(text, device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    return [bytes(p.cpu().tolist()).rstrip(b"\0").decode() for p in parts]
+
+
+def _text_buffer(text: str, device: Any) -> Any:
+    import torch
+
+    buf = torch.zeros(256, dtype=torch.uint8, device=device)
+    data = text.encode()
+    if len(data) > buf.numel():
+        raise ValueError(f"{len(data)} bytes to share, more than {buf.numel()}")
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return buf
+
+
 def broadcast_text(text: str) -> str:
     """Rank 0's ``text`` on every rank of the default ``torch.distributed`` group, as raw
     bytes in a tensor (never a pickled object: the package sends JSON and tensor bytes
@@ -133,10 +159,6 @@ def broadcast_text(text: str) -> str:
     device = torch.device("cpu")
     if dist.get_backend() == "nccl":  # NCCL groups carry CUDA tensors only
         device = torch.device("cuda", torch.cuda.current_device())
-    buf = torch.zeros(256, dtype=torch.uint8, device=device)
-    data = text.encode()
-    if len(data) > buf.numel():
-        raise ValueError(f"{len(data)} bytes to share, more than {buf.numel()}")
-    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buf = _text_buffer(text, device)
     dist.broadcast(buf, src=0)
     return bytes(buf.cpu().tolist()).rstrip(b"\0").decode()

@@ -30,6 +30,7 @@ VLLM_WORKER_METHODS = (
     "start_weight_update",
     "update_weights",
     "finish_weight_update",
+    "shutdown_weight_transfer_engine",
 )
 
 

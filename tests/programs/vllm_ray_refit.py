@@ -21,7 +21,9 @@ SPEC: ``{"config", "train_tp", "infer": [EngineRank fields per worker rank], "in
   step's checkpoint, and no parameter storage may move.
 
 With ``fail_after`` = n, trainer rank 1 leaves after n updates and rank 0 tries update
-n+1, which must fail and commit nothing.
+n+1, which must fail and commit nothing. With ``colocated_steps`` = k, every party then
+starts again colocated (worker rank d sharing trainer rank d's "GPU": the trainer's
+staging in OS shared memory), the workers' weights poisoned, and k updates follow.
 """
 
 from __future__ import annotations
@@ -75,6 +77,17 @@ class VllmWorkerRank:
             return {**self.engine.status(), "active": self.worker._weight_update_active}
         if method == "engine_finish":  # the engine alone, past vLLM's own guard
             return self.engine.finish_weight_update()
+        if method == "poison":  # every element a refit writes must be written again
+            vocab = int(self.config["vocab_size"])
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                        # vLLM's vocabulary padding rows: no refit writes them
+                        start = self.rank.tp_rank * p.shape[0]
+                        p[: max(0, vocab - start)].fill_(float("nan"))
+                    else:
+                        p.fill_(float("nan"))
+            return None
         if method == "update_weights":
             self.pending = dict(kwargs["update_info"])
         value = getattr(self.worker, method)(**kwargs)
@@ -149,7 +162,7 @@ class MegatronTrainerRank:
         self.storage = pointers
         return n
 
-    def init_transfer(self, llm: Any, infer_tp: int) -> str:
+    def init_transfer(self, llm: Any, infer_tp: int, colocated: bool = False) -> str:
         from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
@@ -167,6 +180,7 @@ class MegatronTrainerRank:
             timeout_s=60,
             connect_timeout_s=WAIT_S,
             bucket_mb=1,
+            colocated=colocated,
         )
         source = MegatronSource(self.chunks, self.spec, self.parallel, self.rank)
         self.engine = WeightTransferTrainerFactory.trainer_init(
@@ -223,7 +237,29 @@ def run(spec: dict[str, Any], work: str) -> dict[str, Any]:
             out["engine_finish"] = None
         except ray.exceptions.RayTaskError as err:
             out["engine_finish"] = str(err)[-800:]
+    if spec.get("colocated_steps"):
+        out["colocated"] = colocated_phase(spec, llm, trainers, checkpoints, infer_tp)
     out["workers"] = ray.get([w.report.remote() for w in workers], timeout=WAIT_S)
+    return out
+
+
+def colocated_phase(
+    spec: dict[str, Any], llm: Any, trainers: list[Any], checkpoints: list[str], infer_tp: int
+) -> dict[str, Any]:
+    """The same parties again, colocated: worker rank d on trainer rank d's "GPU" (the
+    staging shared through OS shared memory); the workers' weights poisoned first."""
+    ray.get([t.leave.remote() for t in trainers], timeout=WAIT_S)
+    ray.get(llm.shutdown_weight_transfer_engine.remote(), timeout=WAIT_S)
+    ray.get(llm.rpc.remote("poison"), timeout=WAIT_S)
+    out: dict[str, Any] = {}
+    out["fingerprints"] = ray.get(
+        [t.init_transfer.remote(llm, infer_tp, True) for t in trainers], timeout=WAIT_S
+    )
+    for step, path in enumerate(checkpoints[: spec["colocated_steps"]]):
+        ray.get([t.load.remote(path) for t in trainers], timeout=WAIT_S)
+        ray.get([t.sync.remote(f"c{step + 1}") for t in trainers], timeout=WAIT_S)
+    out["llm_version"] = ray.get(llm.get_weight_version.remote(), timeout=WAIT_S)
+    out["status"] = ray.get(llm.rpc.remote("status"), timeout=WAIT_S)
     return out
 
 

@@ -24,6 +24,12 @@ Phases (rank 0 drives the client; every RPC blocks until all workers answer):
 * ``send_weights()``: ``start_weight_update``; ``update_weights`` in a thread while
   this rank replays its own program (the workers' replay is the other half of the
   same exchange); then ``finish_weight_update(weight_version)``.
+
+Colocated (``colocated=True``: engine rank ``d`` on the GPU of trainer rank
+``colocated_hosts[d]``, default ``d``; ``plan/colocation.py``): the refit group is the
+trainer ranks alone; each trainer rank hosts the worker on its GPU, which connects to it
+(rank 0 gathers every host's address over ``torch.distributed`` and ships them) and
+unpacks the staging it receives into. Same phases, same client calls.
 """
 
 from __future__ import annotations
@@ -38,12 +44,12 @@ from vllm.distributed.weight_transfer.base import (
     VLLMWeightSyncClient,
 )
 
-from ...engine.rendezvous import broadcast_text, free_address, new_secret
+from ...engine.rendezvous import broadcast_text, free_address, gather_texts, new_secret
 from ...engine.transport import DEFAULT_TIMEOUT_S
 from ...layouts import VllmOptions, vllm_layouts
-from ...plan import RefitPlan, plan_refit, rank_plan
+from ...plan import Colocation, RefitPlan, plan_refit, rank_plan
 from ...spec import InferParallel
-from ..worker import RefitEndpoint, RefitWorker
+from ..worker import ColocatedTrainer, RefitEndpoint, RefitWorker
 from .plugin import BACKEND
 from .transfer_sources import ReshardSource
 
@@ -59,7 +65,10 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     ``host`` / ``port`` / ``secret``: the refit group's rendezvous, hosted by trainer
     rank 0 (reachable from the workers); with ``port=None`` rank 0 picks one and shares
     it (and a new secret) over ``torch.distributed`` when there are several trainer
-    ranks. ``transport``: ``"gloo"`` or ``"cupy-nccl"``.
+    ranks. ``transport``: ``"gloo"`` or ``"cupy-nccl"``. ``colocated``: every worker
+    shares a GPU with a trainer rank (``colocated_hosts[d]`` for engine rank ``d``;
+    default: rank ``d``); the group is then the trainer ranks, and several of them need
+    ``torch.distributed`` to share their hosts' addresses.
     """
 
     backend: ClassVar[str] = BACKEND
@@ -75,6 +84,8 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = DEFAULT_TIMEOUT_S
     connect_timeout_s: float | None = None
     bucket_mb: float = 512
+    colocated: bool = False
+    colocated_hosts: list[int] | None = None
 
 
 def _installed_vllm() -> str:
@@ -115,7 +126,17 @@ def build_plan(info: ReshardTrainerInitInfo, source: ReshardSource) -> RefitPlan
         all2all_backend=info.all2all_backend,
     )
     destinations = vllm_layouts(source.spec, infer, options)
-    return plan_refit(source.spec, source.layouts(), destinations, bucket_mb=info.bucket_mb)
+    colocation = None
+    if info.colocated:
+        s, d = len(source.layouts()), len(destinations)
+        hosts = info.colocated_hosts
+        colocation = Colocation(tuple(hosts)) if hosts else Colocation.same_index(s, d)
+    elif info.colocated_hosts:
+        raise ValueError("colocated_hosts given but colocated=False: set colocated=True")
+    return plan_refit(
+        source.spec, source.layouts(), destinations, bucket_mb=info.bucket_mb,
+        colocation=colocation,
+    )  # fmt: skip
 
 
 class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
@@ -129,7 +150,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         *,
         client: VLLMWeightSyncClient,
         source: ReshardSource,
-        refit: RefitWorker,
+        refit: RefitWorker | ColocatedTrainer,
         plan: RefitPlan,
         is_sender: bool = True,
         rank: int = 0,
@@ -159,6 +180,8 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         if source.rank != init_info.rank:
             raise ValueError(f"source is rank {source.rank}, init info rank {init_info.rank}")
         plan = build_plan(init_info, source)
+        if plan.colocated_hosts:
+            return cls._colocated(init_info, client, source, plan)
         s, d = plan.num_sources, plan.num_destinations
         host, port, secret = _shared_address(init_info, s)
         endpoint = RefitEndpoint(
@@ -183,6 +206,42 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         engine.concurrently(
             (lambda: client.init_weight_transfer_engine(payload)) if engine.is_sender else None,
             lambda: (refit.join(), refit.load_plan(rank_plan(plan, init_info.rank))),
+        )
+        return engine
+
+    @classmethod
+    def _colocated(
+        cls,
+        info: ReshardTrainerInitInfo,
+        client: VLLMWeightSyncClient,
+        source: ReshardSource,
+        plan: RefitPlan,
+    ) -> ReshardTrainerWeightTransferEngine:
+        """``trainer_init`` of a colocated refit: the group is the trainer ranks; each
+        hosts the worker on its GPU, which connects to the address rank 0 ships it."""
+        s, d = plan.num_sources, plan.num_destinations
+        host, port, secret = _shared_address(info, s)
+        endpoint = RefitEndpoint(
+            host, port, s, info.rank, info.transport, info.timeout_s, info.connect_timeout_s,
+            secret,
+        )  # fmt: skip
+        trainer = ColocatedTrainer(endpoint, source.tensors(), plan)
+        mine = trainer.listen() or ""  # the worker shares this GPU: loopback reaches it
+        addresses = gather_texts(mine) if s > 1 else [mine]
+        engine = cls(
+            client=client, source=source, refit=trainer, plan=plan,
+            is_sender=info.is_sender, rank=info.rank,
+        )  # fmt: skip
+        payload = {
+            "endpoint": endpoint.to_json(),
+            "first_rank": s,
+            "plan": {str(r): rank_plan(plan, r).to_json() for r in range(s, s + d)},
+            "fingerprint": plan.fingerprint,
+            "colocated": [addresses[h] for h in plan.colocated_hosts],
+        }
+        engine.concurrently(
+            (lambda: client.init_weight_transfer_engine(payload)) if engine.is_sender else None,
+            lambda: (trainer.join(), trainer.accept_worker()),
         )
         return engine
 

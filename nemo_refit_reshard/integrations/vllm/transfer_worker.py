@@ -6,7 +6,9 @@ through the four phases its trainer engine sends over a ``VLLMWeightSyncClient``
 
 * ``init_weight_transfer_engine(ReshardInitInfo)``: join the refit group as rank
   ``first_rank + engine rank``, check this rank's plan slice against the live
-  parameters and the trainer's plan fingerprint, compile its program (once);
+  parameters and the trainer's plan fingerprint, compile its program (once); in a
+  colocated refit, connect to the training rank on this GPU and open its staging
+  instead (as vLLM's ``ipc`` backend serves colocated deployments);
 * ``start_weight_update()``: open a session (the weights are written in place, so
   there is nothing to prepare);
 * ``update_weights(ReshardUpdateInfo)``: replay the compiled program, writing the live
@@ -37,6 +39,7 @@ from .config import engine_layout
 from .worker import (
     check_moe_backends,
     refit_close,
+    refit_connect_colocated,
     refit_join,
     refit_load_plan,
     refit_status,
@@ -55,12 +58,17 @@ class ReshardInitInfo(WeightTransferInitInfo):
     of this engine's rank 0 (the S training ranks come first). ``plan``: refit rank (as
     a string) -> that rank's plan slice JSON, or one JSON text / path template as
     ``refit_load_plan`` takes. ``fingerprint``: the full plan the trainer built.
+    ``colocated``: for a colocated refit (each worker on a training rank's GPU), the
+    address of the training rank hosting each engine rank, in engine-rank order; the
+    worker connects there instead of joining the group (``endpoint``: the training
+    ranks' group, for its secret and timeouts).
     """
 
     endpoint: str
     first_rank: int
     plan: str | dict[str, str]
     fingerprint: str
+    colocated: list[str] | None = None
 
 
 @dataclass
@@ -107,6 +115,12 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
     def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
         """Join the refit group and compile this rank's program. Collective with every
         trainer rank and every other worker (they all load the plan together)."""
+        if init_info.colocated is not None:
+            self.refit_rank = refit_connect_colocated(
+                self, init_info.endpoint, init_info.first_rank, init_info.colocated,
+                init_info.plan, init_info.fingerprint,
+            )  # fmt: skip
+            return
         self.refit_rank = refit_join(self, init_info.endpoint, init_info.first_rank)
         refit_load_plan(self, init_info.plan, init_info.fingerprint)
 

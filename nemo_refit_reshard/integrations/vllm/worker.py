@@ -29,7 +29,13 @@ import torch
 
 from ...engine.program import live_tensor_problems
 from ...plan import PlanError, RankPlan, RefitPlan, load_plan_json
-from ..worker import RefitEndpoint, RefitWorker, WeightsState, describe_tensors
+from ..worker import (
+    ColocatedWorker,
+    RefitEndpoint,
+    RefitWorker,
+    WeightsState,
+    describe_tensors,
+)
 from .config import IN_PLACE_MOE_BACKENDS, EngineLayout, UnsupportedVllmOption, engine_layout
 
 _STATE = "_nemo_refit_reshard"
@@ -41,6 +47,7 @@ class _WorkerState:
     engine_rank: int
     params: dict[str, torch.Tensor]
     refit: RefitWorker | None = None
+    colocated: ColocatedWorker | None = None  # instead of ``refit`` in a colocated refit
     weights: WeightsState = field(default_factory=WeightsState)  # across memberships
     steps: int = 0
 
@@ -193,14 +200,51 @@ def refit_load_plan(
     if s.refit is None:
         raise RuntimeError("call refit_join before refit_load_plan")
     rank = s.refit.endpoint.group_rank
+    loaded = _checked_plan(worker, plan, rank, fingerprint)
+    s.refit.load_plan(loaded)
+    return len(loaded.expected_tensors(rank))
+
+
+def _checked_plan(
+    worker: Any, plan: str | Mapping[str, str], rank: int, fingerprint: str | None
+) -> RefitPlan | RankPlan:
     loaded = refit_check_plan(worker, plan, rank)
     if fingerprint is not None and loaded.fingerprint != fingerprint:
         raise PlanError(
             f"the plan shipped to refit rank {rank} is {loaded.fingerprint[:12]}, not the "
             f"driver's plan {fingerprint[:12]}: ship every rank a slice of the same plan"
         )
-    s.refit.load_plan(loaded)
-    return len(loaded.expected_tensors(rank))
+    return loaded
+
+
+def refit_connect_colocated(
+    worker: Any,
+    endpoint_json: str,
+    first_rank: int,
+    addresses: list[str],
+    plan: str | Mapping[str, str],
+    fingerprint: str | None = None,
+) -> int:
+    """Colocated refit (``plan/colocation.py``): connect to the training rank on this
+    worker's GPU (``addresses[engine rank]``), open its staging and compile this rank's
+    unpack, after checking the plan against the live parameters as
+    :func:`refit_load_plan` does. ``endpoint_json``: the training ranks' group (its
+    secret and timeouts). Returns this worker's refit rank."""
+    s = _state(worker)
+    refit_close(worker)
+    rank = first_rank + s.engine_rank
+    if s.engine_rank >= len(addresses):
+        raise PlanError(
+            f"vLLM rank {s.engine_rank}: the trainer named hosts for {len(addresses)} "
+            "workers; every worker of a colocated engine needs a training rank on its GPU"
+        )
+    loaded = _checked_plan(worker, plan, rank, fingerprint)
+    e = RefitEndpoint.from_json(endpoint_json)
+    s.colocated = ColocatedWorker(s.params, weights=s.weights)
+    s.colocated.connect(
+        addresses[s.engine_rank], e.secret, loaded, rank, e.timeout_s, e.connect_timeout_s
+    )
+    return rank
 
 
 def refit_step(worker: Any, step: int | None = None) -> dict[str, float]:
@@ -212,6 +256,11 @@ def refit_step(worker: Any, step: int | None = None) -> dict[str, float]:
     failed refit leaves them so — ask ``refit_require_fresh`` before generating again.
     """
     s = _state(worker)
+    if s.colocated is not None:
+        seconds = s.colocated.refit(step)
+        s.steps += 1
+        rank = s.colocated.guest.group_rank if s.colocated.guest is not None else -1
+        return {"group_rank": float(rank), "seconds": seconds}
     if s.refit is None or s.refit.refitter is None:
         raise RuntimeError("call refit_join and refit_load_plan before refit_step")
     timing = s.refit.refit(step)
@@ -241,6 +290,9 @@ def refit_close(worker: Any) -> None:
         if s.refit is not None:
             s.refit.close()
             s.refit = None
+        if s.colocated is not None:
+            s.colocated.close()
+            s.colocated = None
 
 
 class ReshardWorkerExtension:

@@ -3,15 +3,20 @@
 ``endpoint.py``: :class:`RefitEndpoint`, where and as whom a worker joins the refit
 group. ``refit_worker.py``: :class:`RefitWorker`, one worker's membership (join, load a
 plan, refit). ``weights.py``: :class:`WeightsState`, whether a rank's weights are whole
-or stale. Nothing here knows Megatron, vLLM or Ray.
+or stale. ``colocated.py``: :class:`ColocatedTrainer` and :class:`ColocatedWorker`, the
+same for a training rank and the generation worker sharing its GPU. Nothing here knows
+Megatron, vLLM or Ray.
 """
 
+from .colocated import ColocatedTrainer, ColocatedWorker
 from .endpoint import TRANSPORTS, RefitEndpoint
 from .refit_worker import RefitWorker, describe_tensors
 from .weights import StaleWeightsError, WeightsState
 
 __all__ = [
     "TRANSPORTS",
+    "ColocatedTrainer",
+    "ColocatedWorker",
     "RefitEndpoint",
     "RefitWorker",
     "StaleWeightsError",

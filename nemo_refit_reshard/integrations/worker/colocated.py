@@ -1,0 +1,223 @@
+"""The worker API of the colocated refit (``plan/colocation.py``), framework neutral.
+
+A training rank in a colocated deployment::
+
+    trainer = ColocatedTrainer(endpoint, dict(model.named_parameters()), plan)
+    address = trainer.listen()   # where the worker on this GPU connects (None: no worker)
+    # ... ship every worker its host's address, its plan slice and the secret ...
+    trainer.join()               # the training ranks' refit group (endpoint: S ranks)
+    trainer.accept_worker()      # hands the worker its staging, once
+    trainer.refit()              # every step, on every training rank
+
+and the generation worker on the same GPU::
+
+    worker = ColocatedWorker(dict(model.named_parameters()))
+    worker.connect(address, secret, plan_slice, group_rank)
+    worker.refit()               # every step, while its host refits
+
+Both are versioned like :class:`~.refit_worker.RefitWorker`: the weights are stale from
+the start of a step until it completes, and stay so if it fails. Nothing here knows
+Megatron, vLLM or Ray.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Mapping
+from multiprocessing.connection import (
+    Client,
+    Connection,
+    answer_challenge,
+    deliver_challenge,
+)
+
+import torch
+
+from ...engine.colocated import ColocatedGuest, ColocatedHost
+from ...plan import Colocation, PlanError, RankPlan, RefitPlan, load_plan_json, rank_plan
+from .endpoint import RefitEndpoint
+from .refit_worker import RefitWorker
+from .weights import WeightsState
+
+
+def _authkey(secret: str | None) -> bytes:
+    if not secret:
+        raise ValueError("a colocated refit needs the run's secret (RefitEndpoint.secret)")
+    return secret.encode()[:32]
+
+
+class ColocatedTrainer:
+    """A training rank of a colocated refit: a member of the training ranks' group and
+    the host of the generation worker on its GPU."""
+
+    def __init__(
+        self,
+        endpoint: RefitEndpoint,
+        tensors: Mapping[str, torch.Tensor],
+        plan: RefitPlan,
+        device: torch.device | str | None = None,
+        weights: WeightsState | None = None,
+    ) -> None:
+        """``endpoint``: the training ranks' group (``world_size`` = S, ``group_rank`` =
+        this training rank). ``plan``: the full colocated plan."""
+        if not plan.colocated_hosts:
+            raise PlanError("not a colocated plan: build it with plan_refit(..., colocation=)")
+        if endpoint.world_size != plan.num_sources:
+            raise ValueError(
+                f"a colocated refit group is the {plan.num_sources} training ranks; the "
+                f"endpoint says {endpoint.world_size}"
+            )
+        self.endpoint, self.plan = endpoint, plan
+        self.weights = weights if weights is not None else WeightsState()
+        # The transport comes from the same code as a separate-pools member's.
+        self.net = RefitWorker(endpoint, tensors, device)
+        rank = endpoint.group_rank
+        guest = Colocation(plan.colocated_hosts).guest_of(rank, plan.num_sources)
+        self.guest_rank = guest
+        self.host = ColocatedHost(
+            rank_plan(plan, rank),
+            rank_plan(plan, guest) if guest is not None else None,
+            rank,
+            tensors,
+            self.net.device,
+        )
+        self._listener: socket.socket | None = None
+
+    def listen(self, host: str = "127.0.0.1") -> str | None:
+        """Start listening for the worker on this GPU; its address ``host:port`` (None when
+        no worker shares this GPU)."""
+        if self.guest_rank is None:
+            return None
+        self._listener = socket.create_server((host, 0))
+        return f"{host}:{self._listener.getsockname()[1]}"
+
+    def join(self) -> None:
+        """Rendezvous with the other training ranks (collective)."""
+        self.net.join()
+
+    def accept_worker(self) -> None:
+        """Wait for the worker on this GPU and hand it its staging (once)."""
+        if self._listener is None:
+            return
+        timeout = self.endpoint.connect_timeout_s or self.endpoint.timeout_s
+        self._listener.settimeout(timeout)
+        try:
+            sock, _ = self._listener.accept()
+        except TimeoutError as err:
+            raise TimeoutError(
+                f"colocated refit: no generation worker connected to training rank "
+                f"{self.endpoint.group_rank} within {timeout:g} s"
+            ) from err
+        finally:
+            self._listener.close()
+            self._listener = None
+        sock.setblocking(True)
+        conn = Connection(sock.detach())
+        # multiprocessing's own handshake (what Listener.accept does): the worker proves
+        # it holds the run's secret, and so does this rank.
+        key = _authkey(self.endpoint.secret)
+        deliver_challenge(conn, key)
+        answer_challenge(conn, key)
+        self.host.attach(conn, self.endpoint.timeout_s)
+
+    def refit(self, step: int | None = None) -> float:
+        """One refit step (collective over the training ranks, and with the worker on this
+        GPU); the seconds it took."""
+        if self.net.transport is None:
+            raise RuntimeError("call join() before refit()")
+        step = step if step is not None else (self.weights.step or 0) + 1
+        self.weights.begin(step, self.plan.fingerprint)
+        t0 = time.perf_counter()
+        try:
+            self.host.replay(self.net.transport)
+        except BaseException as err:
+            self.weights.failed(step, err)
+            raise
+        self.weights.done(step, self.plan.fingerprint)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self.host.signals is not None:
+            self.host.signals.conn.close()
+        self.net.close()
+
+
+class ColocatedWorker:
+    """The generation worker of a colocated refit: unpacks its host's staging."""
+
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        device: torch.device | str | None = None,
+        weights: WeightsState | None = None,
+    ) -> None:
+        self.tensors = tensors
+        first = next(iter(tensors.values()), None)
+        self.device = torch.device(device) if device is not None else (
+            first.device if first is not None else torch.device("cpu")
+        )  # fmt: skip
+        self.weights = weights if weights is not None else WeightsState()
+        self.guest: ColocatedGuest | None = None
+        self._conn: Connection | None = None
+        self.fingerprint: str | None = None
+
+    def connect(
+        self,
+        address: str,
+        secret: str | None,
+        plan: RefitPlan | RankPlan | str,
+        group_rank: int,
+        timeout_s: float,
+        connect_timeout_s: float | None = None,
+    ) -> None:
+        """Connect to the training rank on this GPU (``host:port``), open its staging and
+        compile this rank's unpack of ``plan`` (its slice or the full plan)."""
+        if isinstance(plan, str):
+            plan = load_plan_json(plan)
+        self.close()
+        host, _, port = address.rpartition(":")
+        deadline = time.monotonic() + (connect_timeout_s or timeout_s)
+        while True:  # the host listens once it has planned: slow on a loaded machine
+            try:
+                self._conn = Client((host, int(port)), authkey=_authkey(secret))
+                break
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"colocated refit: the training rank at {address} did not accept "
+                        f"generation rank {group_rank} within {connect_timeout_s or timeout_s:g} s"
+                    ) from None
+                time.sleep(0.1)
+        self.guest = ColocatedGuest(plan, group_rank, self.tensors, self.device)
+        self.guest.attach(self._conn, timeout_s)
+        self.fingerprint = plan.fingerprint
+
+    def refit(self, step: int | None = None) -> float:
+        """One refit step on this worker (with its host's); the seconds it took."""
+        if self.guest is None or self.fingerprint is None:
+            raise RuntimeError("call connect() before refit()")
+        step = step if step is not None else (self.weights.step or 0) + 1
+        self.weights.begin(step, self.fingerprint)
+        t0 = time.perf_counter()
+        try:
+            self.guest.replay()
+        except BaseException as err:
+            self.weights.failed(step, err)
+            raise
+        self.weights.done(step, self.fingerprint)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self.guest is not None:
+            self.guest.close()
+            self.guest = None
+
+
+__all__ = ["ColocatedTrainer", "ColocatedWorker"]
