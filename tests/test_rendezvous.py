@@ -152,3 +152,28 @@ def test_rank_zero_shares_text_as_bytes_not_pickles(tmp_path) -> None:
             broadcast_text("x" * 300)
     finally:
         dist.destroy_process_group()
+
+
+def _gather_rank(rank: int, path: str, out: str) -> None:
+    from nemo_refit_reshard.engine.rendezvous import gather_texts
+
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=3)
+    try:
+        texts = gather_texts("" if rank == 1 else f"127.0.0.1:{4000 + rank}")
+        with open(f"{out}{rank}", "w") as f:
+            f.write("|".join(texts))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_gathers_every_rank_text(tmp_path) -> None:
+    """``gather_texts`` (the colocated trainer engine's host addresses), three processes;
+    an empty text (a rank hosting no worker) stays empty."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "texts")
+    mp.start_processes(
+        _gather_rank, args=(str(tmp_path / "init"), out), nprocs=3, start_method="spawn"
+    )
+    for r in range(3):
+        assert (tmp_path / f"texts{r}").read_text() == "127.0.0.1:4000||127.0.0.1:4002"

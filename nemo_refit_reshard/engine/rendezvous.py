@@ -146,7 +146,8 @@ def _text_buffer(text: str, device: Any) -> Any:
     data = text.encode()
     if len(data) > buf.numel():
         raise ValueError(f"{len(data)} bytes to share, more than {buf.numel()}")
-    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    if data:  # frombuffer refuses an empty buffer
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return buf
 
 
