@@ -123,6 +123,7 @@ def test_cpu_twin_bit_exact(cfg: RunConfig) -> None:
 def test_demo_colocated_refuses_gpu_transports(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--colocated", "--transport", "cupy-nccl"]) == 2
     assert capsys.readouterr().err == (
-        "nemo-refit-reshard: error: --colocated runs the CPU twin (gloo, CPU tensors); on "
-        "GPUs run the colocated check script (scripts/gpu_checks.sh)\n"
+        "nemo-refit-reshard: error: --colocated runs over gloo (with --device cuda on GPUs, "
+        "the staging shared by CUDA IPC): the local runner puts several ranks on one GPU, "
+        "which NCCL refuses\n"
     )

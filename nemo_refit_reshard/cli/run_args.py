@@ -72,7 +72,7 @@ def add_run_arguments(p: argparse.ArgumentParser, steps: int) -> None:
         "--colocated",
         action="store_true",
         help="also run the colocated refit: inference rank d shares training rank d's GPU "
-        "(CPU twin: OS shared memory in place of CUDA IPC)",
+        "(OS shared memory in place of CUDA IPC on CPU; CUDA IPC with --device cuda)",
     )
     p.add_argument("--json", action="store_true")
 
@@ -94,10 +94,10 @@ def run_config(args: argparse.Namespace) -> RunConfig:
             "use it with simulate"
         )
     colocated = getattr(args, "colocated", False)
-    if colocated and (args.transport != "gloo" or args.device != "cpu"):
+    if colocated and args.transport != "gloo":
         raise ValueError(
-            "--colocated runs the CPU twin (gloo, CPU tensors); on GPUs run the colocated "
-            "check script (scripts/gpu_checks.sh)"
+            "--colocated runs over gloo (with --device cuda on GPUs, the staging shared by "
+            "CUDA IPC): the local runner puts several ranks on one GPU, which NCCL refuses"
         )
     return RunConfig(
         model=args.model,

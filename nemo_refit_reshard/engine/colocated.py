@@ -141,6 +141,7 @@ class ColocatedHost:
                 make_recv_buffer=make,
             )  # fmt: skip
         self.signals: Signals | None = None
+        self.waited = 0.0  # the last step's seconds waiting for the guest
 
     def attach(self, conn: Connection, timeout_s: float) -> None:
         """Hand the guest its staging (a handle it opens once) over ``conn``."""
@@ -183,6 +184,7 @@ class ColocatedHost:
                     self.signals.send("F", k)
                     self.signals.wait("C", k)
                     waited += time.perf_counter() - t0
+        self.waited = waited
         return waited
 
     @property
@@ -206,6 +208,7 @@ class ColocatedGuest:
         self.program: RankProgram | None = None
         self.signals: Signals | None = None
         self.staging: SharedBuffer | None = None
+        self.waited = 0.0  # the last step's seconds waiting for the host
 
     def attach(self, conn: Connection, timeout_s: float) -> None:
         """Open the host's staging (once) and compile the unpack over it."""
@@ -252,6 +255,7 @@ class ColocatedGuest:
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()
                 self.signals.send("C", k)
+        self.waited = waited
         return waited
 
     def close(self) -> None:

@@ -1,11 +1,12 @@
 """The colocated refit between local processes: the CPU twin of same-GPU refits.
 
 Training rank ``s`` and inference rank ``d`` with ``hosts[d] == s`` stand for one GPU:
-two processes that share the host's staging through OS shared memory (CUDA IPC on a
-GPU, ``engine/staging.py``) and hand rounds over a local connection. The training ranks
-form the gloo refit group. Every inference rank checks its tensors bit for bit after
-the last step, as in ``spawn.py``; the reports have the same shape, under the backend
-name :data:`BACKEND`.
+two processes that share the host's staging through OS shared memory (CUDA IPC with
+``device="cuda"``, ``engine/staging.py``) and hand rounds over a local connection. The
+training ranks form the refit group. Both sides run the framework-neutral worker API
+(``integrations/worker/colocated.py``), as an adapter would. Every inference rank
+checks its tensors bit for bit after the last step, as in ``spawn.py``; the reports have
+the same shape, under the backend name :data:`BACKEND`.
 """
 
 from __future__ import annotations
@@ -49,12 +50,11 @@ def run_colocated(
         cfg = replace(cfg, connect_timeout_s=join_timeout_s)
     plan = plan or colocated_plan(cfg)
     world = plan.num_sources + plan.num_destinations
-    ports = [free_port() for _ in range(plan.num_sources)]  # host s listens for its guest
     with tempfile.TemporaryDirectory() as tmp:
         plan_path = write_plans(plan, world, tmp)
         ctx = mp.start_processes(
             _worker,
-            args=(json.dumps(asdict(cfg)), plan_path, free_port(), ports, tmp, new_secret()),
+            args=(json.dumps(asdict(cfg)), plan_path, free_port(), tmp, new_secret()),
             nprocs=world,
             start_method="spawn",
             join=False,
@@ -64,16 +64,14 @@ def run_colocated(
     return RunResult(plan, ranks, time.perf_counter() - t0)
 
 
-def _worker(
-    rank: int, cfg_json: str, plan_path: str, port: int, ports: list[int], out: str, secret: str
-) -> None:
+def _worker(rank: int, cfg_json: str, plan_path: str, port: int, out: str, secret: str) -> None:
     import torch
 
     torch.set_num_threads(1)
     result: dict[str, Any] = {"rank": rank, "backends": {}}
     try:
         cfg = RunConfig(**json.loads(cfg_json))
-        _run(rank, cfg, Path(plan_path), port, ports, secret, result)
+        _run(rank, cfg, Path(plan_path), port, secret, result)
     except BaseException as err:  # reported to the driver
         result["error"] = f"{type(err).__name__}: {err}"
         result["traceback"] = traceback.format_exc()
@@ -83,73 +81,74 @@ def _worker(
 
 
 def _run(
-    rank: int, cfg: RunConfig, plan_path: Path, port: int, ports: list[int], secret: str,
-    result: dict[str, Any],
-) -> None:  # fmt: skip
-    from multiprocessing.connection import Client, Listener
+    rank: int, cfg: RunConfig, plan_path: Path, port: int, secret: str, result: dict[str, Any]
+) -> None:
+    """One process: a training rank (the group's member and its GPU's host) or the
+    inference rank on a training rank's GPU, through the framework-neutral worker API."""
+    import torch
 
-    from ..engine.colocated import ColocatedGuest, ColocatedHost
     from ..engine.materialize import SyntheticWeights, materialize, mismatches
-    from ..engine.transport import GlooTransport
+    from ..integrations.worker import ColocatedTrainer, ColocatedWorker, RefitEndpoint
 
     def share(r: int) -> RankPlan:
         return RankPlan.from_json(plan_path.with_name(f"plan{r}.json").read_text())
 
     spec, sources, destinations = build_layouts(cfg)
     weights, s = SyntheticWeights(spec, cfg.seed), len(sources)
-    own = share(rank)
-    hosts = own.colocated_hosts
+    hosts = share(rank).colocated_hosts
+    host_rank = rank if rank < s else hosts[rank - s]
+    device = torch.device("cpu")
+    if cfg.device == "cuda":  # a pair shares its host's device, like a GPU in the job
+        device = torch.device("cuda", host_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    address = plan_path.with_name(f"listen{host_rank}")  # where a host says it listens
     progress = plan_path.with_name(f"progress{rank}")
-    timings, key = [], secret.encode()[:32]
-    if rank < s:  # a training rank: the refit group's member, and its guest's host
-        tensors = materialize(sources[rank], weights, fill=float("nan"))
-        guest_rank = Colocation(hosts).guest_of(rank, s)
-        guest = share(guest_rank) if guest_rank is not None else None
-        host = ColocatedHost(own, guest, rank, tensors)
-        if guest is not None:
-            with Listener(("127.0.0.1", ports[rank]), authkey=key) as listener:
-                conn = listener.accept()
-            host.attach(conn, cfg.timeout_s)
-        network = GlooTransport(
-            "127.0.0.1", port, rank, s, cfg.timeout_s, cfg.connect_timeout_s, secret=secret
-        )
+    timings = []
+    if rank < s:
+        tensors = materialize(sources[rank], weights, fill=float("nan"), device=device)
+        endpoint = RefitEndpoint(
+            "127.0.0.1", port, s, rank, cfg.transport, cfg.timeout_s, cfg.connect_timeout_s,
+            secret,
+        )  # fmt: skip
+        plan = RefitPlan.from_json(plan_path.read_text())
+        trainer = ColocatedTrainer(endpoint, tensors, plan, device)
+        listening = trainer.listen()
+        if listening is not None:
+            address.with_suffix(".tmp").write_text(listening)
+            address.with_suffix(".tmp").rename(address)  # whole, or not there
+        trainer.join()
+        trainer.accept_worker()
         for step in range(cfg.steps + 1):  # the first: warm-up (gloo connects lazily)
-            t0 = time.perf_counter()
-            waited = host.replay(network)
+            seconds = trainer.refit()
             if step:
-                timings.append([time.perf_counter() - t0, waited])
+                timings.append([seconds, trainer.host.waited])
                 progress.write_text(str(step))
-        entry: dict[str, Any] = {"timings": timings, "staging_bytes": host.staging_bytes}
-    else:
-        layout = destinations[rank - s]
-        tensors = materialize(layout, weights, fill=float("nan"))
-        worker = ColocatedGuest(own, rank, tensors)
-        conn = _connect(Client, ("127.0.0.1", ports[hosts[rank - s]]), key, cfg)
-        worker.attach(conn, cfg.timeout_s)
-        for step in range(cfg.steps + 1):
-            for t in tensors.values():
-                t.fill_(float("nan"))
-            t0 = time.perf_counter()
-            waited = worker.replay()
-            if step:
-                timings.append([time.perf_counter() - t0, waited])
-                progress.write_text(str(step))
-        entry = {"timings": timings, "staging_bytes": 0}
-        if cfg.verify:
-            entry["mismatches"] = mismatches(layout, tensors, weights)
-    result["backends"][BACKEND] = entry
-
-
-def _connect(client: Any, address: tuple[str, int], key: bytes, cfg: RunConfig) -> Any:
-    """The guest's connection to its host, which listens once it has compiled."""
+        staging = trainer.host.staging_bytes
+        trainer.close()
+        result["backends"][BACKEND] = {"timings": timings, "staging_bytes": staging}
+        return
+    layout = destinations[rank - s]
+    tensors = materialize(layout, weights, fill=float("nan"), device=device)
+    worker = ColocatedWorker(tensors, device)
     deadline = time.monotonic() + (cfg.connect_timeout_s or cfg.timeout_s)
-    while True:
-        try:
-            return client(address, authkey=key)
-        except ConnectionRefusedError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
+    while not address.exists():  # the host writes it once it has compiled
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"training rank {host_rank} never listened for its worker")
+        time.sleep(0.1)
+    worker.connect(address.read_text(), secret, share(rank), rank, cfg.timeout_s)
+    for step in range(cfg.steps + 1):
+        for t in tensors.values():
+            t.fill_(float("nan"))
+        seconds = worker.refit()
+        if step:
+            assert worker.guest is not None
+            timings.append([seconds, worker.guest.waited])
+            progress.write_text(str(step))
+    entry: dict[str, Any] = {"timings": timings, "staging_bytes": 0}
+    if cfg.verify:
+        entry["mismatches"] = mismatches(layout, tensors, weights)
+    worker.close()
+    result["backends"][BACKEND] = entry
 
 
 __all__ = ["BACKEND", "colocated_plan", "run_colocated"]
