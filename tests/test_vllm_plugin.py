@@ -59,3 +59,38 @@ def test_fresh_process_selects_reshard(tmp_path: Path) -> None:
         "package registered that name first (Weight transfer engine 'reshard' is already "
         "registered.). Uninstall it, or stop it from registering the name."
     )
+
+
+_NO_OLD_VLLM = vllm_env.nemo_rl_skip_reason()
+
+
+@pytest.mark.skipif(_NO_OLD_VLLM is not None, reason=_NO_OLD_VLLM or "")
+def test_plugin_leaves_a_vllm_without_trainer_factories_working() -> None:
+    """vLLM 0.25.1 (NeMo RL's pin, in its venv) has no ``WeightTransferTrainerFactory``:
+    vLLM's own ``load_general_plugins()`` runs our entry point, which registers nothing
+    and warns once; vLLM's own backends stay as they were. (Before this, the plugin's
+    ImportError failed vLLM's model inspection in every such process.)"""
+    probe = """
+import json, logging
+logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+from vllm.plugins import load_general_plugins
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as F
+before = sorted(F._registry)
+load_general_plugins(); load_general_plugins()
+print(json.dumps({"before": before, "after": sorted(F._registry)}))
+"""
+    python = vllm_env.nemo_rl_python()
+    assert python is not None
+    done = subprocess.run(
+        [python, "-c", probe], capture_output=True, text=True, env=vllm_env.vllm_env()
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["after"] == out["before"] and "reshard" not in out["after"]
+    warnings = [ln for ln in done.stderr.splitlines() if "nemo-refit-reshard:" in ln]
+    assert warnings == [
+        "nemo_refit_reshard.integrations.vllm.plugin: nemo-refit-reshard: vLLM 0.25.1 has no "
+        "WeightTransferTrainerFactory, so the 'reshard' weight-transfer backend is not "
+        "registered (it needs a vLLM with trainer-side weight-transfer engines, e.g. 0.33); "
+        "refits through worker_extension_cls, NeMo RL and veRL are unaffected"
+    ]

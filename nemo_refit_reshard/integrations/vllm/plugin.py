@@ -11,9 +11,16 @@ Registration is lazy (vLLM imports the engine modules on first use) and idempote
 vLLM may load plugins more than once per process, and its registries refuse a name
 twice, so the module remembers that it registered. An unknown backend name still gets
 vLLM's own error.
+
+A vLLM without the trainer-side factory (``WeightTransferTrainerFactory``; NeMo RL pins
+vLLM 0.25.1, which has none) cannot serve the backend: the plugin then registers
+nothing and says so once, in a warning, so that every other vLLM path — NeMo RL's
+and veRL's routes, ``worker_extension_cls`` — runs unchanged.
 """
 
 from __future__ import annotations
+
+import logging
 
 BACKEND = "reshard"
 WORKER_ENGINE = (
@@ -36,10 +43,23 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from vllm.distributed.weight_transfer.factory import (
-        WeightTransferEngineFactory,
-        WeightTransferTrainerFactory,
-    )
+    from vllm.distributed.weight_transfer import factory as vllm_factory
+
+    WeightTransferEngineFactory = getattr(vllm_factory, "WeightTransferEngineFactory", None)
+    WeightTransferTrainerFactory = getattr(vllm_factory, "WeightTransferTrainerFactory", None)
+    if WeightTransferEngineFactory is None or WeightTransferTrainerFactory is None:
+        import vllm
+
+        logging.getLogger(__name__).warning(
+            "nemo-refit-reshard: vLLM %s has no WeightTransferTrainerFactory, so the %r "
+            "weight-transfer backend is not registered (it needs a vLLM with trainer-side "
+            "weight-transfer engines, e.g. 0.33); refits through worker_extension_cls, "
+            "NeMo RL and veRL are unaffected",
+            vllm.__version__,
+            BACKEND,
+        )
+        _registered = True
+        return
 
     for factory, target in (
         (WeightTransferEngineFactory, WORKER_ENGINE),
