@@ -13,6 +13,7 @@ import pytest
 from nemo_refit_reshard.integrations.nemo_rl.config import (
     NemoRlConfigError,
     RefitConfig,
+    colocated,
     infer_parallel,
     train_parallel,
 )
@@ -73,11 +74,6 @@ def test_sizes_from_nemo_rl_config() -> None:
             "policy (set policy.megatron_cfg.enabled=true)",
         ),
         (
-            lambda c: c["policy"]["generation"]["colocated"].update(enabled=True),
-            "policy.generation.colocated.enabled=True: refit.backend=reshard moves weights "
-            "between separate GPUs; set it to false",
-        ),
-        (
             lambda c: c["policy"]["generation"].update(backend="sglang"),
             "policy.generation.backend='sglang': refit.backend=reshard serves vLLM generation only",
         ),
@@ -105,6 +101,17 @@ def test_config_errors_name_the_key(edit: Any, message: str) -> None:
     with pytest.raises(NemoRlConfigError) as err:
         check_reshard_config(cfg)
     assert str(err.value) == message
+
+
+def test_colocated_is_served() -> None:
+    """NeMo RL's default (colocated) passes the config checks; the placement is checked
+    against the GPUs the workers report (tests/test_nemo_rl_colocated.py,
+    tests/test_nemo_rl_reshard.py)."""
+    cfg = config()
+    cfg["policy"]["generation"]["colocated"]["enabled"] = True
+    check_reshard_config(cfg)
+    del cfg["policy"]["generation"]["colocated"]  # absent: NeMo RL's default, true
+    assert colocated(cfg["policy"]["generation"]) is True
 
 
 def test_size_errors() -> None:

@@ -35,8 +35,19 @@ PP2 = dict(train="pp=2", megatron_cfg={"pipeline_model_parallel_size": 2}, vllm_
 FOUR_LAYERS = {"num_hidden_layers": 4, "layer_types": ["full_attention"] * 4}  # pp=2 splits it
 
 
+# Colocated: Megatron tp=2,pp=2 and two vLLM engines of tp=2 on the same 4 GPUs; vLLM rank
+# d on the GPU of policy rank 3-d (placement from the reported GPUs, not rank order).
+COLOCATED = dict(
+    train="tp=2,pp=2",
+    megatron_cfg={"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+    vllm_tp=2,
+    vllm_pp=1,
+    gpus={"policy": ["gpu0", "gpu1", "gpu2", "gpu3"], "vllm": ["gpu3", "gpu2", "gpu1", "gpu0"]},
+)
+
+
 def drive(tmp: Path, scenario: str, steps: int, sizes: dict = TP2, **refit: Any) -> dict:
-    cfg = dict(MODELS["qwen3"], **(FOUR_LAYERS if sizes is PP2 else {}))
+    cfg = dict(MODELS["qwen3"], **(FOUR_LAYERS if "pp=2" in sizes["train"] else {}))
     (tmp / "config.json").write_text(json.dumps(cfg))
     checkpoints = []
     for step in range(steps + 1):  # 0: what vLLM loads at start-up
@@ -154,13 +165,21 @@ spec = importlib.util.spec_from_file_location("run_grpo", {str(example)!r})
 run_grpo = importlib.util.module_from_spec(spec); spec.loader.exec_module(run_grpo)
 from nemo_rl.algorithms.grpo import MasterConfig
 from nemo_refit_reshard.integrations.nemo_rl.grpo import check_reshard_config, refit_config
+from nemo_refit_reshard.integrations.nemo_rl.config import infer_parallel, train_parallel
 out = {{}}
 for name, overrides in [
     ("grpo_math_qwen3_8B_megatron_reshard.yaml", []),
     ("grpo_math_qwen3_8B_megatron_reshard.yaml", ["refit.backend=nccl_reshard"]),
     ("grpo_math_qwen30ba3b_megatron_reshard.yaml", ["refit.transport=gloo"]),
+    ("grpo_math_qwen3_8B_megatron_reshard_colocated.yaml", []),
+    ("grpo_math_qwen30ba3b_megatron_reshard_colocated.yaml", []),
 ]:
     raw = run_grpo.load({str(configs)!r} + "/" + name, overrides, None)
+    colocated = raw["policy"]["generation"]["colocated"]["enabled"]
+    res = raw["policy"]["generation"]["colocated"].get("resources") or {{}}
+    total = raw["cluster"]["num_nodes"] * raw["cluster"]["gpus_per_node"]
+    # NeMo RL: colocated, both sides on every GPU; else vLLM on its own resources
+    gpus = total if colocated else total - res["num_nodes"] * res["gpus_per_node"]
     refit = refit_config(raw)
     if refit.backend == "reshard":
         check_reshard_config(raw)
@@ -174,6 +193,12 @@ for name, overrides in [
         vllm=[master.policy["generation"]["vllm_cfg"][k] for k in (
             "tensor_parallel_size", "expert_parallel_size")],
         transport=master.policy["generation"]["refit_transport"],
+        colocated=master.policy["generation"]["colocated"]["enabled"],
+        gpus=[master.cluster["num_nodes"], master.cluster["gpus_per_node"]],
+        sizes=None if refit.backend != "reshard" else [str(p) for p in (
+            train_parallel(master.policy, gpus),
+            infer_parallel(master.policy["generation"], gpus),
+        )],
     )
 print(json.dumps(out))
 """
@@ -196,6 +221,28 @@ print(json.dumps(out))
         [2, 1],
         None,
     )
+    assert (dense["colocated"], dense["gpus"]) == (False, [2, 8])
+    dense_co = out["grpo_math_qwen3_8B_megatron_reshard_colocated.yaml "]
+    assert (dense_co["refit"]["backend"], dense_co["model"], dense_co["colocated"]) == (
+        "reshard",
+        "Qwen/Qwen3-8B",
+        True,
+    )
+    assert dense_co["gpus"] == [1, 8]
+    assert dense_co["sizes"] == [
+        "tp=2,pp=2,vpp=1,cp=1,dp=2,ep=1,etp=2",
+        "tp=4,pp=1,dp=2,engine_dp=1,ep=1",
+    ]
+    moe_co = out["grpo_math_qwen30ba3b_megatron_reshard_colocated.yaml "]
+    assert (moe_co["model"], moe_co["colocated"], moe_co["gpus"]) == (
+        "Qwen/Qwen3-30B-A3B",
+        True,
+        [2, 8],
+    )
+    assert moe_co["sizes"] == [
+        "tp=2,pp=1,vpp=1,cp=1,dp=8,ep=8,etp=1",
+        "tp=4,pp=1,dp=2,engine_dp=2,ep=8",
+    ]
     ours = out["grpo_math_qwen3_8B_megatron_reshard.yaml refit.backend=nccl_reshard"]
     assert (ours["refit"]["backend"], ours["transport"]) == ("nccl_reshard", "nccl_reshard")
     moe = out["grpo_math_qwen30ba3b_megatron_reshard.yaml refit.transport=gloo"]
@@ -218,3 +265,80 @@ print(json.dumps(out))
         "error: refit.backend='bogus' is not one of reshard, nccl, nccl_reshard"
     )
     assert "Traceback" not in bad.stderr
+
+
+def test_colocated_refit_through_nemo_rl_lifecycle(tmp_path: Path) -> None:
+    """``policy.generation.colocated.enabled: true``: NeMo RL's colocated GRPO loop
+    (vLLM sleeps after generating, the policy comes back for training) around GRPO's
+    ``refit_policy_generation(colocated_inference=True)``, with NeMo RL's own ``Policy``
+    and ``VllmGeneration`` offload / wake / sleep methods. Two refits of weights that
+    Megatron's own sharded state dict placed: every vLLM parameter equals vLLM's own load
+    of that step's checkpoint. The synchronizer woke vLLM's weights before the transfer
+    (the sleep stand-in restores pre-sleep weights at wake: a transfer before it would be
+    overwritten) and left the policy offloaded after it, as NeMo RL's IPC refit does."""
+    out = drive(tmp_path, "refit", steps=2, sizes=COLOCATED)
+    assert "init_error" not in out, out["init_error"]
+    assert "Megatron tp=2,pp=2,vpp=1,cp=1,dp=1,ep=1,etp=2 -> vLLM tp=2,pp=1,dp=2," in out["plan"]
+    assert "; colocated: " in out["plan"], out["plan"]
+    # Policy rank r hosts the vLLM worker on its GPU: refit rank 4 + d for d on gpu{3-d}.
+    assert out["guests"] == [7, 6, 5, 4]
+    first, second = out["steps"]
+    assert (first["stale_before"], first["stale_after"]) == (True, False)
+    assert (second["stale_before"], second["stale_after"]) == (False, False)
+    for step in out["steps"]:
+        assert step["differ"] == [[]] * 4, step
+    cycle = ["prepare_for_training", "offload_before_refit", "reshard_step", "offload_after_refit"]
+    assert out["policy_calls"] == [cycle * 2] * 4
+    wake = ["sleep(1)", "wake_up(['weights'])", "wake_up(['kv_cache'])"]
+    assert out["vllm_calls"] == [wake * 2] * 4
+    assert out["closed"] is True
+
+
+def test_colocated_refit_of_offloaded_policy_is_refused(tmp_path: Path) -> None:
+    """A refit while the policy's parameters are still offloaded (no
+    ``prepare_for_training`` before it) reads no stale or empty memory: every policy rank
+    refuses by name, the sync raises and the weights stay stale."""
+    out = drive(tmp_path, "offloaded", steps=2, sizes=COLOCATED)
+    first, second = out["steps"]
+    assert first["differ"] == [[]] * 4
+    error = second["error"]
+    assert error.startswith("RuntimeError: refit step 2 failed on 6 worker(s):"), error
+    for r in range(4):
+        assert (
+            f"policy rank {r}: PlanError: Megatron policy rank {r}: the parameters the refit "
+            "reads are not the model's live ones"
+        ) in error, error
+    assert "offloaded (its storage holds no data now)" in error
+    # Each vLLM worker hears at once from its host (no wait for the refit timeout).
+    for e in range(2):
+        assert (
+            f"vLLM engine {e}: TransportError: colocated refit: the training rank on this GPU "
+            "failed in round 0: PlanError: Megatron policy rank"
+        ) in error, error
+    assert second["stale_after"] is True
+    # NeMo RL's lifecycle still ran around the failed transfer.
+    assert out["policy_calls"][0][-2:] == ["reshard_step", "offload_after_refit"]
+
+
+@pytest.mark.parametrize(
+    "gpus, message",
+    [
+        (
+            {"policy": ["gpu0", "gpu0", "gpu2", "gpu3"], "vllm": ["gpu0", "gpu1", "gpu2", "gpu3"]},
+            "PlanError: colocated refit: GPU {host}:gpu0 hosts training ranks 0 and 1; each "
+            "GPU must host one training rank (fix the placement)",
+        ),
+        (
+            {"policy": ["gpu0", "gpu1", "gpu2", "gpu3"], "vllm": ["gpu0", "gpu1", "gpu2", "gpu9"]},
+            "PlanError: colocated refit: inference rank 3 on GPU {host}:gpu9 has no training "
+            "rank on its GPU; place one there or run the separate-pools refit",
+        ),
+    ],
+    ids=["two-policy-ranks", "vllm-alone"],
+)
+def test_colocated_bad_placement_is_one_line(tmp_path: Path, gpus: dict, message: str) -> None:
+    import socket
+
+    out = drive(tmp_path, "refit", steps=1, sizes=dict(COLOCATED, gpus=gpus))
+    assert out["init_error"] == message.format(host=socket.gethostname())
+    assert "steps" not in out

@@ -74,9 +74,18 @@ class VllmWorkerProcess:
     """One vLLM worker process: vLLM's model class on CPU with NeMo RL's extension."""
 
     def __init__(
-        self, config: dict, tp: int, tp_rank: int, port: int, pp: int = 1, pp_rank: int = 0
+        self,
+        config: dict,
+        tp: int,
+        tp_rank: int,
+        port: int,
+        pp: int = 1,
+        pp_rank: int = 0,
+        gpu: str | None = None,
     ) -> None:
         os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+        if gpu is not None:  # the GPU this CPU process stands for (colocated runs)
+            os.environ["NRR_DEVICE"] = gpu
         _cpu_stand_ins()
         import torch.distributed as dist
 
@@ -107,6 +116,7 @@ class VllmWorkerProcess:
         )
         self.worker.vllm_config = vllm_config  # as vLLM's Worker has it
         self.model = model
+        self.calls: list[str] = []
 
     def load(self, checkpoint: str) -> None:
         """vLLM's start-up load (its loader also zeroes the vocabulary padding)."""
@@ -118,6 +128,26 @@ class VllmWorkerProcess:
         from vllm.v1.serial_utils import run_method
 
         return run_method(self.worker, method, args, {})
+
+    # vLLM's sleep mode, level 1 (NeMo RL's ``sleep``): the weights leave the GPU for a
+    # CPU copy, their device memory is released, and ``wake_up(tags=["weights"])``
+    # re-backs it (same addresses: vLLM's cumem pool) and copies the CPU copy back. The
+    # CPU stand-in: the copy, then the live values lost (NaN), then restored in place.
+    def sleep(self, level: int) -> None:
+        assert level == 1, level
+        self.asleep = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        for p in self.model.parameters():
+            p.data.fill_(float("nan"))
+        self.calls.append(f"sleep({level})")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.calls.append(f"wake_up({tags})")
+        if tags is None or "weights" in tags:
+            for n, p in self.model.named_parameters():
+                p.data.copy_(self.asleep[n])
+
+    def calls_made(self) -> list[str]:
+        return list(self.calls)
 
     def compare(self, checkpoint: str) -> list[str]:
         """Parameters that differ from vLLM's own load of ``checkpoint``."""
@@ -133,20 +163,47 @@ class VllmWorkerProcess:
 class GenerationWorker:
     """NeMo RL's generation worker for one vLLM engine (its rank 0 receives the calls)."""
 
-    def __init__(self, processes: list) -> None:
+    def __init__(self, processes: list, colocated: bool = False) -> None:
+        from types import SimpleNamespace  # Ray ships this class by value: no module globals
+
         from nemo_rl.models.generation.vllm.checkpoint_engine import VllmCheckpointEngineRpcMixin
 
         class Llm:
+            """vLLM's ``LLM``: RPCs and sleep mode fan out to the engine's workers."""
+
+            llm_engine = SimpleNamespace(reset_prefix_cache=lambda: None)
+
             def collective_rpc(self, method: str, args: tuple = ()) -> list:
                 return ray.get([p.run.remote(method, tuple(args)) for p in processes])
 
-        class Worker(VllmCheckpointEngineRpcMixin):
-            llm = Llm()
+            def sleep(self, level: int = 1) -> None:
+                ray.get([p.sleep.remote(level) for p in processes])
+
+            def wake_up(self, tags: list[str] | None = None) -> None:
+                ray.get([p.wake_up.remote(tags) for p in processes])
+
+        if colocated:  # NeMo RL's own generation worker: its sleep and wake_up
+            from nemo_rl.models.generation.vllm.vllm_worker import VllmGenerationWorkerImpl
+
+            class Worker(VllmGenerationWorkerImpl):
+                def __init__(self) -> None:  # NeMo RL's starts vLLM on a GPU
+                    self.llm = Llm()
+                    self.cfg = {"vllm_cfg": {"async_engine": False}}
+        else:
+
+            class Worker(VllmCheckpointEngineRpcMixin):  # type: ignore[no-redef]
+                llm = Llm()
 
         self.worker = Worker()
 
     def checkpoint_engine_rpc(self, checkpoint_method: str, method_args=()) -> Any:
         return self.worker.checkpoint_engine_rpc(checkpoint_method, method_args)
+
+    def sleep(self) -> None:
+        return self.worker.sleep()
+
+    def wake_up(self, **kwargs: Any) -> None:
+        return self.worker.wake_up(**kwargs)
 
 
 class WorkerGroup:

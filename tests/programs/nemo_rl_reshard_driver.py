@@ -42,8 +42,14 @@ class MegatronPolicyProcess:
     """One NeMo RL Megatron policy worker: our subclass of NeMo RL's worker, holding a
     real Megatron-core GPTModel shard (tensor parallel over gloo, float32, CPU)."""
 
-    def __init__(self, rank: int, world: int, port: int, hf: dict, train: str) -> None:
+    def __init__(
+        self, rank: int, world: int, port: int, hf: dict, train: str, gpu: str | None = None
+    ) -> None:
         _cpu_stand_ins()
+        if gpu is not None:  # the GPU this CPU process stands for (Ray would assign one)
+            from nemo_refit_reshard.integrations.worker import DEVICE_ENV
+
+            os.environ[DEVICE_ENV] = gpu
         import torch.distributed as dist
 
         from nemo_refit_reshard.grpo_cpu.trainer import GrpoConfig, MegatronPolicyTrainer
@@ -71,19 +77,48 @@ class MegatronPolicyProcess:
         self.worker = object.__new__(Worker)
         self.worker.model = self.trainer.model
         self.worker.rank = rank
+        self.calls: list[str] = []
+        self.offloaded: dict[str, Any] = {}
 
     def info(self) -> dict[str, Any]:
         mro = [f"{c.__module__}.{c.__qualname__}" for c in type(self.worker).__mro__]
         return {"mro": mro, "import_error": self.import_error}
 
-    def load(self, checkpoint: str) -> None:
-        """The training step's result: new weights in the live parameters, in place."""
+    def load(self, checkpoint: str) -> int:
+        """The training step's result: new weights in the live parameters, in place,
+        placed by Megatron's own sharded state dict (never through our layout)."""
         from safetensors.torch import load_file
 
-        from nemo_refit_reshard.integrations.megatron import load_canonical
+        from tests.helpers import megatron_cpu as mc
 
-        params = dict(self.trainer.model.named_parameters())
-        load_canonical(params, self.trainer.layout, load_file(checkpoint))
+        t = self.trainer
+        return mc.load_hf_through_sharded_state_dict(
+            [t.model], 1, t.spec.arch, load_file(checkpoint), t.padded_vocab
+        )
+
+    # NeMo RL's colocated lifecycle on its Megatron worker. Its offload moves the DDP
+    # buffers (megatron-core's ``offload_to_cpu`` / ``reload_from_cpu``: a CPU copy, then
+    # the parameters' storage resized to 0 in place, and back). The CPU model here has no
+    # DDP wrapper: the same resize, per parameter.
+    def offload_before_refit(self) -> None:
+        self.calls.append("offload_before_refit")  # grads and optimizer: none here
+
+    def offload_after_refit(self) -> None:
+        self.calls.append("offload_after_refit")
+        for name, p in self.trainer.model.named_parameters():
+            if p.untyped_storage().nbytes() > 0:  # as megatron-core: offloaded ones stay
+                self.offloaded[name] = p.detach().clone()
+                p.untyped_storage().resize_(0)
+
+    def prepare_for_training(self) -> None:
+        self.calls.append("prepare_for_training")
+        for name, p in self.trainer.model.named_parameters():
+            if name in self.offloaded:
+                p.untyped_storage().resize_(self.offloaded[name].untyped_storage().nbytes())
+                p.data.copy_(self.offloaded.pop(name))
+
+    def calls_made(self) -> list[str]:
+        return list(self.calls)
 
     # NeMo RL's RayWorkerGroup calls worker methods by name.
     def reshard_describe(self) -> dict[str, Any]:
@@ -96,7 +131,17 @@ class MegatronPolicyProcess:
         return self.worker.reshard_load_plan(slice_json)
 
     def reshard_step(self) -> dict[str, float]:
+        self.calls.append("reshard_step")
         return self.worker.reshard_step()
+
+    def reshard_colocated_listen(self, endpoint_json: str, slices: dict[str, str]) -> str | None:
+        return self.worker.reshard_colocated_listen(endpoint_json, slices)
+
+    def reshard_colocated_join(self) -> int:
+        return self.worker.reshard_colocated_join()
+
+    def guest(self) -> int | None:
+        return self.worker._reshard.worker.guest_rank
 
     def reshard_close(self) -> None:
         self.worker.reshard_close()
@@ -111,7 +156,7 @@ def master_config(spec: dict[str, Any]) -> dict[str, Any]:
             "megatron_cfg": {"enabled": True, **spec["megatron_cfg"]},
             "generation": {
                 "backend": "vllm",
-                "colocated": {"enabled": False},
+                "colocated": {"enabled": bool(spec.get("gpus"))},
                 "refit_transport": None,
                 "vllm_cfg": {
                     "tensor_parallel_size": spec["vllm_tp"],
@@ -204,5 +249,102 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
         result["closed"] = True
 
 
+def _run_colocated(spec: dict[str, Any], result: dict[str, Any]) -> None:
+    """NeMo RL's colocated GRPO loop around each refit: ``finish_generation`` (vLLM
+    sleeps), ``prepare_for_training`` (the policy back on its GPU), a training step (new
+    weights), GRPO's ``refit_policy_generation(colocated_inference=True)``. ``spec["gpus"]``
+    names each worker's GPU: ``{"policy": [...], "vllm": [...]}``, vLLM in global rank
+    order. ``scenario``: ``"refit"`` or ``"offloaded"`` (step 2 refits with no
+    ``prepare_for_training`` and no training step: the policy is still offloaded)."""
+    from nemo_rl.algorithms.grpo import refit_policy_generation
+    from nemo_rl.models.generation.vllm.vllm_generation import VllmGeneration
+    from nemo_rl.models.policy.lm_policy import Policy
+
+    from nemo_refit_reshard.engine.rendezvous import free_port
+    from nemo_refit_reshard.integrations.nemo_rl.grpo import check_reshard_config, refit_config
+    from nemo_refit_reshard.integrations.nemo_rl.synchronizer import ReshardWeightSynchronizer
+    from nemo_refit_reshard.spec import TrainParallel
+
+    ray.init(num_cpus=16, include_dashboard=False)
+    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path), "VLLM_TARGET_DEVICE": "cpu"}}
+    world = TrainParallel.parse(spec["train"]).world_size
+    gpus = spec["gpus"]
+    port = free_port()
+    policy_actors = [
+        MegatronPolicyProcess.options(runtime_env=env).remote(
+            r, world, port, spec["config"], spec["train"], gpus["policy"][r]
+        )
+        for r in range(world)
+    ]
+    tp, pp, engines = spec["vllm_tp"], spec["vllm_pp"], spec["engines"]
+    size = tp * pp
+    processes = [  # per engine, in vLLM's rank order (pp_rank, tp_rank)
+        [
+            VllmWorkerProcess.options(runtime_env=env).remote(
+                spec["config"], tp, t, p, pp, s, gpus["vllm"][e * size + s * tp + t]
+            )
+            for s in range(pp)
+            for t in range(tp)
+        ]
+        for e, p in enumerate([free_port() for _ in range(engines)])
+    ]
+    ray.get([p.load.remote(spec["checkpoints"][0]) for ps in processes for p in ps])
+    ray.get([a.load.remote(spec["checkpoints"][0]) for a in policy_actors])
+    generation_actors = [
+        GenerationWorker.options(runtime_env=env).remote(p, colocated=True) for p in processes
+    ]
+    # NeMo RL's own Policy and VllmGeneration (their __init__ starts GPU workers; made
+    # with object.__new__ as NeMo RL's unit tests do): their offload, wake and sleep
+    # methods run as written, over the worker groups.
+    config = master_config(spec)
+    policy = object.__new__(Policy)
+    policy.worker_group = WorkerGroup(policy_actors, world)
+    generation = object.__new__(VllmGeneration)
+    generation.worker_group = WorkerGroup(generation_actors, size * engines)
+    generation.cfg = config["policy"]["generation"]
+    generation.weight_synchronizer = None
+    refit = refit_config(config)
+    check_reshard_config(config)
+    sync = ReshardWeightSynchronizer(policy, generation, config, refit)
+    try:
+        sync.init_communicator()
+    except Exception as err:
+        result["init_error"] = f"{type(err).__name__}: {err}"
+        return
+    generation.weight_synchronizer = sync
+    result["plan"] = str(sync.plan)
+    result["guests"] = ray.get([a.guest.remote() for a in policy_actors])
+    steps: list[dict[str, Any]] = []
+    result["steps"] = steps
+    for step, checkpoint in enumerate(spec["checkpoints"][1:], start=1):
+        assert generation.finish_generation()  # vLLM sleeps: weights off the GPU
+        if not (spec["scenario"] == "offloaded" and step == 2):
+            policy.prepare_for_training()
+            ray.get([a.load.remote(checkpoint) for a in policy_actors])  # a training step
+        record: dict[str, Any] = {"stale_before": sync.is_stale}
+        try:
+            record["metrics"] = refit_policy_generation(
+                policy, generation, colocated_inference=True
+            )
+        except Exception as err:
+            record["error"] = f"{type(err).__name__}: {err}"
+        record["stale_after"] = sync.is_stale
+        if "error" not in record:
+            record["differ"] = ray.get(
+                [p.compare.remote(checkpoint) for ps in processes for p in ps]
+            )
+        steps.append(record)
+        if "error" in record:
+            break
+    result["policy_calls"] = ray.get([a.calls_made.remote() for a in policy_actors])
+    result["vllm_calls"] = ray.get([p.calls_made.remote() for ps in processes for p in ps])
+    sync.shutdown()
+    result["closed"] = True
+
+
+def _dispatch(spec: dict[str, Any], result: dict[str, Any]) -> None:
+    (_run_colocated if spec.get("gpus") else _run)(spec, result)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], _run)
+    main(sys.argv[1], sys.argv[2], _dispatch)

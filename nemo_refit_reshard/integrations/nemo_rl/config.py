@@ -140,19 +140,20 @@ def train_parallel(policy: Mapping[str, Any], world_size: int) -> TrainParallel:
         raise NemoRlConfigError(f"{where}: {err}") from None
 
 
+def colocated(generation: Mapping[str, Any]) -> bool:
+    """``policy.generation.colocated.enabled`` (NeMo RL's default: true): training and
+    generation on the same GPUs, each vLLM worker on a Megatron rank's GPU."""
+    return bool((generation.get("colocated") or {}).get("enabled", True))
+
+
 def check_generation(generation: Mapping[str, Any]) -> None:
-    """``policy.generation`` as ``reshard`` needs it: vLLM, non-colocated, no other
-    refit transport, unquantized."""
+    """``policy.generation`` as ``reshard`` needs it: vLLM, no other refit transport,
+    unquantized. Colocated or not, both are served."""
     where = "policy.generation"
     if generation.get("backend", "vllm") != "vllm":
         raise NemoRlConfigError(
             f"{where}.backend={generation.get('backend')!r}: refit.backend=reshard "
             "serves vLLM generation only"
-        )
-    if (generation.get("colocated") or {}).get("enabled", False):
-        raise NemoRlConfigError(
-            f"{where}.colocated.enabled=True: refit.backend=reshard moves weights between "
-            "separate GPUs; set it to false"
         )
     transport = generation.get("refit_transport")
     if transport is not None:

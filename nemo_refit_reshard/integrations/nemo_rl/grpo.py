@@ -45,7 +45,7 @@ def refit_config(config: MutableMapping[str, Any]) -> RefitConfig:
 
 def check_reshard_config(config: Mapping[str, Any]) -> None:
     """The config-only checks of ``reshard``, before any worker starts: Megatron policy,
-    vLLM generation (non-colocated, no other refit transport, unquantized). Sizes are
+    vLLM generation (colocated or not, no other refit transport, unquantized). Sizes are
     checked against the workers NeMo RL actually starts, in ``init_communicator``."""
     check_generation(config["policy"]["generation"])
     check_megatron(config["policy"])

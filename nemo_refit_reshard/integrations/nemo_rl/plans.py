@@ -23,10 +23,10 @@ from ...layouts import (
     megatron_position,
     refit_layouts,
 )
-from ...plan import PlanError, RefitPlan, plan_refit, rank_plan
+from ...plan import Colocation, PlanError, RefitPlan, plan_refit, rank_plan
 from ...spec.parallel import InferParallel, TrainParallel
 from ..checkpoint_engine import engine_spec
-from .config import RefitConfig, infer_parallel, precision, train_parallel
+from .config import RefitConfig, colocated, infer_parallel, precision, train_parallel
 
 
 @dataclass(frozen=True)
@@ -42,17 +42,38 @@ class NemoRlPlan:
     def num_policy(self) -> int:
         return self.train.world_size
 
+    @property
+    def colocated(self) -> bool:
+        return bool(self.plan.colocated_hosts)
+
     def engine_slices(self, first_rank: int, size: int) -> dict[str, str]:
         """The slices of refit ranks ``first_rank .. first_rank+size-1``, by rank."""
         return {str(r): self.slices[r] for r in range(first_rank, first_rank + size)}
 
+    def host_slices(self, rank: int) -> dict[str, str]:
+        """Colocated: policy rank ``rank``'s slice and its guest's (the vLLM worker on its
+        GPU, if any), by refit rank."""
+        t = self.num_policy
+        out = {str(rank): self.slices[rank]}
+        guest = Colocation(self.plan.colocated_hosts).guest_of(rank, t)
+        if guest is not None:
+            out[str(guest)] = self.slices[guest]
+        return out
+
     def __str__(self) -> str:
         s = self.plan.stats
-        return (
+        text = (
             f"reshard plan {self.plan.fingerprint[:12]}: Megatron {self.train} -> vLLM "
             f"{self.infer}, {s.total_bytes / 2**20:,.1f} MiB per refit in "
             f"{s.num_rounds} rounds"
         )
+        if self.colocated:
+            b = self.plan.colocated_bytes()
+            text += (
+                f"; colocated: {b.network / 2**20:,.1f} MiB between GPUs, "
+                f"{b.local / 2**20:,.1f} MiB copied on the GPU"
+            )
+        return text
 
 
 def _tensor_problems(layout: RankLayout, report: Mapping[str, Any]) -> list[str]:
@@ -177,6 +198,31 @@ def check_vllm_destinations(
         )
 
 
+def colocation(
+    infer: InferParallel,
+    policy_reports: Sequence[Mapping[str, Any]],
+    engines: Sequence[Sequence[Mapping[str, Any]]],
+) -> Colocation:
+    """Which policy rank shares each vLLM rank's GPU, from the GPUs the workers report
+    (``device_name``: host and GPU UUID). A GPU with two policy ranks or two vLLM
+    workers, or a vLLM worker with no policy rank on its GPU, is refused with one line."""
+    unnamed = [f"policy rank {r['rank']}" for r in policy_reports if not r.get("gpu")]
+    train = [str(r.get("gpu")) for r in policy_reports]
+    gpus: dict[int, str] = {}
+    for i, engine in enumerate(engines):
+        for w in engine:
+            d = (i // infer.engine_dp) * infer.engine_world_size + int(w["engine_rank"])
+            if not w.get("gpu"):
+                unnamed.append(f"vLLM rank {d}")
+            gpus[d] = str(w.get("gpu"))
+    if unnamed:
+        raise PlanError(
+            f"colocated refit: {', '.join(unnamed)} report no GPU (a CPU process names the "
+            "GPU it stands for in $NRR_DEVICE)"
+        )
+    return Colocation.from_devices(train, [gpus[d] for d in sorted(gpus)])
+
+
 def plan_nemo_rl(
     master_config: Mapping[str, Any],
     refit: RefitConfig,
@@ -198,7 +244,8 @@ def plan_nemo_rl(
     sources, destinations = refit_layouts(spec, train, infer, megatron, vllm)
     check_megatron_sources(sources, train, megatron, reports)
     check_vllm_destinations(destinations, infer, vllm, engine_reports)
-    plan = plan_refit(spec, sources, destinations, bucket_mb=refit.bucket_mb)
+    placement = colocation(infer, reports, engine_reports) if colocated(generation) else None
+    plan = plan_refit(spec, sources, destinations, bucket_mb=refit.bucket_mb, colocation=placement)
     world = train.world_size + infer.world_size
     slices = tuple(rank_plan(plan, r).to_json() for r in range(world))
     return NemoRlPlan(plan, train, infer, slices)

@@ -18,6 +18,14 @@ there after NeMo RL's ``setup``. Lifecycle:
     worker, all at once: the policy's live shards go straight into vLLM's live
     parameters, in place. ``is_stale`` is true until a sync succeeds and again from the
     moment one fails.
+
+Colocated (``policy.generation.colocated.enabled``, NeMo RL's default): the workers
+also report which GPU they are on; each vLLM worker's GPU must hold one policy rank
+(``plans.colocation``). The refit group is the policy ranks alone; each hosts the vLLM
+worker on its GPU, which connects to it once and unpacks what its host staged
+(``integrations/worker/colocated.py``). Every sync runs NeMo RL's colocated lifecycle
+around the transfer, as its own IPC synchronizer does: ``offload_before_refit``, wake
+vLLM's weights, transfer, then ``offload_after_refit`` and wake the KV cache.
 """
 
 from __future__ import annotations
@@ -31,7 +39,14 @@ from nemo_rl.weight_sync.interfaces import WeightSynchronizer
 
 from ...engine.rendezvous import new_secret
 from ..checkpoint_engine import group_address
-from ..vllm import refit_close, refit_describe, refit_join, refit_load_plan, refit_step
+from ..vllm import (
+    refit_close,
+    refit_connect_colocated,
+    refit_describe,
+    refit_join,
+    refit_load_plan,
+    refit_step,
+)
 from ..worker import RefitEndpoint
 from .config import RefitConfig
 from .plans import NemoRlPlan, plan_nemo_rl
@@ -59,7 +74,7 @@ def gather(named: list[tuple[str, ray.ObjectRef]], what: str) -> list[Any]:
 
 
 class ReshardWeightSynchronizer(WeightSynchronizer):
-    """NeMo RL weight synchronizer for ``refit.backend: reshard`` (non-colocated)."""
+    """NeMo RL weight synchronizer for ``refit.backend: reshard``, colocated or not."""
 
     def __init__(
         self,
@@ -113,18 +128,12 @@ class ReshardWeightSynchronizer(WeightSynchronizer):
         engine_reports = gather(self._vllm_all(refit_describe), "refit_describe")
         self.plan = plan = plan_nemo_rl(self._config, self._refit, policy_reports, engine_reports)
         print(plan, flush=True)
-        host, port = group_address(self._refit.host)
-        endpoint = RefitEndpoint(
-            host,
-            port,
-            world_size=plan.train.world_size + plan.infer.world_size,
-            group_rank=0,
-            transport=self._refit.transport,
-            timeout_s=self._refit.timeout_s,
-            secret=new_secret(),  # this run's; shipped to the workers with the endpoint
-        ).to_json()
-        firsts = self._engine_first_ranks(len(engine_reports))
-        size = plan.infer.tp * plan.infer.pp
+        engines = len(engine_reports)
+        if plan.colocated:
+            self._init_colocated(plan, engines)
+            return
+        endpoint = self._endpoint(plan.train.world_size + plan.infer.world_size)
+        firsts = self._engine_first_ranks(engines)
         gather(
             self._policy_call("reshard_join", endpoint_json=endpoint)
             + self._vllm_each(refit_join, [(endpoint, f) for f in firsts]),
@@ -132,8 +141,48 @@ class ReshardWeightSynchronizer(WeightSynchronizer):
         )
         gather(
             self._policy_each("reshard_load_plan", slice_json=list(plan.slices[: plan.num_policy]))
-            + self._vllm_each(refit_load_plan, [(plan.engine_slices(f, size),) for f in firsts]),
+            + self._vllm_each(refit_load_plan, [(self._engine_slices(i),) for i in range(engines)]),
             "loading the refit plan",
+        )
+
+    def _endpoint(self, world_size: int) -> str:
+        host, port = group_address(self._refit.host)
+        return RefitEndpoint(
+            host,
+            port,
+            world_size=world_size,
+            group_rank=0,
+            transport=self._refit.transport,
+            timeout_s=self._refit.timeout_s,
+            secret=new_secret(),  # this run's; shipped to the workers with the endpoint
+        ).to_json()
+
+    def _init_colocated(self, plan: NemoRlPlan, engines: int) -> None:
+        """The policy ranks form the refit group; each compiles its share and its guest's
+        and listens for that vLLM worker, which connects (over loopback: same GPU, same
+        node) while the policy ranks join."""
+        t = plan.num_policy
+        endpoint = self._endpoint(t)
+        addresses = gather(
+            self._policy_each(
+                "reshard_colocated_listen",
+                endpoint_json=[endpoint] * t,
+                slices=[plan.host_slices(r) for r in range(t)],
+            ),
+            "preparing the colocated refit",
+        )
+        hosts = plan.plan.colocated_hosts
+        group = plan.infer.engine_world_size
+        firsts = self._engine_first_ranks(engines)
+        calls = [
+            (endpoint, f, [addresses[hosts[f - t + k]] for k in range(group)],
+             self._engine_slices(i), plan.plan.fingerprint)
+            for i, f in enumerate(firsts)
+        ]  # fmt: skip
+        gather(
+            self._policy_call("reshard_colocated_join")
+            + self._vllm_each(refit_connect_colocated, calls),
+            "connecting the colocated refit",
         )
 
     def _engine_first_ranks(self, engines: int) -> list[int]:
@@ -143,6 +192,15 @@ class ReshardWeightSynchronizer(WeightSynchronizer):
         inf = self.plan.infer
         t = self.plan.num_policy
         return [t + (i // inf.engine_dp) * inf.engine_world_size for i in range(engines)]
+
+    def _engine_slices(self, i: int) -> dict[str, str]:
+        """The slices of engine ``i``'s workers: its vLLM DP rank's ``tp·pp`` refit ranks
+        inside its DP group."""
+        assert self.plan is not None
+        inf = self.plan.infer
+        size = inf.tp * inf.pp
+        first = self._engine_first_ranks(i + 1)[i] + (i % inf.engine_dp) * size
+        return self.plan.engine_slices(first, size)
 
     def sync_weights(
         self, *, timer: Any = None, kv_scales: dict[str, float] | None = None
@@ -162,11 +220,25 @@ class ReshardWeightSynchronizer(WeightSynchronizer):
             if timer is not None
             else nullcontext()
         )
-        with context:
-            results = gather(
-                self._policy_call("reshard_step") + self._vllm_all(refit_step),
-                f"refit step {self.steps + 1}",
-            )
+        try:
+            if self.plan.colocated:  # NeMo RL's colocated lifecycle, as its IPC synchronizer
+                self._policy.offload_before_refit()
+                # NeMo RL's prepare_for_generation reports a failed wake as False only.
+                if self._generation.prepare_for_generation(tags=["weights"]) is False:
+                    raise RuntimeError(
+                        "vLLM did not wake its weights (prepare_for_generation(tags="
+                        "['weights']) returned False; its error is printed above); nothing "
+                        "was refit"
+                    )
+            with context:
+                results = gather(
+                    self._policy_call("reshard_step") + self._vllm_all(refit_step),
+                    f"refit step {self.steps + 1}",
+                )
+        finally:
+            if self.plan.colocated:
+                self._policy.offload_after_refit()
+                self._generation.prepare_for_generation(tags=["kv_cache"])
         self._stale = False
         self.steps += 1
         timings = [r for res in results for r in (res if isinstance(res, list) else [res])]

@@ -35,6 +35,7 @@ from ..worker import (
     RefitWorker,
     WeightsState,
     describe_tensors,
+    device_name,
 )
 from .config import IN_PLACE_MOE_BACKENDS, EngineLayout, UnsupportedVllmOption, engine_layout
 
@@ -121,6 +122,7 @@ def refit_describe(worker: Any) -> dict[str, Any]:
         "parallel": str(s.layout.parallel),
         "engine_rank": s.engine_rank,
         "device": str(first.device),
+        "gpu": device_name(first.device),
         "all2all_backend": s.layout.options.all2all_backend,
         "tensors": describe_tensors(s.params),
     }

@@ -4,16 +4,19 @@
 group. ``refit_worker.py``: :class:`RefitWorker`, one worker's membership (join, load a
 plan, refit). ``weights.py``: :class:`WeightsState`, whether a rank's weights are whole
 or stale. ``colocated.py``: :class:`ColocatedTrainer` and :class:`ColocatedWorker`, the
-same for a training rank and the generation worker sharing its GPU. Nothing here knows
+same for a training rank and the generation worker sharing its GPU; ``device.py``:
+:func:`device_name`, which GPU a worker is on (to pair them). Nothing here knows
 Megatron, vLLM or Ray.
 """
 
 from .colocated import ColocatedTrainer, ColocatedWorker
+from .device import DEVICE_ENV, device_name
 from .endpoint import TRANSPORTS, RefitEndpoint
 from .refit_worker import RefitWorker, describe_tensors
 from .weights import StaleWeightsError, WeightsState
 
 __all__ = [
+    "DEVICE_ENV",
     "TRANSPORTS",
     "ColocatedTrainer",
     "ColocatedWorker",
@@ -22,4 +25,5 @@ __all__ = [
     "StaleWeightsError",
     "WeightsState",
     "describe_tensors",
+    "device_name",
 ]

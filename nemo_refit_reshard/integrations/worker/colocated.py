@@ -55,12 +55,14 @@ class ColocatedTrainer:
         self,
         endpoint: RefitEndpoint,
         tensors: Mapping[str, torch.Tensor],
-        plan: RefitPlan,
+        plan: RefitPlan | RankPlan,
         device: torch.device | str | None = None,
         weights: WeightsState | None = None,
+        guest_plan: RankPlan | None = None,
     ) -> None:
         """``endpoint``: the training ranks' group (``world_size`` = S, ``group_rank`` =
-        this training rank). ``plan``: the full colocated plan."""
+        this training rank). ``plan``: the full colocated plan, or this rank's slice with
+        ``guest_plan`` the slice of the worker on its GPU (None: no worker there)."""
         if not plan.colocated_hosts:
             raise PlanError("not a colocated plan: build it with plan_refit(..., colocation=)")
         if endpoint.world_size != plan.num_sources:
@@ -75,9 +77,21 @@ class ColocatedTrainer:
         rank = endpoint.group_rank
         guest = Colocation(plan.colocated_hosts).guest_of(rank, plan.num_sources)
         self.guest_rank = guest
+        if isinstance(plan, RefitPlan):
+            own, guest_plan = (
+                rank_plan(plan, rank),
+                (rank_plan(plan, guest) if guest is not None else None),
+            )
+        else:
+            own = plan
+            if guest_plan is not None and guest_plan.fingerprint != plan.fingerprint:
+                raise PlanError(
+                    f"training rank {rank}: its slice is of plan {plan.fingerprint[:12]}, its "
+                    f"guest's of {guest_plan.fingerprint[:12]}; ship both from one plan"
+                )
         self.host = ColocatedHost(
-            rank_plan(plan, rank),
-            rank_plan(plan, guest) if guest is not None else None,
+            own,
+            guest_plan,
             rank,
             tensors,
             self.net.device,
@@ -136,6 +150,12 @@ class ColocatedTrainer:
             raise
         self.weights.done(step, self.plan.fingerprint)
         return time.perf_counter() - t0
+
+    def abort(self, err: BaseException) -> None:
+        """This step fails before it starts (``err``): tell the worker on this GPU now, so
+        that it stops waiting for the staging instead of running into its timeout."""
+        if self.host.signals is not None:
+            self.host.signals.abort(err)
 
     def close(self) -> None:
         if self._listener is not None:
