@@ -14,7 +14,22 @@ VERSION="${1:-0.33.0}"
 VENV="${2:-.venv-vllm}"
 source "$(dirname "$0")/venv_lib.sh"
 
+# What vLLM's quantization registry imports (its FP8 classes, built by the FP8 truth
+# tests): compressed-tensors at the version this vLLM pins, and loguru, which it needs.
+quantization_deps() {
+    local pin
+    pin="$("$PY" - <<'PYEOF'
+from importlib.metadata import requires
+print(next((r.split(";")[0].replace(" ", "") for r in requires("vllm") or []
+            if r.startswith("compressed-tensors")), "compressed-tensors"))
+PYEOF
+)"
+    quiet "${PIP[@]}" --no-deps "$pin" loguru
+}
+
 if [ "$(installed "$VENV/bin/python" vllm)" = "$VERSION" ]; then
+    make_venv "$VENV"  # sets PY and PIP for the existing venv
+    quantization_deps
     echo "vLLM $VERSION already in $VENV"
     exit 0
 fi
@@ -27,6 +42,7 @@ quiet "${PIP[@]}" --no-deps "vllm==$VERSION" "xgrammar==0.2.8" "apache-tvm-ffi==
     partial-json-parser llguidance einops
 # Pure-Python requirements with their own (pure-Python) dependencies.
 quiet "${PIP[@]}" aiohttp openai oss-harmony pillow fastapi pyzmq
+quantization_deps
 VLLM_TARGET_DEVICE=cpu VLLM_LOGGING_LEVEL=ERROR quiet "$PY" - <<'PYEOF'
 import vllm.model_executor.models.deepseek_v2, vllm.model_executor.models.qwen3_moe  # noqa
 import vllm

@@ -66,6 +66,17 @@ _KIMI = dict(
     num_key_value_heads=8,
     num_hidden_layers=3,
 )
+# Block-FP8 checkpoints (quantization_config as DeepSeek-V3's and Qwen3's -FP8 ones),
+# sized so that every TP shard below is whole 128x128 blocks except the unsplit tails
+# (DeepSeek's 192-row kv_a_proj_with_mqa: 2 scale rows, the last one partial).
+_FP8 = dict(
+    quantization_config={
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+        "activation_scheme": "dynamic",
+    }
+)
+_FP8_DIMS = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, head_dim=128)
 MODELS: dict[str, dict[str, Any]] = {
     "llama": hf_config("llama", num_attention_heads=8, num_key_value_heads=2),
     "qwen2": hf_config("qwen2", num_attention_heads=8, num_key_value_heads=2),
@@ -76,6 +87,30 @@ MODELS: dict[str, dict[str, Any]] = {
     "deepseek_v3_no_topk_method": hf_config("deepseek_v3"),
     "deepseek_v3_no_q_lora": hf_config("deepseek_v3", q_lora_rank=None, **_DS),
     "kimi_k2": hf_config("deepseek_v3", **_KIMI),
+    "qwen3_fp8": hf_config("qwen3", **_FP8_DIMS, **_FP8),
+    "qwen3_moe_fp8": hf_config(
+        "qwen3_moe",
+        **_FP8_DIMS,
+        moe_intermediate_size=256,
+        # vLLM leaves a module the checkpoint names unquantized: layer 0's router stays
+        # bfloat16, layer 2's is FP8 (layer 1 is dense).
+        quantization_config=dict(
+            _FP8["quantization_config"], modules_to_not_convert=["model.layers.0.mlp.gate"]
+        ),
+    ),
+    "deepseek_v3_fp8": hf_config(
+        "deepseek_v3",
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=256,
+        q_lora_rank=256,
+        kv_lora_rank=128,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        **_DS,
+        **_FP8,
+    ),
 }
 
 P = InferParallel
@@ -103,6 +138,13 @@ CASES: list[tuple[str, InferParallel, str | None]] = [
     ("deepseek_v3_no_topk_method", P(tp=2), None),
     ("deepseek_v3_no_q_lora", P(tp=4), None),
     ("kimi_k2", P(tp=4, engine_dp=2, ep=8), None),  # 12 experts over 8 ranks
+    ("qwen3_fp8", P(), None),
+    ("qwen3_fp8", P(tp=2), None),
+    ("qwen3_fp8", P(tp=4), None),  # 2 KV heads over 4 ranks: scale rows replicated too
+    ("qwen3_moe_fp8", P(tp=2), None),
+    ("qwen3_moe_fp8", P(tp=2, engine_dp=2, ep=4), None),
+    ("deepseek_v3_fp8", P(tp=2), None),
+    ("deepseek_v3_fp8", P(tp=2, engine_dp=2, ep=4), None),
 ]
 # Built with real storage and loaded through vLLM's load_weights().
 CONTENT_CASES: list[tuple[str, InferParallel, str | None]] = [
@@ -116,6 +158,9 @@ CONTENT_CASES: list[tuple[str, InferParallel, str | None]] = [
     ("deepseek_v3", P(tp=2), None),  # shared experts sharded over TP
     ("kimi_k2", P(tp=4, engine_dp=2, ep=8), None),
     ("qwen3_moe", P(tp=2, pp=2, ep=2), None),
+    ("qwen3_fp8", P(tp=4), None),
+    ("qwen3_moe_fp8", P(tp=2), None),
+    ("deepseek_v3_fp8", P(tp=2, engine_dp=2, ep=4), None),
 ]
 
 
@@ -178,9 +223,26 @@ def spec_of(model: str) -> ModelSpec:
 
 
 def checkpoint(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random float32 checkpoint tensors, every element distinct in practice."""
+    """Random float32 checkpoint tensors, every element distinct in practice; a block-FP8
+    model's quantized weights as e4m3 (their scales float32), as its checkpoint has them."""
     g = torch.Generator().manual_seed(seed)
-    return {t.name: torch.randn(t.shape, generator=g) for t in spec}
+    out = {t.name: torch.randn(t.shape, generator=g) for t in spec}
+    for t in spec:
+        if t.dtype == "float8_e4m3fn":
+            out[t.name] = out[t.name].to(torch.float8_e4m3fn)
+    return out
+
+
+def content_dtype(model: str) -> str:
+    """float32 storage, except FP8 models: vLLM's Fp8Config refuses a float32 model dtype
+    (its unquantized tensors are then bfloat16)."""
+    return "bfloat16" if MODELS[model].get("quantization_config") else "float32"
+
+
+# Created by vLLM's Fp8KVCacheMethod for every attention layer of an FP8 model and
+# deleted by its process_weights_after_loading (quantization/kv_cache.py): never in a
+# serving engine, so never refit.
+_KV_SCALES = ("attn.q_scale", "attn.k_scale", "attn.v_scale", "attn.prob_scale")
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +276,7 @@ def vllm_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                     config=model,
                     rank=rank_fields(par, rank, backend),
                     device="cpu",
-                    dtype="float32",
+                    dtype=content_dtype(model),
                     weights=str(work / f"{model}.safetensors"),
                     out=str(work / f"{bid.replace('/', '_')}.safetensors"),
                 )
@@ -243,6 +305,7 @@ def provider_layout(
 def name_shape_mismatches(layout: RankLayout, live: dict[str, list[Any]]) -> list[str]:
     """Differences between the provider's tensors and vLLM's ``named_parameters()``."""
     ours = {t.name: [list(t.shape), t.dtype] for t in layout.tensors}
+    live = {n: v for n, v in live.items() if not n.endswith(_KV_SCALES)}
     out = [f"only in vLLM: {n} {live[n]}" for n in sorted(set(live) - set(ours))]
     out += [f"only in the provider: {n} {ours[n]}" for n in sorted(set(ours) - set(live))]
     out += [
@@ -306,7 +369,9 @@ def test_provider_pieces_hold_what_vllm_loaded(
         bid = f"{case_id(case)}/{rank}"
         build = result["builds"][bid]
         loaded = load_file(str(vllm_runs["work"] / f"{bid.replace('/', '_')}.safetensors"))
-        lay = provider_layout(model, par, rank, backend, "float32", result["vllm_version"])
+        lay = provider_layout(
+            model, par, rank, backend, content_dtype(model), result["vllm_version"]
+        )
         assert name_shape_mismatches(lay, build["params"]) == []
         assert content_mismatches(lay, loaded, canonical) == [], f"rank {rank}"
 
@@ -363,3 +428,37 @@ def test_broken_rules_are_caught(
         f"model.layers.{i}.self_attn.qkv_proj.weight <- model.layers.{i}.self_attn.v_proj.weight"
         for i in range(2)
     ], diffs
+
+
+def test_broken_fp8_scale_rule_is_caught(
+    vllm_runs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Negative control for the FP8 rules: every rank taking rank 0's columns of a
+    row-parallel scale (o_proj, down_proj) keeps the names and shapes vLLM registers,
+    and the content check fails on the ranks whose scales vLLM's loader sliced."""
+    from safetensors.torch import load_file
+
+    from nemo_refit_reshard.layouts.vllm_fp8 import Fp8Layout
+
+    original = Fp8Layout.scale_columns
+
+    def first_columns(self, weight, canonical, rows, n, rank, tp):  # type: ignore[no-untyped-def]
+        return original(self, weight, canonical, rows, n, 0, tp)
+
+    monkeypatch.setattr(Fp8Layout, "scale_columns", first_columns)
+    case = ("qwen3_fp8", P(tp=4), None)
+    canonical = checkpoint(spec_of("qwen3_fp8"))
+    result = vllm_runs["content"]
+    failed = []
+    for rank in engine_ranks(case[1]):
+        bid = f"{case_id(case)}/{rank}"
+        loaded = load_file(str(vllm_runs["work"] / f"{bid.replace('/', '_')}.safetensors"))
+        lay = provider_layout("qwen3_fp8", case[1], rank, None, "bfloat16", result["vllm_version"])
+        assert name_shape_mismatches(lay, result["builds"][bid]["params"]) == []
+        failed.append(content_mismatches(lay, loaded, canonical))
+    assert failed[0] == []
+    for rank in (1, 2, 3):
+        assert (
+            "model.layers.0.self_attn.o_proj.weight_scale_inv <- "
+            "model.layers.0.self_attn.o_proj.weight_scale_inv"
+        ) in failed[rank], failed[rank]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from ..spec.model import ModelSpec
 from ..spec.parallel import TrainParallel
+from ..spec.quantization import refuse_quantized_training
 from .base import Box, LayoutBuilder, RankLayout, paused_gc
 from .megatron_grid import megatron_layer_chunks, megatron_position, megatron_replicas
 from .megatron_rules import MegatronOptions, check_megatron_parallel, megatron_padded_vocab
@@ -312,6 +313,7 @@ def megatron_layout(
 ) -> RankLayout:
     """The local tensors and canonical pieces of Megatron training rank ``rank``."""
     opts = options or MegatronOptions()
+    refuse_quantized_training(spec.arch, "Megatron")
     check_megatron_parallel(spec.arch, parallel, opts)
     walker = _MegatronRank(spec, parallel, rank, opts)
     walker.build()

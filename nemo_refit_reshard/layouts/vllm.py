@@ -41,7 +41,9 @@ from importlib import metadata
 from ..spec.config import ArchConfig
 from ..spec.model import ModelSpec
 from ..spec.parallel import InferParallel
+from ..spec.quantization import FP8
 from .base import Box, LayoutBuilder, RankLayout, paused_gc
+from .vllm_fp8 import Fp8Layout
 
 VOCAB_PADDING = 64  # DEFAULT_VOCAB_PADDING_SIZE
 
@@ -262,8 +264,9 @@ def vllm_position(par: InferParallel, rank: int) -> VllmPosition:
     return VllmPosition(replica=rank // par.engine_world_size, edp=edp, pp=pp, tp=tp)
 
 
-class _VllmRank:
+class _VllmRank(Fp8Layout):
     def __init__(self, spec: ModelSpec, par: InferParallel, rank: int, opts: VllmOptions):
+        self.spec = spec
         self.a = spec.arch
         self.par = par
         self.opts = opts
@@ -272,25 +275,35 @@ class _VllmRank:
         # Shared experts are built with disable_tp under sequence-parallel MoE.
         self.shared_tp = 1 if opts.sequence_parallel_moe(par) else par.tp
         self.dtype = opts.params_dtype or self.a.dtype
+        self.version = self.release.version
         self.b = LayoutBuilder()
 
     def replicated(
         self, name: str, shape: tuple[int, ...], canonical: str | None = None, dtype: str = ""
     ) -> None:
-        self.b.tensor(name, shape, dtype or self.dtype)
-        self.b.piece(canonical or name, Box.full(shape), name, Box.full(shape))
+        canonical = canonical or name
+        quantized = self.fp8(canonical)
+        self.b.tensor(name, shape, FP8 if quantized else dtype or self.dtype)
+        self.b.piece(canonical, Box.full(shape), name, Box.full(shape))
+        if quantized:
+            assert len(shape) == 2
+            self.scale_full(name, canonical, (shape[0], shape[1]))
 
     def column(self, name: str, canonical: str, rows: int, cols: int) -> None:
         s, r = self.par.tp, self.pos.tp
         n = rows // s
-        self.b.tensor(name, (n, cols), self.dtype)
+        self.b.tensor(name, (n, cols), self.weight_dtype(canonical))
         self.b.rows(name, [(0, rows, canonical, 0)], r * n, (r + 1) * n)
+        if self.fp8(canonical):
+            self.scale_rows(name, (n, cols), [(0, rows, canonical, 0)], r * n, (r + 1) * n, 0, rows)
 
     def row(self, name: str, canonical: str, rows: int, cols: int) -> None:
         s, r = self.par.tp, self.pos.tp
         n = cols // s
-        self.b.tensor(name, (rows, n), self.dtype)
+        self.b.tensor(name, (rows, n), self.weight_dtype(canonical))
         self.b.piece(canonical, Box((0, r * n), (rows, n)), name, Box((0, 0), (rows, n)))
+        if self.fp8(canonical):
+            self.scale_columns(name, canonical, rows, n, r, s)
 
     def vocab(self, name: str, canonical: str) -> None:
         s, r = self.par.tp, self.pos.tp
@@ -303,13 +316,24 @@ class _VllmRank:
         s = self.par.tp if tp is None else tp
         r, h = self.pos.tp % s, self.a.hidden_size
         n = ffn // s
-        name = f"{p}.gate_up_proj.weight"
-        self.b.tensor(name, (2 * n, h), self.dtype)
-        self.b.rows(name, [(0, ffn, f"{hf}.gate_proj.weight", 0)], r * n, (r + 1) * n, 0)
-        self.b.rows(name, [(0, ffn, f"{hf}.up_proj.weight", 0)], r * n, (r + 1) * n, n)
-        down = f"{p}.down_proj.weight"
-        self.b.tensor(down, (h, n), self.dtype)
-        self.b.piece(f"{hf}.down_proj.weight", Box((0, r * n), (h, n)), down, Box((0, 0), (h, n)))
+        name, gate, up = (
+            f"{p}.gate_up_proj.weight",
+            f"{hf}.gate_proj.weight",
+            f"{hf}.up_proj.weight",
+        )
+        self.b.tensor(name, (2 * n, h), self.weight_dtype(gate))
+        self.b.rows(name, [(0, ffn, gate, 0)], r * n, (r + 1) * n, 0)
+        self.b.rows(name, [(0, ffn, up, 0)], r * n, (r + 1) * n, n)
+        if self.fp8(gate):  # the gate half is not the last: whole blocks, always
+            if n % self.block[0]:
+                raise self._refuse(name, "gate rows per rank", n, self.block[0])
+            self.scale_rows(name, (2 * n, h), [(0, ffn, gate, 0)], r * n, (r + 1) * n, 0, ffn)
+            self.scale_rows(name, (2 * n, h), [(0, ffn, up, 0)], r * n, (r + 1) * n, n, ffn)
+        down, hf_down = f"{p}.down_proj.weight", f"{hf}.down_proj.weight"
+        self.b.tensor(down, (h, n), self.weight_dtype(hf_down))
+        self.b.piece(hf_down, Box((0, r * n), (h, n)), down, Box((0, 0), (h, n)))
+        if self.fp8(hf_down):
+            self.scale_columns(down, hf_down, h, n, r, s)
 
     def qkv(self, p: str, suffix: str) -> None:
         a, s, r = self.a, self.par.tp, self.pos.tp
@@ -321,15 +345,21 @@ class _VllmRank:
             kv_l = ng // s
             kv_heads = list(range(r * kv_l, (r + 1) * kv_l))
         rows = (nq_l + 2 * len(kv_heads)) * hd
-        name = f"{p}.qkv_proj.{suffix}"
-        self.b.tensor(name, (rows, a.hidden_size) if suffix == "weight" else (rows,), self.dtype)
+        name, q = f"{p}.qkv_proj.{suffix}", f"{p}.q_proj.{suffix}"
+        shape = (rows, a.hidden_size) if suffix == "weight" else (rows,)
+        self.b.tensor(name, shape, self.weight_dtype(q))
         k0, nk = kv_heads[0] * hd, len(kv_heads) * hd
         segments = [
-            (0, nq_l * hd, f"{p}.q_proj.{suffix}", r * nq_l * hd),
+            (0, nq_l * hd, q, r * nq_l * hd),
             (nq_l * hd, nk, f"{p}.k_proj.{suffix}", k0),
             (nq_l * hd + nk, nk, f"{p}.v_proj.{suffix}", k0),
         ]
         self.b.rows(name, segments, 0, rows)
+        if self.fp8(q):  # vLLM's loader takes each shard in whole blocks (q and k not last)
+            for what, size in (("query rows per rank", nq_l * hd), ("key rows per rank", nk)):
+                if size % self.block[0]:
+                    raise self._refuse(name, what, size, self.block[0])
+            self.scale_rows(name, (rows, a.hidden_size), segments, 0, rows)
 
     def attention(self, p: str) -> None:
         a, h = self.a, self.a.hidden_size
@@ -354,13 +384,16 @@ class _VllmRank:
             self.replicated(f"{p}.kv_a_proj_with_mqa.weight", (kv_a, h))
         else:
             # fused_qkv_a_proj = [q_a_proj ; kv_a_proj_with_mqa], replicated (disable_tp).
-            name = f"{p}.fused_qkv_a_proj.weight"
-            self.b.tensor(name, (m.q_lora_rank + kv_a, h), self.dtype)
+            name, q_a = f"{p}.fused_qkv_a_proj.weight", f"{p}.q_a_proj.weight"
+            self.b.tensor(name, (m.q_lora_rank + kv_a, h), self.weight_dtype(q_a))
             segments = [
-                (0, m.q_lora_rank, f"{p}.q_a_proj.weight", 0),
+                (0, m.q_lora_rank, q_a, 0),
                 (m.q_lora_rank, kv_a, f"{p}.kv_a_proj_with_mqa.weight", 0),
             ]
             self.b.rows(name, segments, 0, m.q_lora_rank + kv_a)
+            if self.fp8(q_a):
+                rows = m.q_lora_rank + kv_a
+                self.scale_rows(name, (rows, h), segments, 0, rows)
             self.replicated(f"{p}.q_a_layernorm.weight", (m.q_lora_rank,))
             self.column(
                 f"{p}.q_b_proj.weight", f"{p}.q_b_proj.weight", nq * m.qk_head_dim, m.q_lora_rank
@@ -389,9 +422,12 @@ class _VllmRank:
         n_local, n = stop - first, fe // shard
         module = f"{p}.{self.release.expert_module}"
         w13, w2 = f"{module}.w13_weight", f"{module}.w2_weight"
-        self.b.tensor(w13, (n_local, 2 * n, h), self.dtype)
-        self.b.tensor(w2, (n_local, h, n), self.dtype)
+        dtype = self.weight_dtype(f"{p}.experts.{first}.gate_proj.weight")
+        self.b.tensor(w13, (n_local, 2 * n, h), dtype)
+        self.b.tensor(w2, (n_local, h, n), dtype)
         lo = shard_rank * n
+        if dtype == FP8:
+            self.expert_scales(module, p, range(first, stop), n, lo, h)
         # Every expert reads the same canonical boxes: build them once (DeepSeek-V3 at
         # tp=32 has 1.5 million expert pieces per rank set). Slot j < n_local and rows
         # [half * n, half * n + n) lie inside (n_local, 2n, h) by construction.

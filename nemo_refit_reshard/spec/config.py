@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .quantization import BlockFp8, quantization_from_hf_config
+
 # HF architecture class -> family understood by the spec and the providers.
 ARCHITECTURE_FAMILIES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -76,6 +78,7 @@ class ArchConfig:
     moe: MoeConfig | None = None
     mla: MlaConfig | None = None
     num_mtp_layers: int = 0
+    quant: BlockFp8 | None = None  # block-FP8 checkpoint (``spec/quantization.py``)
 
     @property
     def queries_per_group(self) -> int:
@@ -160,6 +163,7 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
         dtype=_dtype(cfg),
         qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
         qk_norm=family in ("qwen3", "qwen3_moe"),
+        quant=quantization_from_hf_config(cfg),
     )
     if family == "qwen3_moe":
         num_experts = req("num_experts")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ArchConfig, arch_from_hf_config
+from .quantization import FP8, SCALE_SUFFIX, check_ignored, quantized_module
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,25 @@ def canonical_tensors(a: ArchConfig) -> tuple[CanonicalTensor, ...]:
         out.append(CanonicalTensor("lm_head.weight", (a.vocab_size, a.hidden_size), dtype))
     for k in range(a.num_mtp_layers):
         out += _mtp_layer(a, a.num_layers + k, dtype)
-    return tuple(out)
+    return tuple(_block_fp8(a, out) if a.quant is not None else out)
+
+
+def _block_fp8(a: ArchConfig, tensors: list[CanonicalTensor]) -> list[CanonicalTensor]:
+    """A block-FP8 checkpoint's tensors: each quantized weight as e4m3, followed by its
+    float32 ``weight_scale_inv`` (``spec/quantization.py``)."""
+    q = a.quant
+    assert q is not None
+    modules = {m for t in tensors if (m := quantized_module(t.name, a.family))}
+    check_ignored(q, modules)
+    out = []
+    for t in tensors:
+        module = quantized_module(t.name, a.family)
+        if module is None or module in q.ignored:
+            out.append(t)
+            continue
+        out.append(CanonicalTensor(t.name, t.shape, FP8))
+        out.append(CanonicalTensor(f"{module}.{SCALE_SUFFIX}", q.scale_shape(t.shape), "float32"))
+    return out
 
 
 def spec_from_hf_config(cfg: dict[str, Any], name: str = "custom") -> ModelSpec:

@@ -87,6 +87,18 @@ def use_cpu_platform() -> None:
         platforms._current_platform = CpuPlatform()
 
 
+def allow_fp8_block_kernel_on_cpu() -> None:
+    """vLLM's FP8 linear layers pick a kernel after registering their parameters; on a
+    CPU without AMX every CPU block-FP8 kernel declines, and the build stops. Only that
+    choice is bypassed (``CPUFp8BlockScaledMMKernel.is_supported``): the parameters,
+    their shapes and loaders are vLLM's own, and nothing here runs an FP8 matmul."""
+    try:
+        from vllm.model_executor.kernels.linear.scaled_mm import cpu
+    except ImportError:  # releases without this kernel table
+        return
+    cpu.CPUFp8BlockScaledMMKernel.is_supported = classmethod(lambda cls, cc=None: (True, None))
+
+
 def _set_groups(r: EngineRank) -> None:
     from vllm.distributed import parallel_state as ps
 
@@ -156,6 +168,8 @@ def build_model(
     _forget_pp_missing_layers()
     if device == "meta" and not meta_builds():
         device = "cpu"  # older releases read tensor values while building (small models)
+    if hf_config.get("quantization_config"):
+        allow_fp8_block_kernel_on_cpu()
     config = vllm_config(hf_config, r, dtype)
     _set_groups(r)
     # As vLLM's model loader does: parameters take the model dtype by default.
