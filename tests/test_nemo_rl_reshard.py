@@ -230,7 +230,7 @@ print(json.dumps(out))
     )
     assert dense_co["gpus"] == [1, 8]
     assert dense_co["sizes"] == [
-        "tp=2,pp=2,vpp=1,cp=1,dp=2,ep=1,etp=2",
+        "tp=2,pp=2,vpp=1,cp=1,dp=2,ep=1,etp=1",  # NeMo RL's default etp=1
         "tp=4,pp=1,dp=2,engine_dp=1,ep=1",
     ]
     moe_co = out["grpo_math_qwen30ba3b_megatron_reshard_colocated.yaml "]
