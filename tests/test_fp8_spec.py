@@ -1,6 +1,6 @@
 """Block-FP8 checkpoints in the spec and the vLLM provider (``spec/quantization.py``,
 ``layouts/vllm_fp8.py``), without vLLM: the tensors a ``quantization_config`` adds, the
-configs refused by name, and the plan refused rather than planned as BF16. The layouts
+configs refused by name, and the training side built from the model as trained. The layouts
 against vLLM's own FP8 classes are in tests/test_vllm_truth.py."""
 
 from __future__ import annotations
@@ -86,17 +86,14 @@ def test_unmodeled_quantization_is_refused_by_name(quant: dict, message: str) ->
     assert str(err.value) == message
 
 
-def test_training_side_refuses_an_fp8_spec() -> None:
-    """Never planned as BF16: the Megatron side of an FP8 refit is refused by name."""
+def test_training_side_holds_the_trained_weights() -> None:
+    """Megatron's layout of an FP8 model is its layout of the model as trained (BF16, no
+    scales): the spec's quantization is the engine's, never the trainer's."""
     spec = spec_from_hf_config(config("qwen3-8b"))
-    with pytest.raises(ValueError) as err:
-        megatron_layout(spec, TrainParallel(tp=2), 0)
-    assert str(err.value) == (
-        "Megatron holds the trained weights in bfloat16; this model's config describes a "
-        "fp8 block 128x128 checkpoint (quantization_config), which is what vLLM serves. "
-        "Refitting a BF16-trained policy into an FP8 engine needs quantization on the wire, "
-        "which this version does not do yet: serve the engine unquantized (drop "
-        "quantization_config from the config you plan with)"
+    unquantized = spec_from_hf_config(preset_configs()["qwen3-8b"])
+    assert spec.unquantized().tensors == unquantized.tensors
+    assert megatron_layout(spec, TrainParallel(tp=2), 1) == megatron_layout(
+        unquantized, TrainParallel(tp=2), 1
     )
 
 

@@ -112,10 +112,15 @@ def plan_summary(plan: RefitPlan, seconds: float) -> dict[str, Any]:
 def plan_title(cfg: RunConfig, timed: TimedPlan) -> str:
     """``plan``'s first line: the plan, the model and both sides of the refit."""
     plan = timed.plan
-    return (
+    title = (
         f"plan {plan.fingerprint}: {timed.spec.name}, training {cfg.train} ({plan.num_sources}"
         f" ranks) -> inference {cfg.infer} ({plan.num_destinations} ranks)"
     )
+    quant = timed.spec.arch.quant
+    if quant is not None:  # layouts/vllm_fp8.bf16_twin
+        dtype = timed.spec.arch.dtype
+        title += f"\n  {quant} engine: {dtype} on the wire, quantized by each inference rank"
+    return title
 
 
 def plan_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:

@@ -35,6 +35,7 @@ TORCH_DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,  # block-FP8 engines' weights (engine/quantize.py)
 }
 TORCH_DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 

@@ -18,9 +18,12 @@ holds. ``amax`` is floored at 1e-4 as there, so an all-zero block gets a finite 
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 import torch
 
 E4M3 = torch.float8_e4m3fn
+SCALE_SUFFIX = "weight_scale_inv"
 E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
 
@@ -64,4 +67,93 @@ def quantize_into(
     scale_inv.copy_(s)
 
 
-__all__ = ["E4M3", "E4M3_MAX", "quantize_block_fp8", "quantize_into"]
+def scale_of(name: str) -> str:
+    """The scale tensor of an FP8 weight (``...weight`` -> ``...weight_scale_inv``; vLLM's
+    experts: ``...w13_weight`` -> ``...w13_weight_scale_inv``)."""
+    return name[: -len("weight")] + SCALE_SUFFIX
+
+
+class Fp8Receiver:
+    """A receiving rank of a refit into a block-FP8 engine.
+
+    The refit writes each e4m3 weight's *twin* — a tensor of the same shape in the
+    trained dtype (``layouts/vllm_fp8.bf16_twin``) — and :meth:`finish` quantizes every
+    twin into the live weight and its ``weight_scale_inv`` in place. A 3-D weight (fused
+    experts, ``[E, rows, cols]``) is quantized expert by expert. The twins cost one
+    trained-dtype copy of the rank's FP8 weights, held for the job."""
+
+    def __init__(
+        self,
+        live: Mapping[str, torch.Tensor],
+        block: tuple[int, int],
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        self.live, self.block = live, block
+        self.twins: dict[str, torch.Tensor] = {}
+        for name, t in live.items():
+            if t.dtype != E4M3:
+                continue
+            if scale_of(name) not in live:
+                raise ValueError(f"{name} is e4m3 but the engine holds no {scale_of(name)}")
+            self.twins[name] = torch.empty(t.shape, dtype=dtype, device=t.device)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What the refit writes: the twins in place of the FP8 weights, no scales."""
+        scales = {scale_of(n) for n in self.twins}
+        return {n: self.twins.get(n, t) for n, t in self.live.items() if n not in scales}
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Quantize every twin into its live weight and scale."""
+        for name, twin in self.twins.items():
+            weight, scale = self.live[name], self.live[scale_of(name)]
+            if twin.dim() == 2:
+                quantize_into(twin, weight, scale, self.block)
+            else:
+                for e in range(twin.shape[0]):
+                    quantize_into(twin[e], weight[e], scale[e], self.block)
+
+
+class QuantizedWeights(Mapping[str, torch.Tensor]):
+    """A block-FP8 model's canonical tensors from its trained ones: each e4m3 weight and
+    its scale as :func:`quantize_block_fp8` makes them from the whole canonical weight —
+    what a checkpoint quantized from the trained weights holds (the truth a refit into
+    an FP8 engine is checked against). ``fp8_names``: the spec's e4m3 weights."""
+
+    def __init__(
+        self, trained: Mapping[str, torch.Tensor], fp8_names: set[str], block: tuple[int, int]
+    ) -> None:
+        self.trained, self.block = trained, block
+        self.fp8 = fp8_names
+        self.scales = {scale_of(n): n for n in fp8_names}
+        self._cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _quantized(self, weight: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if weight not in self._cache:
+            self._cache[weight] = quantize_block_fp8(self.trained[weight], self.block)
+        return self._cache[weight]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.fp8:
+            return self._quantized(name)[0]
+        if name in self.scales:
+            return self._quantized(self.scales[name])[1]
+        return self.trained[name]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.trained
+        yield from self.scales
+
+    def __len__(self) -> int:
+        return len(self.trained) + len(self.scales)
+
+
+__all__ = [
+    "E4M3",
+    "E4M3_MAX",
+    "Fp8Receiver",
+    "QuantizedWeights",
+    "quantize_block_fp8",
+    "quantize_into",
+    "scale_of",
+]

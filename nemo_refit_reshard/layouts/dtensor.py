@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from itertools import product
 
 from ..spec.model import CanonicalTensor, ModelSpec
-from ..spec.quantization import refuse_quantized_training
 from .base import Box, LayoutBuilder, RankLayout, paused_gc
 
 
@@ -168,7 +167,7 @@ def dtensor_layout(
     Local tensor names are the HF names; an empty shard is still a (0-sized)
     local tensor, as DTensor keeps one.
     """
-    refuse_quantized_training(spec.arch, "DTensor (FSDP)")
+    spec = spec.unquantized()  # the trained weights: never an FP8 checkpoint
     world = 1
     for n in mesh_shape:
         world *= n

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from ..spec.model import ModelSpec
 from ..spec.parallel import TrainParallel
-from ..spec.quantization import refuse_quantized_training
 from .base import Box, LayoutBuilder, RankLayout, paused_gc
 from .megatron_grid import megatron_layer_chunks, megatron_position, megatron_replicas
 from .megatron_rules import MegatronOptions, check_megatron_parallel, megatron_padded_vocab
@@ -313,7 +312,7 @@ def megatron_layout(
 ) -> RankLayout:
     """The local tensors and canonical pieces of Megatron training rank ``rank``."""
     opts = options or MegatronOptions()
-    refuse_quantized_training(spec.arch, "Megatron")
+    spec = spec.unquantized()  # the trained weights: never an FP8 checkpoint
     check_megatron_parallel(spec.arch, parallel, opts)
     walker = _MegatronRank(spec, parallel, rank, opts)
     walker.build()
@@ -331,4 +330,5 @@ def megatron_layouts(
     spec: ModelSpec, parallel: TrainParallel, options: MegatronOptions | None = None
 ) -> list[RankLayout]:
     """Every Megatron training rank's layout, ranks ``0..world_size-1`` in order."""
+    spec = spec.unquantized()  # once, not per rank
     return [megatron_layout(spec, parallel, r, options) for r in range(parallel.world_size)]

@@ -8,6 +8,7 @@ from ..spec.parallel import InferParallel, TrainParallel
 from .base import RankLayout
 from .megatron import MegatronOptions, megatron_layouts
 from .vllm import VllmOptions, vllm_layouts
+from .vllm_fp8 import bf16_twin
 
 
 def refit_layouts(
@@ -18,5 +19,11 @@ def refit_layouts(
     vllm: VllmOptions | None = None,
 ) -> tuple[list[RankLayout], list[RankLayout]]:
     """``(sources, destinations)``: every Megatron training rank's layout and every vLLM
-    inference rank's, each list in rank order (what ``plan_refit`` takes)."""
-    return megatron_layouts(spec, train, megatron), vllm_layouts(spec, infer, vllm)
+    inference rank's, each list in rank order (what ``plan_refit`` takes). For a block-FP8
+    engine the destinations are its BF16 twins (``vllm_fp8.bf16_twin``): the refit moves
+    the trained weights and each receiving rank quantizes them into its FP8 parameters."""
+    sources = megatron_layouts(spec, train, megatron)
+    destinations = vllm_layouts(spec, infer, vllm)
+    if spec.arch.quant is not None:
+        destinations = [bf16_twin(d, spec) for d in destinations]
+    return sources, destinations

@@ -25,9 +25,11 @@ FP8 classes in tests/test_vllm_truth.py.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..spec import ModelSpec
 from ..spec.quantization import FP8, SCALE_SUFFIX
-from .base import Box, LayoutBuilder
+from .base import Box, LayoutBuilder, RankLayout
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -147,3 +149,24 @@ class Fp8Layout:
             )
             self.b.piece(f"{hf}.up_proj.{SCALE_SUFFIX}", gate_up, w13, Box((j, rn, 0), (1, rn, ch)))
             self.b.piece(f"{hf}.down_proj.{SCALE_SUFFIX}", down, w2, Box((j, 0, 0), (1, rh, cn)))
+
+
+def bf16_twin(layout: RankLayout, spec: ModelSpec) -> RankLayout:
+    """What a refit into an FP8 rank moves: each e4m3 tensor as a twin in the trained
+    dtype (the same pieces of the same canonical weights, unquantized), no scales.
+
+    The receiving rank holds these twins, the refit fills them, and the rank quantizes
+    each into its live weight and scale (``engine/quantize.Fp8Receiver``): a plan of the
+    unquantized model with these layouts is the refit of the FP8 engine, BF16 on the
+    wire. The twin's blocks are the canonical blocks because every shard starts on a
+    block boundary (``Fp8Layout`` refuses the rest)."""
+    dtype = spec.unquantized().arch.dtype
+    tensors = []
+    for t in layout.tensors:
+        if t.name.endswith(SCALE_SUFFIX) and t.dtype == "float32":
+            continue
+        tensors.append(replace(t, dtype=dtype) if t.dtype == FP8 else t)
+    return replace(layout, tensors=tuple(tensors))
+
+
+__all__ = ["Fp8Layout", "bf16_twin"]

@@ -64,7 +64,8 @@ def plan_refit(
     :class:`~.colocation.Colocation`): each inference rank shares its GPU with a training
     rank, which sends it whatever it holds of its needs as a device-local copy
     (``colocation.py``). The settings travel through the passes as one
-    :class:`~.config.PlanConfig`.
+    :class:`~.config.PlanConfig`. A block-FP8 ``spec`` is planned unquantized: its
+    destinations must be their BF16 twins (``layouts.refit_layouts`` gives them).
     """
     if relay not in RELAY_CHOICES:
         raise PlanError(f"unknown relay mode {relay!r}; choose one of {RELAY_CHOICES}")
@@ -77,7 +78,9 @@ def plan_refit(
     if colocation is not None:
         colocation.check(len(sources), len(destinations))
     config = PlanConfig(int(bucket_mb * 2**20), relay, links, carry, colocation)
-    return plan_with(spec, sources, destinations, config)
+    # A block-FP8 engine is refit with the trained weights (its ranks' BF16 twins,
+    # layouts/vllm_fp8.bf16_twin): the plan is of the unquantized model.
+    return plan_with(spec.unquantized(), sources, destinations, config)
 
 
 @paused_gc

@@ -87,14 +87,15 @@ def _run(
     inference rank on a training rank's GPU, through the framework-neutral worker API."""
     import torch
 
-    from ..engine.materialize import SyntheticWeights, materialize, mismatches
+    from ..engine.materialize import SyntheticWeights, materialize
     from ..integrations.worker import ColocatedTrainer, ColocatedWorker, RefitEndpoint
+    from .destination import destination_tensors
 
     def share(r: int) -> RankPlan:
         return RankPlan.from_json(plan_path.with_name(f"plan{r}.json").read_text())
 
     spec, sources, destinations = build_layouts(cfg)
-    weights, s = SyntheticWeights(spec, cfg.seed), len(sources)
+    weights, s = SyntheticWeights(spec.unquantized(), cfg.seed), len(sources)
     hosts = share(rank).colocated_hosts
     host_rank = rank if rank < s else hosts[rank - s]
     device = torch.device("cpu")
@@ -127,9 +128,8 @@ def _run(
         trainer.close()
         result["backends"][BACKEND] = {"timings": timings, "staging_bytes": staging}
         return
-    layout = destinations[rank - s]
-    tensors = materialize(layout, weights, fill=float("nan"), device=device)
-    worker = ColocatedWorker(tensors, device)
+    mine = destination_tensors(cfg, spec, destinations[rank - s], rank - s, weights, device)
+    worker = ColocatedWorker(mine.tensors, device)
     deadline = time.monotonic() + (cfg.connect_timeout_s or cfg.timeout_s)
     while not address.exists():  # the host writes it once it has compiled
         if time.monotonic() > deadline:
@@ -137,16 +137,16 @@ def _run(
         time.sleep(0.1)
     worker.connect(address.read_text(), secret, share(rank), rank, cfg.timeout_s)
     for step in range(cfg.steps + 1):
-        for t in tensors.values():
-            t.fill_(float("nan"))
+        mine.poison()
         seconds = worker.refit()
+        mine.finish()
         if step:
             assert worker.guest is not None
             timings.append([seconds, worker.guest.waited])
             progress.write_text(str(step))
     entry: dict[str, Any] = {"timings": timings, "staging_bytes": 0}
     if cfg.verify:
-        entry["mismatches"] = mismatches(layout, tensors, weights)
+        entry["mismatches"] = mine.mismatches()
     worker.close()
     result["backends"][BACKEND] = entry
 

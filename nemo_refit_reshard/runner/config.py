@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..layouts import MegatronOptions, RankLayout, VllmOptions, refit_layouts
+from ..layouts import MegatronOptions, RankLayout, VllmOptions, refit_layouts, vllm_layouts
 from ..spec import InferParallel, ModelSpec, TrainParallel, load_model_spec
 
 
@@ -56,3 +56,11 @@ def build_layouts(cfg: RunConfig) -> tuple[ModelSpec, list[RankLayout], list[Ran
     vllm = VllmOptions(params_dtype=cfg.infer_dtype)
     sources, destinations = refit_layouts(spec, train, infer, megatron, vllm)
     return spec, sources, destinations
+
+
+def fp8_destinations(cfg: RunConfig) -> list[RankLayout]:
+    """A block-FP8 engine's own layouts (e4m3 weights and their scales), whose BF16 twins
+    ``build_layouts`` gives as destinations."""
+    spec = load_model_spec(cfg.model)
+    _, infer = cfg.parallel()
+    return vllm_layouts(spec, infer, VllmOptions(params_dtype=cfg.infer_dtype))

@@ -147,13 +147,14 @@ def _run_rank(
     import torch
 
     # Loaded in the ranks only: importing the runner (every CLI command does) stays light.
-    from ..engine.materialize import SyntheticWeights, materialize, mismatches
+    from ..engine.materialize import SyntheticWeights, materialize
     from ..integrations.worker import RefitEndpoint, RefitWorker
+    from .destination import destination_tensors
 
     # Each worker reads only its own slice of the plan (written by the driver).
     plan_json = Path(plan_path).with_name(f"plan{rank}.json").read_text()
     spec, sources, destinations = build_layouts(cfg)
-    weights = SyntheticWeights(spec, cfg.seed)
+    weights = SyntheticWeights(spec.unquantized(), cfg.seed)  # the trained weights
     s = len(sources)
     is_source = rank < s
     layout = sources[rank] if is_source else destinations[rank - s]
@@ -162,7 +163,11 @@ def _run_rank(
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    tensors = materialize(layout, weights, fill=float("nan"), device=device)
+    if is_source:
+        tensors = materialize(layout, weights, fill=float("nan"), device=device)
+    else:
+        mine = destination_tensors(cfg, spec, layout, rank - s, weights, device)
+        tensors = mine.tensors
     endpoint = RefitEndpoint(
         "127.0.0.1", port, s + len(destinations), rank, cfg.transport, cfg.timeout_s,
         cfg.connect_timeout_s, secret=secret,
@@ -185,18 +190,19 @@ def _run_rank(
         timings = []
         for step in range(cfg.steps):
             if not is_source:
-                for t in tensors.values():
-                    t.fill_(float("nan"))
+                mine.poison()
             if cfg.kill_rank == rank and b_index == 0 and step == cfg.kill_step:
                 os._exit(3)  # simulated crash: no cleanup, sockets reset
             worker.barrier()  # every rank starts the step together
             timing = worker.refit()
+            if not is_source:
+                mine.finish()
             timings.append([timing.seconds, timing.exchange_seconds])
             done += 1
             progress.write_text(str(done))
         entry: dict[str, Any] = {"timings": timings, "staging_bytes": _staging(worker.refitter)}
         if not is_source and cfg.verify:
-            entry["mismatches"] = mismatches(layout, tensors, weights)
+            entry["mismatches"] = mine.mismatches()
         result["backends"][backend] = entry
 
 

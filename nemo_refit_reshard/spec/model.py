@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,14 @@ class ModelSpec:
     @property
     def num_params(self) -> int:
         return sum(t.numel for t in self.tensors)
+
+    def unquantized(self) -> ModelSpec:
+        """The same model as trained: every tensor in the model's dtype, no FP8 scales
+        (itself when not quantized). A training framework holds these."""
+        if self.arch.quant is None:
+            return self
+        arch = replace(self.arch, quant=None)
+        return ModelSpec(self.name, arch, canonical_tensors(arch))
 
 
 def _attention(a: ArchConfig, p: str, dtype: str) -> list[CanonicalTensor]:

@@ -113,25 +113,10 @@ def check_ignored(quant: BlockFp8, modules: set[str]) -> None:
                     )
 
 
-def refuse_quantized_training(arch: Any, framework: str) -> None:
-    """A training framework holds the model in its training dtype, never as an FP8
-    checkpoint: a block-FP8 spec on the training side is refused (until the refit
-    quantizes on the wire, issue 29)."""
-    if arch.quant is not None:
-        raise ValueError(
-            f"{framework} holds the trained weights in {arch.dtype}; this model's config "
-            f"describes a {arch.quant} checkpoint (quantization_config), which is what vLLM "
-            "serves. Refitting a BF16-trained policy into an FP8 engine needs quantization "
-            "on the wire, which this version does not do yet: serve the engine unquantized "
-            "(drop quantization_config from the config you plan with)"
-        )
-
-
 __all__ = [
     "FP8",
     "SCALE_SUFFIX",
     "BlockFp8",
     "check_ignored",
     "quantization_from_hf_config",
-    "refuse_quantized_training",
 ]
