@@ -70,7 +70,8 @@ def test_refit_into_fp8_engine_is_bit_exact(moe_fp8: str) -> None:
         model=moe_fp8,
         train="tp=2,ep=2,dp=2",
         infer="tp=2,engine_dp=2,ep=4",
-        steps=2,
+        backends=("reshard", "broadcast"),
+        steps=1,
         timeout_s=300,
     )
     result = run_local(cfg)
@@ -89,13 +90,15 @@ def test_quantizing_shards_equals_the_whole_only_on_block_boundaries() -> None:
     """Why the check can fail: rows quantized in shards that start on a block boundary
     give the whole weight's quantization; shards that cut a block (rows 0..191 and
     192..255) give other scales and other bytes."""
-    w = torch.randn(256, 256).to(torch.bfloat16)
+    w = torch.randn(256, 256, generator=torch.Generator().manual_seed(3))
+    w[200, 0] = 100.0  # the largest of block (1, 0), in the rows a cut at 192 separates
+    w = w.to(torch.bfloat16)
     q, s = quantize_block_fp8(w)
     halves = [quantize_block_fp8(w[:128]), quantize_block_fp8(w[128:])]
     assert torch.equal(torch.cat([h[0] for h in halves]).view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(torch.cat([h[1] for h in halves]), s)
     cut = [quantize_block_fp8(w[:192]), quantize_block_fp8(w[192:])]
-    assert not torch.equal(torch.cat([c[1] for c in cut])[:2], s)
+    assert torch.cat([c[1] for c in cut])[1, 0] < s[1, 0]  # block (1, 0) lost its amax
 
 
 def test_receiver_quantizes_experts_one_by_one() -> None:
