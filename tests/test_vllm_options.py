@@ -77,3 +77,15 @@ def test_every_problem_is_listed() -> None:
 def test_unknown_release_is_refused() -> None:
     with pytest.raises(ValueError, match=r"vLLM 0\.2\.0 is not a release"):
         engine_layout(config(), "0.2.0")
+
+
+def test_block_fp8_engine_is_served() -> None:
+    """``quantization='fp8'`` with the checkpoint's ``weight_block_size``: a block-FP8
+    engine (refit through BF16 twins, quantized by the worker); without a block size
+    (per-tensor FP8) it stays refused."""
+    cfg = config(quantization="fp8")
+    cfg.model_config.hf_config = SimpleNamespace(
+        quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}
+    )
+    assert engine_layout(cfg, "0.33.0").fp8_block == (128, 128)
+    assert engine_layout(config(), "0.33.0").fp8_block is None

@@ -21,9 +21,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from nemo_refit_reshard.engine.quantize import QuantizedWeights
 from nemo_refit_reshard.engine.rendezvous import free_port
 from nemo_refit_reshard.integrations.worker import RefitEndpoint
 from nemo_refit_reshard.layouts import MegatronOptions, VllmOptions, megatron_layout, vllm_layouts
+from nemo_refit_reshard.layouts.vllm_fp8 import bf16_twin
 from nemo_refit_reshard.plan import plan_refit, rank_plan
 from nemo_refit_reshard.spec import InferParallel, ModelSpec, TrainParallel, spec_from_hf_config
 from tests.helpers import vllm_env
@@ -59,16 +61,43 @@ def write_checkpoints(spec: ModelSpec, work: Path, steps: int) -> list[str]:
 def write_plan(
     spec: ModelSpec, train: TrainParallel, infer: InferParallel, work: Path, version: str
 ) -> str:
-    """Rank slices ``plan.rank{r}.json``; returns the path template."""
+    """Rank slices ``plan.rank{r}.json``; returns the path template. A block-FP8 engine
+    (bfloat16 besides its FP8 weights) is planned as its BF16 twins."""
     sources = [
         megatron_layout(spec, train, r, MegatronOptions(params_dtype="float32"))
         for r in range(train.world_size)
     ]
-    opts = VllmOptions(params_dtype="float32", vllm_version=version)
-    plan = plan_refit(spec, sources, vllm_layouts(spec, infer, opts), bucket_mb=1)
+    dtype = engine_dtype(spec)
+    opts = VllmOptions(params_dtype=dtype, vllm_version=version)
+    destinations = vllm_layouts(spec, infer, opts)
+    if spec.arch.quant is not None:
+        destinations = [bf16_twin(d, spec, dtype) for d in destinations]
+    plan = plan_refit(spec, sources, destinations, bucket_mb=1)
     for r in range(train.world_size + infer.world_size):
         (work / f"plan.rank{r}.json").write_text(rank_plan(plan, r).to_json())
     return str(work / "plan.rank{rank}.json")
+
+
+def engine_dtype(spec: ModelSpec) -> str:
+    """float32 storage; bfloat16 for a block-FP8 engine (vLLM's Fp8Config refuses float32)."""
+    return "bfloat16" if spec.arch.quant is not None else "float32"
+
+
+def fp8_checkpoints(spec: ModelSpec, trained: list[str]) -> list[str]:
+    """What vLLM loads for an FP8 engine: each trained checkpoint quantized (e4m3 weights
+    and their scales from the bfloat16 weights), the rest in bfloat16."""
+    from safetensors.torch import load_file
+
+    fp8 = {t.name for t in spec if t.dtype == "float8_e4m3fn"}
+    assert spec.arch.quant is not None
+    out = []
+    for path in trained:
+        bf16 = {n: t.to(torch.bfloat16) for n, t in load_file(path).items()}
+        q = QuantizedWeights(bf16, fp8, spec.arch.quant.block)
+        quantized = path.replace(".safetensors", ".fp8.safetensors")
+        save_file({t.name: q[t.name].contiguous() for t in spec}, quantized)
+        out.append(quantized)
+    return out
 
 
 def run_refit(
@@ -76,7 +105,12 @@ def run_refit(
 ) -> list[dict[str, Any]]:
     cfg = MODELS[model]
     spec = spec_from_hf_config(cfg, name=model)
-    initial, *checkpoints = write_checkpoints(spec, work, steps)
+    initial, *checkpoints = write_checkpoints(spec.unquantized(), work, steps)
+    loads = (
+        fp8_checkpoints(spec, [initial, *checkpoints])
+        if spec.arch.quant is not None
+        else [initial, *checkpoints]
+    )
     plan = write_plan(spec, train, infer, work, installed_version())
     s, world = train.world_size, train.world_size + infer.world_size
     endpoint = RefitEndpoint("127.0.0.1", free_port(), world, 0, "gloo", timeout_s=300)
@@ -115,8 +149,9 @@ def run_refit(
                         endpoint=endpoint.to_json(),
                         first_rank=s + engine * infer.engine_world_size,
                         plan=plan,
-                        initial=initial,
-                        checkpoints=checkpoints,
+                        initial=loads[0],
+                        checkpoints=loads[1:],
+                        dtype=engine_dtype(spec),
                         route="extension" if engine % 2 == 0 else "function",
                         mode="refit",
                     )
@@ -156,6 +191,28 @@ def test_refit_two_engines_qwen3_moe(tmp_path: Path) -> None:
     assert results[1]["described"]["parallel"] == "tp=2,pp=1,dp=1,engine_dp=1,ep=1"
 
 
+def test_refit_into_fp8_engine(tmp_path: Path) -> None:
+    """Megatron tp=2 BF16-trained shards (float32 here) -> two tp=2 engines of vLLM's own
+    block-FP8 Qwen3-MoE classes (bfloat16 besides the FP8 weights; layer 0's router left
+    unquantized by the checkpoint). The refit moves the trained weights into each worker's
+    BF16 twins and the worker quantizes them into its e4m3 weights and scales: after each
+    step every parameter equals, bit for bit, vLLM's own ``load_weights`` of the FP8
+    checkpoint quantized from the same weights, and none moved."""
+    results = run_refit("qwen3_moe_fp8", TrainParallel(tp=2), InferParallel(tp=2, dp=2), tmp_path)
+    for r in results:
+        assert r["ok"], r.get("traceback")
+        assert [len(s["differ"]) for s in r["steps"]] == [0, 0], r["steps"]
+        assert [len(s["moved"]) for s in r["steps"]] == [0, 0]
+        tensors = r["described"]["tensors"]
+        assert r["written"] == len(tensors)
+        # 13 scales per rank (qkv, o in 3 layers; gate_up, down in the dense one; w13, w2
+        # in the 2 sparse ones; layer 2's router): refit through their weights' twins.
+        assert r["params"] - r["written"] == 13
+        assert tensors["model.layers.0.self_attn.qkv_proj.weight"] == [[512, 256], "bfloat16"]
+        assert tensors["model.layers.0.mlp.gate.weight"] == [[4, 256], "bfloat16"]
+        assert not any(n.endswith("weight_scale_inv") for n in tensors)
+
+
 def test_refit_deepseek_sequence_parallel_moe(tmp_path: Path) -> None:
     """DeepSeek-V3 with EP over tp=2 x engine_dp=2: shared experts whole on every rank."""
     infer = InferParallel(tp=2, engine_dp=2, ep=4)
@@ -165,12 +222,15 @@ def test_refit_deepseek_sequence_parallel_moe(tmp_path: Path) -> None:
     assert [r["described"]["tensors"][shared][0] for r in results] == [[32, 32]] * 4
 
 
-def _single(tmp_path: Path, mode: str, plan: str, first_rank: int = 2) -> dict[str, Any]:
+def _single(
+    tmp_path: Path, mode: str, plan: str, first_rank: int = 2, model: str = "qwen3_moe"
+) -> dict[str, Any]:
     path, out = tmp_path / "vllm.json", tmp_path / "vllm.out.json"
     path.write_text(
         json.dumps(
             dict(
-                config=MODELS["qwen3_moe"],
+                config=MODELS[model],
+                dtype=engine_dtype(spec_from_hf_config(MODELS[model])),
                 rank=rank_fields(InferParallel(tp=2), 0, None),
                 endpoint="",
                 first_rank=first_rank,
@@ -208,3 +268,18 @@ def test_moe_backend_that_relays_weights_is_refused(tmp_path: Path) -> None:
         "UnsupportedVllmOption: MoE backends that re-lay w13/w2 after loading cannot be refit "
         "in place: model.layers.0.mlp.experts.routed_experts: FLASHINFER_CUTLASS"
     ), r["error"]
+
+
+def test_fp8_kernels_that_rework_weights_are_refused(tmp_path: Path) -> None:
+    """DeepGEMM requantizes block-FP8 weights to UE8M0 scales after loading, the
+    FlashInfer-CUTLASS MoE backend swaps w13's halves: a worker whose layers use them
+    refuses, naming each, before any plan is loaded."""
+    r = _single(tmp_path, "fp8_deepgemm", "", model="qwen3_moe_fp8")
+    assert r["error"].startswith(
+        "UnsupportedVllmOption: block-FP8 kernels that re-lay or requantize weights after "
+        "loading cannot be refit in place: model.layers.0.self_attn.qkv_proj: "
+        "DeepGemmFp8BlockScaledMMKernel, "
+    ), r["error"]
+    assert (
+        "model.layers.0.mlp.experts.routed_experts: MoE backend FLASHINFER_CUTLASS" in (r["error"])
+    )

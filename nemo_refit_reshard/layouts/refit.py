@@ -25,5 +25,6 @@ def refit_layouts(
     sources = megatron_layouts(spec, train, megatron)
     destinations = vllm_layouts(spec, infer, vllm)
     if spec.arch.quant is not None:
-        destinations = [bf16_twin(d, spec) for d in destinations]
+        twin = vllm.params_dtype if vllm is not None else None
+        destinations = [bf16_twin(d, spec, twin) for d in destinations]
     return sources, destinations

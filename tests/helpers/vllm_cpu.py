@@ -88,15 +88,29 @@ def use_cpu_platform() -> None:
 
 
 def allow_fp8_block_kernel_on_cpu() -> None:
-    """vLLM's FP8 linear layers pick a kernel after registering their parameters; on a
-    CPU without AMX every CPU block-FP8 kernel declines, and the build stops. Only that
-    choice is bypassed (``CPUFp8BlockScaledMMKernel.is_supported``): the parameters,
-    their shapes and loaders are vLLM's own, and nothing here runs an FP8 matmul."""
+    """vLLM's FP8 layers pick a kernel after registering their parameters; on a CPU
+    without AMX every CPU block-FP8 kernel declines and the build stops, and no FP8 MoE
+    backend is chosen. Only those choices are bypassed: the linear layers take vLLM's
+    Triton block kernel and the MoE layers its Triton backend (what a CUDA GPU without
+    DeepGEMM picks; both use weights and scales as loaded). The parameters, their shapes
+    and loaders are vLLM's own, and nothing here runs an FP8 matmul."""
     try:
-        from vllm.model_executor.kernels.linear.scaled_mm import cpu
-    except ImportError:  # releases without this kernel table
+        from vllm.model_executor.kernels import linear
+        from vllm.model_executor.kernels.linear.scaled_mm.triton import (
+            TritonFp8BlockScaledMMKernel,
+        )
+        from vllm.model_executor.layers.fused_moe.oracle import fp8 as moe_oracle
+        from vllm.model_executor.layers.quantization import fp8
+        from vllm.platforms import PlatformEnum
+    except ImportError:  # releases without these tables
         return
-    cpu.CPUFp8BlockScaledMMKernel.is_supported = classmethod(lambda cls, cc=None: (True, None))
+    TritonFp8BlockScaledMMKernel.is_supported = classmethod(lambda cls, cc=None: (True, None))
+    linear._POSSIBLE_FP8_BLOCK_KERNELS[PlatformEnum.CPU] = [TritonFp8BlockScaledMMKernel]
+    triton = moe_oracle.Fp8MoeBackend.TRITON
+    fp8.select_fp8_moe_backend = lambda *a, **k: (
+        triton,
+        moe_oracle.backend_to_kernel_cls(triton)[0],
+    )
 
 
 def _set_groups(r: EngineRank) -> None:

@@ -4,7 +4,8 @@
 
 SPEC: ``{"config", "rank": EngineRank fields, "endpoint", "first_rank", "plan",
 "initial": the start-up checkpoint, "checkpoints": [one safetensors path per step],
-"route": "extension"|"function", "mode": "refit"|"wrong_plan"|"flashinfer_backend"}``.
+"route": "extension"|"function", "mode": "refit"|"wrong_plan"|"flashinfer_backend"|
+"fp8_deepgemm", "dtype": the engine's (default float32; bfloat16 for FP8)}``.
 
 The model is vLLM's own class, built on CPU with real float32 storage. vLLM's worker
 process cannot start without its kernels, so a stand-in worker object carries the
@@ -43,6 +44,19 @@ class ExtendedWorker(StandInWorker, ReshardWorkerExtension):
     """As vLLM does with ``worker_extension_cls``: the extension joins the worker's bases."""
 
 
+def load(model: torch.nn.Module, config: object, path: str) -> None:
+    """vLLM's load: ``load_weights``, then, for a quantized engine, its
+    ``process_weights_after_loading`` (what its model loader runs; FP8 attention drops
+    its KV-cache scale parameters there)."""
+    model.load_weights(vllm_cpu.checkpoint_tensors(path))
+    if config.model_config.quantization:  # type: ignore[attr-defined]
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+        with set_current_vllm_config(config):
+            process_weights_after_loading(model, config.model_config, torch.device("cpu"))  # type: ignore[attr-defined]
+
+
 def main(spec_path: str, result_path: str) -> None:
     from vllm.v1.serial_utils import run_method
 
@@ -50,7 +64,8 @@ def main(spec_path: str, result_path: str) -> None:
     rank = vllm_cpu.EngineRank.from_dict(spec["rank"])
     result: dict[str, object] = {"ok": False}
     try:
-        model, config = vllm_cpu.build_model(spec["config"], rank, "cpu", "float32")
+        dtype = spec.get("dtype", "float32")  # bfloat16 for a block-FP8 engine
+        model, config = vllm_cpu.build_model(spec["config"], rank, "cpu", dtype)
         worker_cls = ExtendedWorker if spec["route"] == "extension" else StandInWorker
         worker = worker_cls(model, config)
 
@@ -70,12 +85,26 @@ def main(spec_path: str, result_path: str) -> None:
                     method.unquantized_backend = UnquantizedMoeBackend.FLASHINFER_CUTLASS
             call("refit_describe")
             return
+        if spec["mode"] == "fp8_deepgemm":  # what a Hopper GPU with DeepGEMM would pick
+            from vllm.model_executor.kernels.linear.scaled_mm.deep_gemm import (
+                DeepGemmFp8BlockScaledMMKernel,
+            )
+            from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
+
+            for module in model.modules():
+                method = getattr(module, "quant_method", None)
+                if hasattr(method, "fp8_linear"):
+                    method.fp8_linear = object.__new__(DeepGemmFp8BlockScaledMMKernel)
+                if hasattr(method, "fp8_backend"):
+                    method.fp8_backend = Fp8MoeBackend.FLASHINFER_CUTLASS
+            call("refit_describe")
+            return
         if spec["mode"] == "wrong_plan":
             call("refit_check_plan", spec["plan"], spec["first_rank"])
             return
         # vLLM loads a checkpoint at start-up (its loader zeroes the vocabulary padding,
         # which no refit writes); then every step's refit replaces the rest.
-        model.load_weights(vllm_cpu.checkpoint_tensors(spec["initial"]))
+        load(model, config, spec["initial"])
         described = call("refit_describe")
         pointers = {n: p.data_ptr() for n, p in model.named_parameters()}
         group_rank = call("refit_join", spec["endpoint"], spec["first_rank"])
@@ -83,8 +112,8 @@ def main(spec_path: str, result_path: str) -> None:
         steps = []
         for path in spec["checkpoints"]:
             timing = call("refit_step")
-            truth, _ = vllm_cpu.build_model(spec["config"], rank, "cpu", "float32")
-            truth.load_weights(vllm_cpu.checkpoint_tensors(path))
+            truth, truth_config = vllm_cpu.build_model(spec["config"], rank, "cpu", dtype)
+            load(truth, truth_config, path)
             want = dict(truth.named_parameters())
             differ = [n for n, p in model.named_parameters() if not torch.equal(p, want[n])]
             moved = [n for n, p in model.named_parameters() if p.data_ptr() != pointers[n]]

@@ -20,6 +20,15 @@ from ...spec.parallel import InferParallel
 # or re-lay the weights in process_weights_after_loading (FlashInfer swaps to
 # [up; gate] and shuffles, ROCm AITER shuffles, XPU transposes, ...).
 IN_PLACE_MOE_BACKENDS = frozenset({"TRITON", "BATCHED_TRITON", "CPU"})
+# Block-FP8 kernels whose process_weights_after_loading leaves weight and scale as
+# loaded (vLLM 0.33: the base block strategy), so quantizing in place is what a load
+# would give. DeepGEMM requantizes to UE8M0 scales and re-lays them, Marlin and the
+# CPU kernels repack, FlashInfer-CUTLASS MoE swaps w13 to [up; gate]: refused by name.
+IN_PLACE_FP8_LINEAR_KERNELS = frozenset(
+    {"TritonFp8BlockScaledMMKernel", "CutlassFp8BlockScaledMMKernel",
+     "BlockWiseTorchFP8ScaledMMLinearKernel"}
+)  # fmt: skip
+IN_PLACE_FP8_MOE_BACKENDS = frozenset({"TRITON", "BATCHED_TRITON", "VLLM_CUTLASS"})
 
 
 class UnsupportedVllmOption(ValueError):
@@ -33,6 +42,7 @@ class EngineLayout:
     parallel: InferParallel
     options: VllmOptions
     vllm_version: str
+    fp8_block: tuple[int, int] | None = None  # a block-FP8 engine's weight block
 
 
 def _get(obj: Any, path: str, default: Any = None) -> Any:
@@ -43,15 +53,26 @@ def _get(obj: Any, path: str, default: Any = None) -> Any:
     return obj
 
 
+def fp8_block(vllm_config: Any) -> tuple[int, int] | None:
+    """The weight block of a block-FP8 engine (``quantization='fp8'`` with the
+    checkpoint's ``weight_block_size``), else None."""
+    if _get(vllm_config, "model_config.quantization") != "fp8":
+        return None
+    q = _get(vllm_config, "model_config.hf_config.quantization_config") or {}
+    block = q.get("weight_block_size") if isinstance(q, dict) else None
+    return (int(block[0]), int(block[1])) if block else None
+
+
 def check_supported(vllm_config: Any) -> None:
     """Raise :class:`UnsupportedVllmOption` for options the layout provider does not model."""
     model, par = _get(vllm_config, "model_config"), _get(vllm_config, "parallel_config")
     problems: list[str] = []
     quant = _get(model, "quantization")
-    if quant:
+    if quant and fp8_block(vllm_config) is None:
         problems.append(
             f"quantization={quant!r}: quantized weights are re-packed after loading; refit "
-            "needs unquantized (bf16/fp16/fp32) weights"
+            "serves unquantized (bf16/fp16/fp32) and block-FP8 (quantization='fp8' with "
+            "weight_block_size) engines"
         )
     if _get(par, "enable_eplb", False):
         problems.append(
@@ -93,4 +114,5 @@ def engine_layout(vllm_config: Any, vllm_version: str) -> EngineLayout:
         all2all_backend=_get(par, "all2all_backend"),
     )
     vllm_release(vllm_version)  # an unknown release fails here, naming the known ones
-    return EngineLayout(InferParallel(tp=tp, pp=pp, engine_dp=edp, ep=ep), options, vllm_version)
+    parallel = InferParallel(tp=tp, pp=pp, engine_dp=edp, ep=ep)
+    return EngineLayout(parallel, options, vllm_version, fp8_block(vllm_config))

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ...engine.program import live_tensor_problems
+from ...engine.quantize import Fp8Receiver
 from ...plan import PlanError, RankPlan, RefitPlan, load_plan_json
 from ..worker import (
     ColocatedWorker,
@@ -37,7 +38,14 @@ from ..worker import (
     describe_tensors,
     device_name,
 )
-from .config import IN_PLACE_MOE_BACKENDS, EngineLayout, UnsupportedVllmOption, engine_layout
+from .config import (
+    IN_PLACE_FP8_LINEAR_KERNELS,
+    IN_PLACE_FP8_MOE_BACKENDS,
+    IN_PLACE_MOE_BACKENDS,
+    EngineLayout,
+    UnsupportedVllmOption,
+    engine_layout,
+)
 
 _STATE = "_nemo_refit_reshard"
 
@@ -46,7 +54,8 @@ _STATE = "_nemo_refit_reshard"
 class _WorkerState:
     layout: EngineLayout
     engine_rank: int
-    params: dict[str, torch.Tensor]
+    params: dict[str, torch.Tensor]  # what a refit writes (an FP8 engine: BF16 twins)
+    fp8: Fp8Receiver | None = None  # a block-FP8 engine: quantizes the twins after a step
     refit: RefitWorker | None = None
     colocated: ColocatedWorker | None = None  # instead of ``refit`` in a colocated refit
     weights: WeightsState = field(default_factory=WeightsState)  # across memberships
@@ -99,18 +108,60 @@ def check_moe_backends(model: torch.nn.Module) -> None:
         )
 
 
+def check_fp8_kernels(model: torch.nn.Module) -> None:
+    """Refuse block-FP8 layers whose kernel processes weights or scales after loading
+    (``config.IN_PLACE_FP8_LINEAR_KERNELS`` / ``IN_PLACE_FP8_MOE_BACKENDS``): a refit that
+    quantizes in place writes what a load gives, which only those kernels use as is."""
+    bad = []
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        kind = type(method).__name__
+        if kind == "Fp8LinearMethod":
+            label = type(getattr(method, "fp8_linear", None)).__name__
+            if label not in IN_PLACE_FP8_LINEAR_KERNELS:
+                bad.append(f"{name}: {label}")
+        elif kind == "Fp8MoEMethod":
+            backend = getattr(method, "fp8_backend", None)
+            label = getattr(backend, "name", str(backend))
+            if label not in IN_PLACE_FP8_MOE_BACKENDS:
+                bad.append(f"{name}: MoE backend {label}")
+    if bad:
+        raise UnsupportedVllmOption(
+            "block-FP8 kernels that re-lay or requantize weights after loading cannot be "
+            "refit in place: "
+            + ", ".join(bad[:4])
+            + (f" (+{len(bad) - 4} more)" if len(bad) > 4 else "")
+            + f"; in place: linear {sorted(IN_PLACE_FP8_LINEAR_KERNELS)}, MoE "
+            f"{sorted(IN_PLACE_FP8_MOE_BACKENDS)} (e.g. VLLM_USE_DEEP_GEMM=0)"
+        )
+
+
 def _state(worker: Any) -> _WorkerState:
     state = getattr(worker, _STATE, None)
     if state is None:
         model = _model(worker)
         check_moe_backends(model)
-        state = _WorkerState(
-            layout=engine_layout(worker.vllm_config, _vllm_version()),
-            engine_rank=engine_rank(worker),
-            params=dict(model.named_parameters()),
-        )
+        layout = engine_layout(worker.vllm_config, _vllm_version())
+        params = dict(model.named_parameters())
+        fp8 = None
+        if layout.fp8_block is not None:
+            check_fp8_kernels(model)
+            dtype = worker.vllm_config.model_config.dtype
+            fp8 = Fp8Receiver(params, layout.fp8_block, dtype)
+            params = fp8.tensors()
+        state = _WorkerState(layout=layout, engine_rank=engine_rank(worker), params=params, fp8=fp8)
         setattr(worker, _STATE, state)
     return state
+
+
+def _quantize(s: _WorkerState) -> None:
+    """After a refit step of a block-FP8 engine: the twins into the live FP8 weights."""
+    if s.fp8 is not None:
+        try:
+            s.fp8.finish()
+        except BaseException as err:  # the FP8 weights are not this step's: stale
+            s.weights.failed(s.weights.step or 0, err)
+            raise
 
 
 def refit_describe(worker: Any) -> dict[str, Any]:
@@ -260,12 +311,14 @@ def refit_step(worker: Any, step: int | None = None) -> dict[str, float]:
     s = _state(worker)
     if s.colocated is not None:
         seconds = s.colocated.refit(step)
+        _quantize(s)
         s.steps += 1
         rank = s.colocated.guest.group_rank if s.colocated.guest is not None else -1
         return {"group_rank": float(rank), "seconds": seconds}
     if s.refit is None or s.refit.refitter is None:
         raise RuntimeError("call refit_join and refit_load_plan before refit_step")
     timing = s.refit.refit(step)
+    _quantize(s)
     s.steps += 1
     return {
         "group_rank": float(s.refit.endpoint.group_rank),
