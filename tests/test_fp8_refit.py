@@ -12,7 +12,6 @@ tests/test_quantize.py; the layouts against vLLM's FP8 classes in test_vllm_trut
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -63,27 +62,15 @@ def test_plan_is_of_the_twins(moe_fp8: str) -> None:
 
 @pytest.mark.slow
 def test_refit_into_fp8_engine_is_bit_exact(moe_fp8: str) -> None:
-    """Megatron tp=2, ep=2, dp=2 -> vLLM tp=2 x engine_dp=2 with EP 4, both backends, and
-    the colocated refit: every rank's e4m3 weights and scales, NaN before each step, are
-    the canonical weights' quantization after it."""
-    cfg = RunConfig(
-        model=moe_fp8,
-        train="tp=2,ep=2,dp=2",
-        infer="tp=2,engine_dp=2,ep=4",
-        backends=("reshard", "broadcast"),
-        steps=1,
-        timeout_s=300,
-    )
-    result = run_local(cfg)
-    assert result.errors() == {}
-    s = result.plan.num_sources
-    for r in result.ranks[s:]:
-        for backend in cfg.backends:
-            assert r["backends"][backend]["mismatches"] == [], (r["rank"], backend)
-    colocated = run_colocated(replace(cfg, train="tp=2,ep=2,dp=2", infer="tp=2,dp=2"))
-    assert colocated.errors() == {}
-    for r in colocated.ranks[colocated.plan.num_sources :]:
-        assert r["backends"][BACKEND]["mismatches"] == [], r["rank"]
+    """Megatron tp=2 -> vLLM engine_dp=2 with EP 2 (two experts a rank, each whole), both
+    backends, and the colocated refit: every rank's e4m3 weights and scales, NaN before
+    the step, are the canonical weights' quantization after it."""
+    cfg = RunConfig(model=moe_fp8, train="tp=2", infer="engine_dp=2,ep=2", steps=1, timeout_s=300)
+    for result, backends in ((run_local(cfg), cfg.backends), (run_colocated(cfg), [BACKEND])):
+        assert result.errors() == {}
+        for r in result.ranks[result.plan.num_sources :]:
+            for backend in backends:
+                assert r["backends"][backend]["mismatches"] == [], (r["rank"], backend)
 
 
 def test_quantizing_shards_equals_the_whole_only_on_block_boundaries() -> None:

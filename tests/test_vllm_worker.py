@@ -192,13 +192,13 @@ def test_refit_two_engines_qwen3_moe(tmp_path: Path) -> None:
 
 
 def test_refit_into_fp8_engine(tmp_path: Path) -> None:
-    """Megatron tp=2 BF16-trained shards (float32 here) -> two tp=2 engines of vLLM's own
+    """Megatron tp=2 BF16-trained shards (float32 here) -> a tp=2 engine of vLLM's own
     block-FP8 Qwen3-MoE classes (bfloat16 besides the FP8 weights; layer 0's router left
     unquantized by the checkpoint). The refit moves the trained weights into each worker's
     BF16 twins and the worker quantizes them into its e4m3 weights and scales: after each
     step every parameter equals, bit for bit, vLLM's own ``load_weights`` of the FP8
     checkpoint quantized from the same weights, and none moved."""
-    results = run_refit("qwen3_moe_fp8", TrainParallel(tp=2), InferParallel(tp=2, dp=2), tmp_path)
+    results = run_refit("qwen3_moe_fp8", TrainParallel(tp=2), InferParallel(tp=2), tmp_path)
     for r in results:
         assert r["ok"], r.get("traceback")
         assert [len(s["differ"]) for s in r["steps"]] == [0, 0], r["steps"]
