@@ -4,8 +4,10 @@
 
 SPEC: ``{"config", "rank": EngineRank fields, "endpoint", "first_rank", "plan",
 "initial": the start-up checkpoint, "checkpoints": [one safetensors path per step],
-"route": "extension"|"function", "mode": "refit"|"wrong_plan"|"flashinfer_backend"|
-"fp8_deepgemm", "dtype": the engine's (default float32; bfloat16 for FP8)}``.
+"route": "extension"|"function", "mode": "refit"|"wrong_plan"|"flashinfer_backend",
+"dtype": the engine's (default float32; bfloat16 for FP8)}``. An FP8 engine's result also
+has ``deepgemm``: the refusal its worker gives once its layers use kernels that rework
+weights after loading.
 
 The model is vLLM's own class, built on CPU with real float32 storage. vLLM's worker
 process cannot start without its kernels, so a stand-in worker object carries the
@@ -57,6 +59,28 @@ def load(model: torch.nn.Module, config: object, path: str) -> None:
             process_weights_after_loading(model, config.model_config, torch.device("cpu"))  # type: ignore[attr-defined]
 
 
+def refused_kernels(model: torch.nn.Module, config: object) -> str:
+    """The error a worker gives when its FP8 layers use kernels that rework weights after
+    loading: what a Hopper GPU with DeepGEMM and FlashInfer picks (set on this model's
+    layers, after its refit), seen by a fresh worker."""
+    from vllm.model_executor.kernels.linear.scaled_mm.deep_gemm import (
+        DeepGemmFp8BlockScaledMMKernel,
+    )
+    from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
+
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if hasattr(method, "fp8_linear"):
+            method.fp8_linear = object.__new__(DeepGemmFp8BlockScaledMMKernel)
+        if hasattr(method, "fp8_backend"):
+            method.fp8_backend = Fp8MoeBackend.FLASHINFER_CUTLASS
+    try:
+        refit_vllm.refit_describe(StandInWorker(model, config))
+    except Exception as err:  # noqa: BLE001 - the test asserts on its text
+        return f"{type(err).__name__}: {err}"
+    return "not refused"
+
+
 def main(spec_path: str, result_path: str) -> None:
     from vllm.v1.serial_utils import run_method
 
@@ -85,20 +109,6 @@ def main(spec_path: str, result_path: str) -> None:
                     method.unquantized_backend = UnquantizedMoeBackend.FLASHINFER_CUTLASS
             call("refit_describe")
             return
-        if spec["mode"] == "fp8_deepgemm":  # what a Hopper GPU with DeepGEMM would pick
-            from vllm.model_executor.kernels.linear.scaled_mm.deep_gemm import (
-                DeepGemmFp8BlockScaledMMKernel,
-            )
-            from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
-
-            for module in model.modules():
-                method = getattr(module, "quant_method", None)
-                if hasattr(method, "fp8_linear"):
-                    method.fp8_linear = object.__new__(DeepGemmFp8BlockScaledMMKernel)
-                if hasattr(method, "fp8_backend"):
-                    method.fp8_backend = Fp8MoeBackend.FLASHINFER_CUTLASS
-            call("refit_describe")
-            return
         if spec["mode"] == "wrong_plan":
             call("refit_check_plan", spec["plan"], spec["first_rank"])
             return
@@ -119,6 +129,8 @@ def main(spec_path: str, result_path: str) -> None:
             moved = [n for n, p in model.named_parameters() if p.data_ptr() != pointers[n]]
             steps.append({"differ": differ, "moved": moved, "timing": timing})
         call("refit_close")
+        if config.model_config.quantization:  # type: ignore[attr-defined]
+            result["deepgemm"] = refused_kernels(model, config)
         result.update(
             ok=True,
             group_rank=group_rank,
