@@ -170,8 +170,28 @@ def master_config(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
+def grpo_refit(
+    policy: Any, generation: Any, sync: Any, processes: list, checkpoint: str, colocated: bool
+) -> dict[str, Any]:
+    """One GRPO refit (NeMo RL's ``refit_policy_generation``): staleness before and
+    after, the metrics or the error, and, when it succeeded, the vLLM parameters that
+    differ from vLLM's own load of ``checkpoint``."""
     from nemo_rl.algorithms.grpo import refit_policy_generation
+
+    record: dict[str, Any] = {"stale_before": sync.is_stale}
+    try:
+        record["metrics"] = refit_policy_generation(
+            policy, generation, colocated_inference=colocated
+        )
+    except Exception as err:
+        record["error"] = f"{type(err).__name__}: {err}"
+    record["stale_after"] = sync.is_stale
+    if "error" not in record:
+        record["differ"] = ray.get([p.compare.remote(checkpoint) for ps in processes for p in ps])
+    return record
+
+
+def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
 
     from nemo_refit_reshard.engine.rendezvous import free_port
     from nemo_refit_reshard.integrations.nemo_rl.grpo import refit_config
@@ -223,18 +243,7 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
         ray.get([a.load.remote(checkpoint) for a in policy_actors])
         if spec["scenario"] == "dead_worker" and step == 2:
             ray.kill(processes[-1][-1])  # the last vLLM worker of the last engine
-        record: dict[str, Any] = {"stale_before": sync.is_stale}
-        try:
-            record["metrics"] = refit_policy_generation(
-                policy, generation, colocated_inference=False
-            )
-        except Exception as err:
-            record["error"] = f"{type(err).__name__}: {err}"
-        record["stale_after"] = sync.is_stale
-        if "error" not in record:
-            record["differ"] = ray.get(
-                [p.compare.remote(checkpoint) for ps in processes for p in ps]
-            )
+        record = grpo_refit(policy, generation, sync, processes, checkpoint, colocated=False)
         steps.append(record)
         if "error" in record:
             # the surviving engine's workers: stale, naming the failed step
@@ -256,7 +265,6 @@ def _run_colocated(spec: dict[str, Any], result: dict[str, Any]) -> None:
     names each worker's GPU: ``{"policy": [...], "vllm": [...]}``, vLLM in global rank
     order. ``scenario``: ``"refit"`` or ``"offloaded"`` (step 2 refits with no
     ``prepare_for_training`` and no training step: the policy is still offloaded)."""
-    from nemo_rl.algorithms.grpo import refit_policy_generation
     from nemo_rl.models.generation.vllm.vllm_generation import VllmGeneration
     from nemo_rl.models.policy.lm_policy import Policy
 
@@ -321,18 +329,7 @@ def _run_colocated(spec: dict[str, Any], result: dict[str, Any]) -> None:
         if not (spec["scenario"] == "offloaded" and step == 2):
             policy.prepare_for_training()
             ray.get([a.load.remote(checkpoint) for a in policy_actors])  # a training step
-        record: dict[str, Any] = {"stale_before": sync.is_stale}
-        try:
-            record["metrics"] = refit_policy_generation(
-                policy, generation, colocated_inference=True
-            )
-        except Exception as err:
-            record["error"] = f"{type(err).__name__}: {err}"
-        record["stale_after"] = sync.is_stale
-        if "error" not in record:
-            record["differ"] = ray.get(
-                [p.compare.remote(checkpoint) for ps in processes for p in ps]
-            )
+        record = grpo_refit(policy, generation, sync, processes, checkpoint, colocated=True)
         steps.append(record)
         if "error" in record:
             break

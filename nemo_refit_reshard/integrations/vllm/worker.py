@@ -87,6 +87,11 @@ def engine_rank(worker: Any) -> int:
     return (edp * pp + get_pp_group().rank_in_group) * tp + get_tensor_model_parallel_rank()
 
 
+def _first_four(bad: list[str]) -> str:
+    """The first offending layers, and how many more (a refusal stays one readable line)."""
+    return ", ".join(bad[:4]) + (f" (+{len(bad) - 4} more)" if len(bad) > 4 else "")
+
+
 def check_moe_backends(model: torch.nn.Module) -> None:
     """Refuse MoE layers whose backend re-lays the weights after loading."""
     bad = []
@@ -101,8 +106,7 @@ def check_moe_backends(model: torch.nn.Module) -> None:
     if bad:
         raise UnsupportedVllmOption(
             "MoE backends that re-lay w13/w2 after loading cannot be refit in place: "
-            + ", ".join(bad[:4])
-            + (f" (+{len(bad) - 4} more)" if len(bad) > 4 else "")
+            + _first_four(bad)
             + f"; supported: {sorted(IN_PLACE_MOE_BACKENDS)} (select one with vLLM's MoE "
             "backend setting)"
         )
@@ -129,8 +133,7 @@ def check_fp8_kernels(model: torch.nn.Module) -> None:
         raise UnsupportedVllmOption(
             "block-FP8 kernels that re-lay or requantize weights after loading cannot be "
             "refit in place: "
-            + ", ".join(bad[:4])
-            + (f" (+{len(bad) - 4} more)" if len(bad) > 4 else "")
+            + _first_four(bad)
             + f"; in place: linear {sorted(IN_PLACE_FP8_LINEAR_KERNELS)}, MoE "
             f"{sorted(IN_PLACE_FP8_MOE_BACKENDS)} (e.g. VLLM_USE_DEEP_GEMM=0)"
         )
