@@ -127,3 +127,25 @@ def test_demo_colocated_refuses_gpu_transports(capsys: pytest.CaptureFixture[str
         "the staging shared by CUDA IPC): the local runner puts several ranks on one GPU, "
         "which NCCL refuses\n"
     )
+
+
+@pytest.mark.slow
+def test_a_rank_dead_at_start_up_fails_the_run_within_the_transport_timeout() -> None:
+    """Training rank 0 dies before it listens: its guest would wait for its address and
+    the other training rank for the rendezvous (each up to the 900 s join deadline).
+    The driver sees the failure and gives them the transport timeout (+5 s) to report,
+    then stops them, naming why."""
+    import time
+    from dataclasses import replace
+
+    cfg = replace(DENSE, steps=1, timeout_s=5, kill_rank=0, kill_step=-1)
+    t0 = time.monotonic()
+    result = run_colocated(cfg, join_timeout_s=900)
+    assert time.monotonic() - t0 < 120  # not the 900 s deadline
+    assert result.errors() == {
+        0: "process died without a report (exit code 3)",
+        **{
+            r: "process died without a report (still running 10 s after rank 0 failed)"
+            for r in range(1, 6)  # 4 training ranks, 2 inference ranks
+        },
+    }

@@ -25,7 +25,7 @@ from nemo_refit_reshard.engine.quantize import QuantizedWeights
 from nemo_refit_reshard.engine.rendezvous import free_port
 from nemo_refit_reshard.integrations.worker import RefitEndpoint
 from nemo_refit_reshard.layouts import MegatronOptions, VllmOptions, megatron_layout, vllm_layouts
-from nemo_refit_reshard.layouts.vllm_fp8 import bf16_twin
+from nemo_refit_reshard.layouts.fp8_wire import wire_layouts
 from nemo_refit_reshard.plan import plan_refit, rank_plan
 from nemo_refit_reshard.spec import InferParallel, ModelSpec, TrainParallel, spec_from_hf_config
 from tests.helpers import vllm_env
@@ -62,7 +62,8 @@ def write_plan(
     spec: ModelSpec, train: TrainParallel, infer: InferParallel, work: Path, version: str
 ) -> str:
     """Rank slices ``plan.rank{r}.json``; returns the path template. A block-FP8 engine
-    (bfloat16 besides its FP8 weights) is planned as its BF16 twins."""
+    (bfloat16 besides its FP8 weights) is planned as the wire carries it: the training
+    ranks quantize their whole-block pieces and send e4m3 + scales."""
     sources = [
         megatron_layout(spec, train, r, MegatronOptions(params_dtype="float32"))
         for r in range(train.world_size)
@@ -71,7 +72,8 @@ def write_plan(
     opts = VllmOptions(params_dtype=dtype, vllm_version=version)
     destinations = vllm_layouts(spec, infer, opts)
     if spec.arch.quant is not None:
-        destinations = [bf16_twin(d, spec, dtype) for d in destinations]
+        sources, destinations, wire = wire_layouts(spec, sources, destinations, dtype)
+        assert not wire.unquantized  # every shard below is whole blocks
     plan = plan_refit(spec, sources, destinations, bucket_mb=1)
     for r in range(train.world_size + infer.world_size):
         (work / f"plan.rank{r}.json").write_text(rank_plan(plan, r).to_json())
@@ -194,23 +196,26 @@ def test_refit_two_engines_qwen3_moe(tmp_path: Path) -> None:
 def test_refit_into_fp8_engine(tmp_path: Path) -> None:
     """Megatron tp=2 BF16-trained shards (float32 here) -> a tp=2 engine of vLLM's own
     block-FP8 Qwen3-MoE classes (bfloat16 besides the FP8 weights; layer 0's router left
-    unquantized by the checkpoint). The refit moves the trained weights into each worker's
-    BF16 twins and the worker quantizes them into its e4m3 weights and scales: after each
-    step every parameter equals, bit for bit, vLLM's own ``load_weights`` of the FP8
-    checkpoint quantized from the same weights, and none moved."""
+    unquantized by the checkpoint). Megatron's shards are whole 128x128 blocks, so each
+    training rank quantizes its pieces and sends e4m3 + scales straight into the worker's
+    parameters: after each step every parameter equals, bit for bit, vLLM's own
+    ``load_weights`` of the FP8 checkpoint quantized from the same weights, and none
+    moved."""
     results = run_refit("qwen3_moe_fp8", TrainParallel(tp=2), InferParallel(tp=2), tmp_path)
     for r in results:
         assert r["ok"], r.get("traceback")
         assert [len(s["differ"]) for s in r["steps"]] == [0, 0], r["steps"]
         assert [len(s["moved"]) for s in r["steps"]] == [0, 0]
         tensors = r["described"]["tensors"]
-        assert r["written"] == len(tensors)
+        assert r["written"] == r["params"] == len(tensors)
         # 13 scales per rank (qkv, o in 3 layers; gate_up, down in the dense one; w13, w2
-        # in the 2 sparse ones; layer 2's router): refit through their weights' twins.
-        assert r["params"] - r["written"] == 13
-        assert tensors["model.layers.0.self_attn.qkv_proj.weight"] == [[512, 256], "bfloat16"]
+        # in the 2 sparse ones; layer 2's router), each written by the refit.
+        assert sum(n.endswith("weight_scale_inv") for n in tensors) == 13
+        qkv = "model.layers.0.self_attn.qkv_proj"
+        assert tensors[f"{qkv}.weight"] == [[512, 256], "float8_e4m3fn"]
+        assert tensors[f"{qkv}.weight_scale_inv"] == [[4, 2], "float32"]
         assert tensors["model.layers.0.mlp.gate.weight"] == [[4, 256], "bfloat16"]
-        assert not any(n.endswith("weight_scale_inv") for n in tensors)
+        assert tensors["model.layers.2.mlp.gate.weight"] == [[4, 256], "float8_e4m3fn"]
         # DeepGEMM requantizes block-FP8 weights to UE8M0 scales after loading, the
         # FlashInfer-CUTLASS MoE backend swaps w13's halves: a worker whose layers use
         # them refuses, naming each, before any plan.

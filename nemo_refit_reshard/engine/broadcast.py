@@ -15,6 +15,7 @@ import torch
 from ..layouts.base import Box
 from ..plan import BroadcastPlan, BroadcastStep
 from .program import TORCH_DTYPES, CopyPhase, align_up, byte_view
+from .quantize import Fp8Steps
 from .transport import Transport
 
 
@@ -42,8 +43,15 @@ class BroadcastProgram:
     ) -> None:
         self.plan = plan
         self.rank = group_rank
-        self.tensors = tensors
         self.device = torch.device(device)
+        # Into a block-FP8 engine: twins this rank receives into and quantizes after.
+        self.fp8: Fp8Steps | None = None
+        d = group_rank - plan.num_sources
+        if d >= 0 and plan.quantize_steps and plan.quantize_steps[d]:
+            assert plan.fp8_block is not None
+            self.fp8 = Fp8Steps(plan.quantize_steps[d], plan.fp8_block, tensors, self.device)
+            tensors = {**tensors, **self.fp8.tensors}
+        self.tensors = tensors
         self.phases: list[CopyPhase] = []
         for steps in plan.rounds:
             self.phases += self._compile_round(steps)
@@ -146,3 +154,5 @@ class BroadcastProgram:
         with torch.no_grad():
             for phase in self.phases:
                 phase.run(transport)
+            if self.fp8 is not None:
+                self.fp8.run()

@@ -163,6 +163,7 @@ class ColocatedHost:
     def _replay(self, network: Transport) -> float:
         s, hosts, waited = self.num_sources, self.hosts, 0.0
         with torch.no_grad():
+            self.own.prepare()
             for k, mine in enumerate(self.own.rounds):
                 incoming = self.guest.rounds[k].recvs if self.guest is not None else []
                 mine.pack()
@@ -255,6 +256,7 @@ class ColocatedGuest:
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()
                 self.signals.send("C", k)
+            self.program.finish()
         self.waited = waited
         return waited
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 
 from ..layouts.base import RankLayout
+from ..layouts.fp8_wire import live_layout
 from .program import TORCH_DTYPES
 
 
@@ -21,9 +22,10 @@ def materialize(
     fill: float = 0.0,
     device: torch.device | str = "cpu",
 ) -> dict[str, torch.Tensor]:
-    """Local tensors of ``layout``, every piece copied from ``canonical``, padding ``fill``."""
+    """Local tensors of ``layout``, every piece copied from ``canonical``, padding ``fill``.
+    A block-FP8 refit's layout is materialized as the rank holds it (``live_layout``)."""
     out: dict[str, torch.Tensor] = {}
-    for t in layout.tensors:
+    for t in live_layout(layout).tensors:
         local = torch.full(t.shape, fill, dtype=TORCH_DTYPES[t.dtype], device=device)
         for p in t.pieces:
             src = canonical[p.canonical][p.canonical_box.slices()]

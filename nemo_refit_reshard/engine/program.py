@@ -28,6 +28,7 @@ import torch
 from ..layouts.base import Box
 from ..plan import DTYPE_BYTES, Message, PlanError, RankPlan, RefitPlan, is_relay
 from .pipeline import replay_overlapped, replay_serial
+from .quantize import Fp8Steps
 from .transport import Transport
 
 TORCH_DTYPES = {
@@ -165,6 +166,14 @@ class RankProgram:
             f"source rank {group_rank}" if self.is_source else f"destination rank {group_rank - s}"
         )
         check_live_tensors(plan.expected_tensors(group_rank), tensors, self.device, who)
+        # Block-FP8 refits: derived e4m3 tensors a sender fills before the step, twins a
+        # receiver quantizes after it (engine/quantize.py); bound like live tensors.
+        steps = plan.quantize_steps_of(group_rank)
+        self.fp8: Fp8Steps | None = None
+        if steps:
+            assert plan.fp8_block is not None
+            self.fp8 = Fp8Steps(steps, plan.fp8_block, tensors, self.device)
+            tensors = {**tensors, **self.fp8.tensors}
         messages = plan.messages_of(group_rank)
         by_round: dict[int, list[Message]] = {}
         for m in messages:
@@ -289,12 +298,25 @@ class RankProgram:
 
     def replay(self, transport: Transport) -> None:
         """One refit step: pack, exchange, unpack, round by round — overlapped across
-        rounds when compiled with ``overlap``."""
+        rounds when compiled with ``overlap`` — between :meth:`prepare` and
+        :meth:`finish`."""
         with torch.no_grad():
+            self.prepare()
             if self.overlap:
                 replay_overlapped(self.rounds, transport)
             else:
                 replay_serial(self.rounds, transport)
+            self.finish()
+
+    def prepare(self) -> None:
+        """Before a step's rounds: a block-FP8 sender quantizes what it sends."""
+        if self.fp8 is not None and self.is_source:
+            self.fp8.run()
+
+    def finish(self) -> None:
+        """After a step's rounds: a block-FP8 receiver quantizes its twins."""
+        if self.fp8 is not None and not self.is_source:
+            self.fp8.run()
 
     @property
     def staging_bytes(self) -> int:

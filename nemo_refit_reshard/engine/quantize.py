@@ -22,6 +22,8 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from ..plan.result.fp8_steps import QuantizeStep
+
 E4M3 = torch.float8_e4m3fn
 SCALE_SUFFIX = "weight_scale_inv"
 E4M3_MAX = 448.0
@@ -73,45 +75,58 @@ def scale_of(name: str) -> str:
     return name[: -len("weight")] + SCALE_SUFFIX
 
 
-class Fp8Receiver:
-    """A receiving rank of a refit into a block-FP8 engine.
+class Fp8Steps:
+    """A rank's block-FP8 quantization around a refit step (``plan/result/fp8_steps.py``).
 
-    The refit writes each e4m3 weight's *twin* — a tensor of the same shape in the
-    trained dtype (``layouts/vllm_fp8.bf16_twin``) — and :meth:`finish` quantizes every
-    twin into the live weight and its ``weight_scale_inv`` in place. A 3-D weight (fused
-    experts, ``[E, rows, cols]``) is quantized expert by expert. The twins cost one
-    trained-dtype copy of the rank's FP8 weights, held for the job."""
+    Sending (``QuantizeStep.source`` set): :attr:`tensors` holds the derived e4m3 weights
+    and scales the program sends from, and :meth:`run` (before the step) fills them
+    from the live tensors. Receiving: :attr:`tensors` holds the twins the program
+    receives into in place of the live e4m3 weights, and :meth:`run` (after the step)
+    quantizes each twin into its live weight and scale, in place; a 3-D twin (fused
+    experts, ``[E, rows, cols]``) expert by expert. The derived tensors cost ~0.5× the
+    trained bytes a rank sends quantized; the twins one trained-dtype copy of what a
+    rank receives unquantized."""
 
     def __init__(
         self,
-        live: Mapping[str, torch.Tensor],
+        steps: tuple[QuantizeStep, ...],
         block: tuple[int, int],
-        dtype: torch.dtype = torch.bfloat16,
+        live: Mapping[str, torch.Tensor],
+        device: torch.device,
     ) -> None:
-        self.live, self.block = live, block
-        self.twins: dict[str, torch.Tensor] = {}
-        for name, t in live.items():
-            if t.dtype != E4M3:
-                continue
-            if scale_of(name) not in live:
-                raise ValueError(f"{name} is e4m3 but the engine holds no {scale_of(name)}")
-            self.twins[name] = torch.empty(t.shape, dtype=dtype, device=t.device)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """What the refit writes: the twins in place of the FP8 weights, no scales."""
-        scales = {scale_of(n) for n in self.twins}
-        return {n: self.twins.get(n, t) for n, t in self.live.items() if n not in scales}
+        self.block = block
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._jobs: list[tuple[QuantizeStep, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for q in steps:
+            dtype = _TORCH[q.dtype]
+            if q.source is not None and q.box is not None:  # a sending rank
+                source = live[q.source][q.box.slices()]
+                weight = torch.empty(q.shape, dtype=E4M3, device=device)
+                scale = torch.empty(_scale_shape(q.shape, block), device=device)
+                self.tensors[q.weight], self.tensors[q.scale] = weight, scale
+                self._jobs.append((q, source, weight, scale))
+            else:
+                # NaN until written: a twin the plan fails to fill shows after the step
+                twin = torch.full(q.shape, float("nan"), dtype=dtype, device=device)
+                self.tensors[q.weight] = twin
+                self._jobs.append((q, twin, live[q.weight], live[q.scale]))
 
     @torch.no_grad()
-    def finish(self) -> None:
-        """Quantize every twin into its live weight and scale."""
-        for name, twin in self.twins.items():
-            weight, scale = self.live[name], self.live[scale_of(name)]
-            if twin.dim() == 2:
-                quantize_into(twin, weight, scale, self.block)
+    def run(self) -> None:
+        for q, x, weight, scale in self._jobs:
+            x = x.reshape(weight.shape).to(_TORCH[q.dtype])  # a view where it can be
+            if x.dim() == 2:
+                quantize_into(x, weight, scale, self.block)
             else:
-                for e in range(twin.shape[0]):
-                    quantize_into(twin[e], weight[e], scale[e], self.block)
+                for e in range(x.shape[0]):
+                    quantize_into(x[e], weight[e], scale[e], self.block)
+
+
+def _scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    return (*shape[:-2], _cdiv(shape[-2], block[0]), _cdiv(shape[-1], block[1]))
+
+
+_TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class QuantizedWeights(Mapping[str, torch.Tensor]):
@@ -151,7 +166,7 @@ class QuantizedWeights(Mapping[str, torch.Tensor]):
 __all__ = [
     "E4M3",
     "E4M3_MAX",
-    "Fp8Receiver",
+    "Fp8Steps",
     "QuantizedWeights",
     "quantize_block_fp8",
     "quantize_into",

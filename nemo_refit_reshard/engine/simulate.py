@@ -83,7 +83,11 @@ def simulate_plan(
     s = plan.num_sources
     programs = [RankProgram(plan, r, sources[r]) for r in range(s)]
     programs += [RankProgram(plan, s + d, destinations[d]) for d in range(plan.num_destinations)]
+    for p in programs:
+        p.prepare()
     simulate_phases([p.rounds for p in programs])
+    for p in programs:
+        p.finish()
 
 
 def simulate_broadcast(
@@ -93,4 +97,8 @@ def simulate_broadcast(
 ) -> None:
     """Run one gather-broadcast refit in place, like :func:`simulate_plan`."""
     tensors = list(sources) + list(destinations)
-    simulate_phases([BroadcastProgram(plan, r, t).phases for r, t in enumerate(tensors)])
+    programs = [BroadcastProgram(plan, r, t) for r, t in enumerate(tensors)]
+    simulate_phases([p.phases for p in programs])
+    for p in programs:
+        if p.fp8 is not None:
+            p.fp8.run()

@@ -220,6 +220,31 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class Fp8Link:
+    """How a local tensor of a block-FP8 refit (``layouts/fp8_wire.py``) relates to the
+    rank's live tensors.
+
+    On a sending rank (``source`` set) the tensor is not live: it is ``source[box]``
+    (the box's non-unit sizes as ``[rows, cols]``) cast to ``dtype`` and quantized in
+    ``block`` blocks, its block scales going to the (equally derived) tensor ``scale``.
+    On a receiving rank (``source`` None) it is the ``dtype`` twin of the live e4m3
+    tensor of the same name, quantized into that tensor and into ``scale`` after each
+    step."""
+
+    scale: str
+    block: tuple[int, int]
+    dtype: str  # the unquantized (trained) dtype
+    source: str | None = None
+    box: Box | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"scale": self.scale, "block": list(self.block), "dtype": self.dtype}
+        if self.source is not None and self.box is not None:
+            out.update(source=self.source, box=self.box.to_json())
+        return out
+
+
+@dataclass(frozen=True)
 class LocalTensor:
     """A tensor as one framework names and shapes it on one rank."""
 
@@ -228,6 +253,7 @@ class LocalTensor:
     dtype: str
     pieces: tuple[Piece, ...]
     padding: tuple[Box, ...] = ()  # local boxes no canonical element maps to
+    fp8: Fp8Link | None = None  # a block-FP8 refit's quantized view or twin (Fp8Link)
 
     @property
     def numel(self) -> int:
@@ -250,6 +276,7 @@ class LocalTensor:
                 for p in self.pieces
             ],
             "padding": [b.to_json() for b in self.padding],
+            **({"fp8": self.fp8.to_json()} if self.fp8 is not None else {}),
         }
 
 

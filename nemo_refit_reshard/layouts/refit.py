@@ -6,9 +6,9 @@ from __future__ import annotations
 from ..spec.model import ModelSpec
 from ..spec.parallel import InferParallel, TrainParallel
 from .base import RankLayout
+from .fp8_wire import wire_layouts
 from .megatron import MegatronOptions, megatron_layouts
 from .vllm import VllmOptions, vllm_layouts
-from .vllm_fp8 import bf16_twin
 
 
 def refit_layouts(
@@ -17,14 +17,17 @@ def refit_layouts(
     infer: InferParallel,
     megatron: MegatronOptions | None = None,
     vllm: VllmOptions | None = None,
+    fp8_on_wire: bool = True,
 ) -> tuple[list[RankLayout], list[RankLayout]]:
     """``(sources, destinations)``: every Megatron training rank's layout and every vLLM
     inference rank's, each list in rank order (what ``plan_refit`` takes). For a block-FP8
-    engine the destinations are its BF16 twins (``vllm_fp8.bf16_twin``): the refit moves
-    the trained weights and each receiving rank quantizes them into its FP8 parameters."""
+    engine both are as the wire carries them (``fp8_wire.wire_layouts``): training ranks
+    quantize the weights they hold in whole blocks and send e4m3 + scales, the rest
+    crosses in the trained dtype and the inference ranks quantize it (all of it with
+    ``fp8_on_wire=False``)."""
     sources = megatron_layouts(spec, train, megatron)
     destinations = vllm_layouts(spec, infer, vllm)
     if spec.arch.quant is not None:
         twin = vllm.params_dtype if vllm is not None else None
-        destinations = [bf16_twin(d, spec, twin) for d in destinations]
+        sources, destinations, _ = wire_layouts(spec, sources, destinations, twin, fp8_on_wire)
     return sources, destinations

@@ -25,11 +25,9 @@ FP8 classes in tests/test_vllm_truth.py.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from ..spec import ModelSpec
 from ..spec.quantization import FP8, SCALE_SUFFIX
-from .base import Box, LayoutBuilder, RankLayout
+from .base import Box, LayoutBuilder
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -151,23 +149,4 @@ class Fp8Layout:
             self.b.piece(f"{hf}.down_proj.{SCALE_SUFFIX}", down, w2, Box((j, 0, 0), (1, rh, cn)))
 
 
-def bf16_twin(layout: RankLayout, spec: ModelSpec, dtype: str | None = None) -> RankLayout:
-    """What a refit into an FP8 rank moves: each e4m3 tensor as a twin in the trained
-    dtype (the same pieces of the same canonical weights, unquantized), no scales.
-
-    The receiving rank holds these twins, the refit fills them, and the rank quantizes
-    each into its live weight and scale (``engine/quantize.Fp8Receiver``): a plan of the
-    unquantized model with these layouts is the refit of the FP8 engine, BF16 on the
-    wire. The twin's blocks are the canonical blocks because every shard starts on a
-    block boundary (``Fp8Layout`` refuses the rest). ``dtype``: the twins' (default: the
-    model's), which is the engine's unquantized dtype (``VllmOptions.params_dtype``)."""
-    dtype = dtype or spec.unquantized().arch.dtype  # the engine's unquantized dtype
-    tensors = []
-    for t in layout.tensors:
-        if t.name.endswith(SCALE_SUFFIX) and t.dtype == "float32":
-            continue
-        tensors.append(replace(t, dtype=dtype) if t.dtype == FP8 else t)
-    return replace(layout, tensors=tuple(tensors))
-
-
-__all__ = ["Fp8Layout", "bf16_twin"]
+__all__ = ["Fp8Layout"]

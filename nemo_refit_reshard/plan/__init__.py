@@ -34,6 +34,7 @@ from .colocation import ColocatedBytes, Colocation, colocated_bytes
 from .config import RELAY_CHOICES, RELAY_MODES, PlanConfig
 from .pass6_messages import Message
 from .relay_choice import RelayChoice
+from .result.fp8_steps import QuantizeStep
 from .result.rank_share import RankPlan, load_plan_json, rank_plan
 from .result.refit_plan import PLAN_VERSION, PlanStats, RefitPlan
 
@@ -74,6 +75,7 @@ __all__ = [
     "predict_refit",
     "predict_timeline",
     "rank_plan",
+    "QuantizeStep",
     "relay_tensor",
     "relayed_to",
     "traffic_matrix",

@@ -20,7 +20,9 @@ only for those whose routes could still win (``relay_choice.py``).
 from __future__ import annotations
 
 from ..layouts.base import RankLayout, paused_gc
+from ..layouts.fp8_wire import wire_spec
 from ..spec.model import ModelSpec
+from ..spec.quantization import FP8
 from .base import PlanError
 from .cluster import LinkModel
 from .colocation import Colocation
@@ -64,8 +66,9 @@ def plan_refit(
     :class:`~.colocation.Colocation`): each inference rank shares its GPU with a training
     rank, which sends it whatever it holds of its needs as a device-local copy
     (``colocation.py``). The settings travel through the passes as one
-    :class:`~.config.PlanConfig`. A block-FP8 ``spec`` is planned unquantized: its
-    destinations must be their BF16 twins (``layouts.refit_layouts`` gives them).
+    :class:`~.config.PlanConfig`. A block-FP8 ``spec`` is planned as it crosses the wire:
+    both sides must come from ``layouts.fp8_wire.wire_layouts`` (``refit_layouts`` does
+    that), which says which weights training ranks quantize.
     """
     if relay not in RELAY_CHOICES:
         raise PlanError(f"unknown relay mode {relay!r}; choose one of {RELAY_CHOICES}")
@@ -78,9 +81,9 @@ def plan_refit(
     if colocation is not None:
         colocation.check(len(sources), len(destinations))
     config = PlanConfig(int(bucket_mb * 2**20), relay, links, carry, colocation)
-    # A block-FP8 engine is refit with the trained weights (its ranks' BF16 twins,
-    # layouts/vllm_fp8.bf16_twin): the plan is of the unquantized model.
-    return plan_with(spec.unquantized(), sources, destinations, config)
+    if spec.arch.quant is not None:
+        check_wire_layouts(sources, destinations)
+    return plan_with(wire_spec(spec, destinations), sources, destinations, config)
 
 
 @paused_gc
@@ -109,6 +112,20 @@ def plan_with(
         rounds = schedule(routes)
     messages = to_messages(rounds.transfers)
     return assemble_plan(spec, sources, destinations, config, needs, routes, messages, choice)
+
+
+def check_wire_layouts(sources: list[RankLayout], destinations: list[RankLayout]) -> None:
+    """A block-FP8 engine's e4m3 weights arrive either quantized by a training rank or as
+    twins; live e4m3 destinations fed by unquantizing sources would be cast, unscaled."""
+    derived = any(t.fp8 is not None for s in sources for t in s.tensors)
+    for d in destinations:
+        for t in d.tensors:
+            if t.dtype == FP8 and t.pieces and not derived:
+                raise PlanError(
+                    f"destination rank {d.rank} receives {t.name} as e4m3 but no training "
+                    "rank quantizes: build both sides with layouts.fp8_wire.wire_layouts "
+                    "(layouts.refit_layouts does)"
+                )
 
 
 def check_specs_match(source: ModelSpec, destination: ModelSpec) -> None:

@@ -12,6 +12,7 @@ from operator import attrgetter, itemgetter
 
 from ..layouts.base import RankLayout
 from ..spec.model import ModelSpec
+from ..spec.quantization import FP8
 from .base import DTYPE_BYTES
 from .config import PlanConfig
 from .pass1_needs import Needs
@@ -19,6 +20,7 @@ from .pass4_routes import Routes
 from .pass6_messages import Messages
 from .relay_choice import RelayChoice
 from .result.expand import Expansion
+from .result.fp8_steps import destination_steps, source_steps
 from .result.refit_plan import PlanStats, RefitPlan
 
 _SRC_TENSOR = itemgetter(2)  # a transfer's source tensor
@@ -47,6 +49,8 @@ def assemble_plan(
     used_src: list[set[str]] = [set() for _ in sources]
     pairs: set[tuple[int, int, int]] = set()  # one message per (round, sender, receiver)
     num_transfers = 0
+    fp8_block = spec.arch.quant.block if spec.arch.quant is not None else None
+    by_dtype: Counter[str] = Counter()  # block-FP8 plans only: what crosses, by dtype
     for msgs in messages.rounds:
         for m in msgs:
             if m.src < s:
@@ -58,6 +62,9 @@ def assemble_plan(
                 received[key[2]] += content.nbytes
                 num_transfers += len(content.transfers)
                 pairs.add(key[:3])
+                if fp8_block is not None:
+                    for t in content.transfers:
+                        by_dtype[t.dtype] += t.nbytes
     min_bytes = sum(
         len(g) * sum(map(_NUMEL, t.pieces)) * DTYPE_BYTES[t.dtype]
         for g in groups
@@ -72,27 +79,59 @@ def assemble_plan(
         num_transfers=num_transfers,
         num_messages=len(pairs),
         num_rounds=expansion.num_rounds,
+        bytes_by_dtype=tuple(sorted(by_dtype.items())),
     )
     plan = RefitPlan(
         model=spec.name,
         num_sources=len(sources),
         num_destinations=len(destinations),
         bucket_bytes=bucket_bytes,
-        source_tensors=tuple(
-            {t.name: (t.shape, t.dtype) for t in lay.tensors if t.name in used_src[lay.rank]}
-            for lay in sources
-        ),
-        destination_tensors=tuple(
-            {t.name: (t.shape, t.dtype) for t in lay.tensors if t.pieces} for lay in destinations
-        ),
+        source_tensors=tuple(live_sources(lay, used_src[lay.rank]) for lay in sources),
+        destination_tensors=tuple(live_destinations(lay) for lay in destinations),
         class_rounds=tuple(tuple(msgs) for msgs in messages.rounds),
         stats=stats,
         replica_groups=tuple(sorted(receivers)),
         relay_chains=tuple(chains),
         colocated_hosts=config.colocation.hosts if config.colocation is not None else (),
         relay_choice=choice,
+        fp8_block=fp8_block,
+        quantize_steps=()
+        if fp8_block is None
+        else tuple(source_steps(lay, used_src[lay.rank]) for lay in sources)
+        + tuple(destination_steps(lay) for lay in destinations),
     )
     return plan
+
+
+def live_sources(layout: RankLayout, used: set[str]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The live tensors a sending rank reads: those it sends from, and those it quantizes
+    derived tensors from (``layouts/fp8_wire.py``)."""
+    live = {}
+    steps = source_steps(layout, used)
+    derived = {q.weight for q in steps} | {q.scale for q in steps}
+    for t in layout.tensors:
+        if t.name in used and t.name not in derived:
+            live[t.name] = (t.shape, t.dtype)
+    for step in steps:
+        origin = layout.tensor(step.source or "")
+        live[origin.name] = (origin.shape, origin.dtype)
+    return live
+
+
+def live_destinations(layout: RankLayout) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The live tensors a receiving rank writes: a twin's live tensor is e4m3, with its
+    scale (``layouts/fp8_wire.py``)."""
+    live = {}
+    for t in layout.tensors:
+        if not t.pieces:
+            continue
+        if t.fp8 is None:
+            live[t.name] = (t.shape, t.dtype)
+            continue
+        scale = layout.tensor(t.fp8.scale)
+        live[t.name] = (t.shape, FP8)
+        live[scale.name] = (scale.shape, scale.dtype)
+    return live
 
 
 def baseline_bytes(

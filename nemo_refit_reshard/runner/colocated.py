@@ -59,8 +59,10 @@ def run_colocated(
             start_method="spawn",
             join=False,
         )
-        hung = wait_ranks(ctx.processes, tmp, join_timeout_s, world * cfg.steps, progress)
-        ranks = collect_reports(ctx.processes, tmp, hung)
+        grace = cfg.timeout_s + 5  # a failed rank's peers see it within their timeout
+        total = world * cfg.steps
+        hung = wait_ranks(ctx.processes, tmp, join_timeout_s, total, progress, grace)
+        ranks = collect_reports(ctx.processes, tmp, hung, grace)
     return RunResult(plan, ranks, time.perf_counter() - t0)
 
 
@@ -94,6 +96,8 @@ def _run(
     def share(r: int) -> RankPlan:
         return RankPlan.from_json(plan_path.with_name(f"plan{r}.json").read_text())
 
+    if cfg.kill_rank == rank and cfg.kill_step < 0:
+        os._exit(3)  # simulated crash at start-up: its peers wait for it (a grace, not a hang)
     spec, sources, destinations = build_layouts(cfg)
     weights, s = SyntheticWeights(spec.unquantized(), cfg.seed), len(sources)
     hosts = share(rank).colocated_hosts
@@ -139,7 +143,6 @@ def _run(
     for step in range(cfg.steps + 1):
         mine.poison()
         seconds = worker.refit()
-        mine.finish()
         if step:
             assert worker.guest is not None
             timings.append([seconds, worker.guest.waited])

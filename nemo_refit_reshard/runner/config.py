@@ -31,12 +31,15 @@ class RunConfig:
     verify: bool = True
     transport: str = "gloo"  # or "cupy-nccl" (one GPU per rank, round robin over devices)
     kill_rank: int | None = None  # fault injection: this group rank dies ...
-    kill_step: int = 0  # ... at the start of this step of the first backend
+    kill_step: int = 0  # ... at the start of this step of the first backend (-1: at start-up)
     overlap: bool | None = None  # overlapped replay (engine/pipeline.py); None: CUDA only
     device: str = "cpu"  # gloo ranks' tensors: "cpu", or "cuda" (through host twins)
     host_staged: bool | None = None  # gloo through host twins; None: when device is cuda
     connect_timeout_s: float | None = None  # rendezvous; None: run_local's join timeout
     colocated: bool = False  # also run the colocated refit (runner/colocated.py)
+    # Block-FP8 engines: training ranks send e4m3 + scales where they hold whole blocks
+    # (layouts/fp8_wire.py); False: everything in the trained dtype, quantized on arrival.
+    fp8_on_wire: bool = True
 
     def parallel(self) -> tuple[TrainParallel, InferParallel]:
         """The training and inference parallelisms ``train`` and ``infer`` spell."""
@@ -54,13 +57,13 @@ def build_layouts(cfg: RunConfig) -> tuple[ModelSpec, list[RankLayout], list[Ran
         num_layers_in_last_pipeline_stage=cfg.last_stage_layers,
     )
     vllm = VllmOptions(params_dtype=cfg.infer_dtype)
-    sources, destinations = refit_layouts(spec, train, infer, megatron, vllm)
+    sources, destinations = refit_layouts(spec, train, infer, megatron, vllm, cfg.fp8_on_wire)
     return spec, sources, destinations
 
 
 def fp8_destinations(cfg: RunConfig) -> list[RankLayout]:
-    """A block-FP8 engine's own layouts (e4m3 weights and their scales), whose BF16 twins
-    ``build_layouts`` gives as destinations."""
+    """A block-FP8 engine's own layouts (e4m3 weights and their scales): what its ranks
+    hold (``build_layouts`` gives them as the wire carries them)."""
     spec = load_model_spec(cfg.model)
     _, infer = cfg.parallel()
     return vllm_layouts(spec, infer, VllmOptions(params_dtype=cfg.infer_dtype))

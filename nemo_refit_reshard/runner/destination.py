@@ -1,10 +1,11 @@
 """An inference rank's tensors in a local run: what the refit writes, what is checked.
 
 For an unquantized engine both are the rank's layout, filled with NaN. For a block-FP8
-engine the refit writes BF16 twins of the e4m3 weights and the rank quantizes them into
-its weights and scales after each step (``engine/quantize.Fp8Receiver``); the check is
-then of the FP8 tensors against the whole canonical weights quantized by the same
-quantizer (``QuantizedWeights``): a block cut at a shard boundary would show.
+engine the refit writes its e4m3 weights and scales — quantized by the training ranks,
+or received as trained-dtype twins and quantized by the rank's program
+(``layouts/fp8_wire.py``, ``engine/quantize.Fp8Steps``); the check is then of the FP8
+tensors against the whole canonical weights quantized by the same quantizer
+(``QuantizedWeights``): a block cut at a shard boundary would show.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from typing import Any
 import torch
 
 from ..engine.materialize import materialize, mismatches
-from ..engine.program import TORCH_DTYPES
-from ..engine.quantize import Fp8Receiver, QuantizedWeights
+from ..engine.quantize import QuantizedWeights
 from ..layouts import RankLayout
 from ..spec import ModelSpec
 from .config import RunConfig, fp8_destinations
@@ -28,23 +28,16 @@ class DestinationTensors:
     layout: RankLayout  # the rank's own layout (FP8 for an FP8 engine)
     live: dict[str, torch.Tensor]  # the rank's tensors, checked after a refit
     truth: Mapping[str, torch.Tensor]  # canonical tensors they must hold
-    receiver: Fp8Receiver | None = None
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
         """What the refit writes."""
-        return self.receiver.tensors() if self.receiver is not None else self.live
+        return self.live
 
     def poison(self) -> None:
         """NaN everywhere a refit must write (before a step)."""
-        twins = list(self.receiver.twins.values()) if self.receiver is not None else []
-        for t in [*self.live.values(), *twins]:
+        for t in self.live.values():
             t.fill_(float("nan"))
-
-    def finish(self) -> None:
-        """After a refit step: quantize the twins (FP8 engines)."""
-        if self.receiver is not None:
-            self.receiver.finish()
 
     def mismatches(self) -> list[str]:
         return mismatches(self.layout, self.live, self.truth)
@@ -58,7 +51,7 @@ def destination_tensors(
     trained: Mapping[str, Any],
     device: torch.device,
 ) -> DestinationTensors:
-    """Inference rank ``index``'s tensors; ``layout``: its planned (twin) layout;
+    """Inference rank ``index``'s tensors; ``layout``: its planned (wire) layout;
     ``trained``: the canonical trained weights."""
     quant = spec.arch.quant
     if quant is None:
@@ -69,8 +62,7 @@ def destination_tensors(
     fp8 = {t.name for t in spec if t.dtype == "float8_e4m3fn"}
     truth = QuantizedWeights(trained, fp8, quant.block)
     live = materialize(own, truth, fill=float("nan"), device=device)
-    twin = TORCH_DTYPES[spec.unquantized().arch.dtype]
-    return DestinationTensors(own, live, truth, Fp8Receiver(live, quant.block, twin))
+    return DestinationTensors(own, live, truth)
 
 
 __all__ = ["DestinationTensors", "destination_tensors"]

@@ -66,8 +66,9 @@ def run_local(
             join=False,
         )
         total = world * cfg.steps * len(cfg.backends)
-        hung = wait_ranks(ctx.processes, tmp, join_timeout_s, total, progress)
-        ranks = collect_reports(ctx.processes, tmp, hung)
+        grace = cfg.timeout_s + 5  # a failed rank's peers see it within their timeout
+        hung = wait_ranks(ctx.processes, tmp, join_timeout_s, total, progress, grace)
+        ranks = collect_reports(ctx.processes, tmp, hung, grace)
     return RunResult(plan, ranks, time.perf_counter() - t0)
 
 
@@ -87,15 +88,21 @@ def wait_ranks(
     join_timeout_s: float,
     total: int,
     progress: Callable[[int, int], None] | None,
+    grace_s: float,
 ) -> list[int]:
     """Wait until every rank exits or the deadline passes, reporting rank-steps done;
-    kill the ranks still running then and return their ranks."""
+    kill the ranks still running then and return their ranks. Once a rank has failed
+    (a non-zero exit) the run has failed: the others, which may be waiting for it (a
+    rendezvous, a peer's listen address), get ``grace_s`` (the transport's timeout, in
+    which a peer's failure shows) to report theirs, not the whole deadline."""
     deadline = time.monotonic() + join_timeout_s
     while time.monotonic() < deadline and any(p.is_alive() for p in processes):
         time.sleep(0.2)
         if progress:
             done = sum(_read_int(Path(tmp, f"progress{r}")) for r in range(len(processes)))
             progress(done, total)
+        if any(p.exitcode not in (None, 0) for p in processes):
+            deadline = min(deadline, time.monotonic() + grace_s)
     hung = [i for i, p in enumerate(processes) if p.is_alive()]
     for p in processes:
         if p.is_alive():
@@ -103,7 +110,9 @@ def wait_ranks(
     return hung
 
 
-def collect_reports(processes: Sequence[Any], tmp: str, hung: list[int]) -> list[dict[str, Any]]:
+def collect_reports(
+    processes: Sequence[Any], tmp: str, hung: list[int], grace_s: float
+) -> list[dict[str, Any]]:
     """Every rank's report; for a rank that wrote none, an error saying why."""
     ranks = []
     for r, process in enumerate(processes):
@@ -111,7 +120,15 @@ def collect_reports(processes: Sequence[Any], tmp: str, hung: list[int]) -> list
         if path.exists():
             ranks.append(json.loads(path.read_text()))
         else:
-            why = "still running at the deadline" if r in hung else f"exit code {process.exitcode}"
+            failed = [i for i, p in enumerate(processes) if i not in hung and p.exitcode]
+            if r in hung:
+                why = (
+                    f"still running {grace_s:.0f} s after rank {failed[0]} failed"
+                    if failed
+                    else "still running at the deadline"
+                )
+            else:
+                why = f"exit code {process.exitcode}"
             ranks.append({"rank": r, "error": f"process died without a report ({why})"})
     return ranks
 
@@ -195,8 +212,6 @@ def _run_rank(
                 os._exit(3)  # simulated crash: no cleanup, sockets reset
             worker.barrier()  # every rank starts the step together
             timing = worker.refit()
-            if not is_source:
-                mine.finish()
             timings.append([timing.seconds, timing.exchange_seconds])
             done += 1
             progress.write_text(str(done))

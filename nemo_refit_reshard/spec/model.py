@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ArchConfig, arch_from_hf_config
-from .quantization import FP8, SCALE_SUFFIX, check_ignored, quantized_module
+from .quantization import FP8, SCALE_SUFFIX, BlockFp8, check_ignored, quantized_module
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,13 @@ class ModelSpec:
         if self.arch.quant is None:
             return self
         arch = replace(self.arch, quant=None)
+        return ModelSpec(self.name, arch, canonical_tensors(arch))
+
+    def quantized(self, quant: BlockFp8) -> ModelSpec:
+        """The same model served block-FP8 with ``quant`` (what vLLM builds when a
+        framework quantizes a trained checkpoint at load, e.g. NeMo RL's
+        ``vllm_cfg.precision: fp8``)."""
+        arch = replace(self.arch, quant=quant)
         return ModelSpec(self.name, arch, canonical_tensors(arch))
 
 

@@ -148,7 +148,7 @@ def colocated(generation: Mapping[str, Any]) -> bool:
 
 def check_generation(generation: Mapping[str, Any]) -> None:
     """``policy.generation`` as ``reshard`` needs it: vLLM, no other refit transport,
-    unquantized. Colocated or not, both are served."""
+    unquantized or block FP8 (``fp8.py``). Colocated or not, both are served."""
     where = "policy.generation"
     if generation.get("backend", "vllm") != "vllm":
         raise NemoRlConfigError(
@@ -161,7 +161,13 @@ def check_generation(generation: Mapping[str, Any]) -> None:
             f"{where}.refit_transport={transport!r}: refit.backend=reshard replaces NeMo "
             "RL's refit transports; set it to null"
         )
-    precision(generation.get("vllm_cfg") or {}, "precision", f"{where}.vllm_cfg")
+    vcfg = generation.get("vllm_cfg") or {}
+    if vcfg.get("precision") == "fp8":
+        from .fp8 import check_fp8  # (fp8.py raises this module's error)
+
+        check_fp8(vcfg)
+    else:
+        precision(vcfg, "precision", f"{where}.vllm_cfg")
 
 
 def infer_parallel(generation: Mapping[str, Any], world_size: int) -> InferParallel:
@@ -194,9 +200,10 @@ def infer_parallel(generation: Mapping[str, Any], world_size: int) -> InferParal
 
 def precision(cfg: Mapping[str, Any], key: str, where: str) -> str | None:
     """A NeMo RL ``precision`` value as a torch dtype name; None for ``auto`` (the
-    checkpoint's dtype, as vLLM takes it)."""
+    checkpoint's dtype, as vLLM takes it) and for vLLM's ``fp8`` (its unquantized
+    tensors in the checkpoint's dtype; ``fp8.py``)."""
     value = cfg.get(key, "bfloat16")
-    if value in (None, "auto"):
+    if value in (None, "auto") or (value == "fp8" and key == "precision"):
         return None
     names = {
         "bfloat16": "bfloat16",
@@ -209,6 +216,6 @@ def precision(cfg: Mapping[str, Any], key: str, where: str) -> str | None:
     if value not in names:
         raise NemoRlConfigError(
             f"{where}.{key}={value!r} is not one of {', '.join(sorted(set(names.values())))}"
-            " (quantized generation is not refit in place)"
+            " (or fp8 for vllm_cfg.precision)"
         )
     return names[value]

@@ -23,10 +23,12 @@ from ...layouts import (
     megatron_position,
     refit_layouts,
 )
+from ...layouts.fp8_wire import live_tensors
 from ...plan import Colocation, PlanError, RefitPlan, plan_refit, rank_plan
 from ...spec.parallel import InferParallel, TrainParallel
 from ..checkpoint_engine import engine_spec
 from .config import RefitConfig, colocated, infer_parallel, precision, train_parallel
+from .fp8 import fp8_spec
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class NemoRlPlan:
 
 def _tensor_problems(layout: RankLayout, report: Mapping[str, Any]) -> list[str]:
     """Layout vs a worker's reported tensors (``describe_tensors``) and parameters."""
-    want = {t.name: [list(t.shape), t.dtype] for t in layout.tensors}
+    want = {n: [list(shape), dtype] for n, (shape, dtype) in live_tensors(layout).items()}
     have = report["tensors"]
     problems = [f"{n}: in the layout, not live" for n in sorted(set(want) - set(have))]
     problems += [
@@ -233,7 +235,7 @@ def plan_nemo_rl(
     and the workers' reports; the spec is the HF config the policy loaded."""
     policy = master_config["policy"]
     generation = policy["generation"]
-    spec = engine_spec(policy["model_name"])
+    spec = fp8_spec(engine_spec(policy["model_name"]), generation.get("vllm_cfg") or {})
     reports = sorted(policy_reports, key=lambda r: int(r["rank"]))
     train = train_parallel(policy, len(reports))
     infer_world = sum(len(e) for e in engine_reports)

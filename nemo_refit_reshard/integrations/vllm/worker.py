@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from ...engine.program import live_tensor_problems
-from ...engine.quantize import Fp8Receiver
 from ...plan import PlanError, RankPlan, RefitPlan, load_plan_json
 from ..worker import (
     ColocatedWorker,
@@ -55,7 +54,6 @@ class _WorkerState:
     layout: EngineLayout
     engine_rank: int
     params: dict[str, torch.Tensor]  # what a refit writes (an FP8 engine: BF16 twins)
-    fp8: Fp8Receiver | None = None  # a block-FP8 engine: quantizes the twins after a step
     refit: RefitWorker | None = None
     colocated: ColocatedWorker | None = None  # instead of ``refit`` in a colocated refit
     weights: WeightsState = field(default_factory=WeightsState)  # across memberships
@@ -146,25 +144,14 @@ def _state(worker: Any) -> _WorkerState:
         check_moe_backends(model)
         layout = engine_layout(worker.vllm_config, _vllm_version())
         params = dict(model.named_parameters())
-        fp8 = None
         if layout.fp8_block is not None:
+            # e4m3 weights and scales are written in place: quantized by the training
+            # ranks, or by this rank's program from the twins the plan sends it
+            # (layouts/fp8_wire.py); only kernels that keep them as loaded compute right.
             check_fp8_kernels(model)
-            dtype = worker.vllm_config.model_config.dtype
-            fp8 = Fp8Receiver(params, layout.fp8_block, dtype)
-            params = fp8.tensors()
-        state = _WorkerState(layout=layout, engine_rank=engine_rank(worker), params=params, fp8=fp8)
+        state = _WorkerState(layout=layout, engine_rank=engine_rank(worker), params=params)
         setattr(worker, _STATE, state)
     return state
-
-
-def _quantize(s: _WorkerState) -> None:
-    """After a refit step of a block-FP8 engine: the twins into the live FP8 weights."""
-    if s.fp8 is not None:
-        try:
-            s.fp8.finish()
-        except BaseException as err:  # the FP8 weights are not this step's: stale
-            s.weights.failed(s.weights.step or 0, err)
-            raise
 
 
 def refit_describe(worker: Any) -> dict[str, Any]:
@@ -314,14 +301,12 @@ def refit_step(worker: Any, step: int | None = None) -> dict[str, float]:
     s = _state(worker)
     if s.colocated is not None:
         seconds = s.colocated.refit(step)
-        _quantize(s)
         s.steps += 1
         rank = s.colocated.guest.group_rank if s.colocated.guest is not None else -1
         return {"group_rank": float(rank), "seconds": seconds}
     if s.refit is None or s.refit.refitter is None:
         raise RuntimeError("call refit_join and refit_load_plan before refit_step")
     timing = s.refit.refit(step)
-    _quantize(s)
     s.steps += 1
     return {
         "group_rank": float(s.refit.endpoint.group_rank),

@@ -11,7 +11,9 @@ For every canonical tensor a destination needs:
 
 Tensors are grouped into rounds whose full tensors fit ``bucket_bytes`` per
 root. Built on the same layouts as the reshard plan, so the two can be timed
-side by side over the same transport.
+side by side over the same transport. Into a block-FP8 engine the baseline is NeMo
+RL's own: every weight broadcast in the trained dtype into twins that each inference
+rank quantizes (``layouts/fp8_wire.py``, ``engine/quantize.Fp8Steps``).
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ...layouts.base import Box, RankLayout
+from ...layouts.fp8_wire import Fp8Wire, live_layout, wire_destination, wire_spec
 from ...spec.model import ModelSpec
 from ..base import DTYPE_BYTES, PlanError
 from ..cluster import Placement, Topology
 from ..pass1_needs import source_regions
+from ..result.fp8_steps import QuantizeStep, destination_steps
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,9 @@ class BroadcastPlan:
     num_sources: int
     num_destinations: int
     rounds: tuple[tuple[BroadcastStep, ...], ...]
+    # Into a block-FP8 engine: the block and each inference rank's twins to quantize.
+    fp8_block: tuple[int, int] | None = None
+    quantize_steps: tuple[tuple[QuantizeStep, ...], ...] = ()  # per destination
 
     @property
     def total_bytes(self) -> int:
@@ -67,6 +74,10 @@ def plan_broadcast(
     destinations: list[RankLayout],
     bucket_mb: float = 512,
 ) -> BroadcastPlan:
+    quant = spec.arch.quant
+    if quant is not None:  # NeMo RL's shape (module docstring)
+        sources, destinations = trained_dtype_wire(spec, sources, destinations)
+        spec = wire_spec(spec, destinations)
     regions = source_regions(spec, sources)
     readers: dict[str, dict[int, list[tuple[str, Box, Box]]]] = defaultdict(dict)
     dtypes: dict[str, str] = {}
@@ -112,7 +123,26 @@ def plan_broadcast(
             load = {}
         rounds[-1].append(st)
         load[st.root] = load.get(st.root, 0) + st.nbytes
-    return BroadcastPlan(len(sources), len(destinations), tuple(tuple(r) for r in rounds))
+    return BroadcastPlan(
+        len(sources),
+        len(destinations),
+        tuple(tuple(r) for r in rounds),
+        quant.block if quant is not None else None,
+        tuple(destination_steps(d) for d in destinations) if quant is not None else (),
+    )
+
+
+def trained_dtype_wire(
+    spec: ModelSpec, sources: list[RankLayout], destinations: list[RankLayout]
+) -> tuple[list[RankLayout], list[RankLayout]]:
+    """A block-FP8 refit's layouts with every weight crossing in the trained dtype: the
+    training ranks as they hold their tensors, every e4m3 tensor of the inference ranks
+    a twin."""
+    twins = [t.fp8.dtype for d in destinations for t in d.tensors if t.fp8 is not None]
+    dtype = twins[0] if twins else spec.unquantized().arch.dtype
+    none = Fp8Wire(spec.arch.quant.block if spec.arch.quant else (128, 128), frozenset())
+    sources = [live_layout(s) for s in sources]
+    return sources, [wire_destination(d, none, dtype) for d in destinations]
 
 
 # -- its predicted time ------------------------------------------------------------------

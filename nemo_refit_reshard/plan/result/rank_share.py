@@ -16,6 +16,7 @@ from typing import Any
 from ...layouts.base import Box
 from ..base import PlanError
 from ..pass6_messages import Message
+from .fp8_steps import QuantizeStep
 from .refit_plan import PLAN_VERSION, RefitPlan
 from .serialize import NameTable, message_from_json, message_json
 
@@ -32,6 +33,12 @@ class RankPlan:
     tensors: dict[str, tuple[tuple[int, ...], str]]  # live name -> (shape, dtype)
     messages: tuple[Message, ...]
     colocated_hosts: tuple[int, ...] = ()  # the full plan's (plan/colocation.py)
+    fp8_block: tuple[int, int] | None = None  # the full plan's (fp8_steps.py)
+    quantize: tuple[QuantizeStep, ...] = ()  # this rank's block-FP8 quantization
+
+    def quantize_steps_of(self, group_rank: int) -> tuple[QuantizeStep, ...]:
+        self._check(group_rank)
+        return self.quantize
 
     def expected_tensors(self, group_rank: int) -> dict[str, tuple[tuple[int, ...], str]]:
         self._check(group_rank)
@@ -63,6 +70,14 @@ class RankPlan:
                 "names": names.names,
                 "messages": messages,
                 **({"colocated_hosts": list(self.colocated_hosts)} if self.colocated_hosts else {}),
+                **(
+                    {
+                        "fp8_block": list(self.fp8_block),
+                        "quantize": [q.to_json() for q in self.quantize],
+                    }
+                    if self.fp8_block is not None
+                    else {}
+                ),
             },
             separators=(",", ":"),
         )
@@ -84,6 +99,8 @@ class RankPlan:
                 message_from_json(r, m, data["names"], boxes) for r, m in data["messages"]
             ),
             colocated_hosts=tuple(data.get("colocated_hosts", ())),
+            fp8_block=tuple(data["fp8_block"]) if "fp8_block" in data else None,  # type: ignore[arg-type]
+            quantize=tuple(QuantizeStep.from_json(q) for q in data.get("quantize", ())),
         )
 
 
@@ -98,6 +115,8 @@ def rank_plan(plan: RefitPlan, group_rank: int) -> RankPlan:
         tensors=dict(plan.expected_tensors(group_rank)),
         messages=tuple(plan.messages_of(group_rank)),
         colocated_hosts=plan.colocated_hosts,
+        fp8_block=plan.fp8_block,
+        quantize=plan.quantize_steps_of(group_rank),
     )
 
 

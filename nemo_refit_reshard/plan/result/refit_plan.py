@@ -17,6 +17,7 @@ from ..base import PlanError
 from ..colocation import ColocatedBytes, colocated_bytes
 from ..pass6_messages import Message
 from .expand import Expansion
+from .fp8_steps import QuantizeStep
 from .serialize import NameTable, compact_json, fingerprint_of, message_from_json, message_json
 
 if TYPE_CHECKING:
@@ -35,8 +36,11 @@ class PlanStats:
     num_transfers: int
     num_messages: int
     num_rounds: int
+    # Block-FP8 plans: bytes sent per dtype (e4m3, float32 scales, trained-dtype twins).
+    bytes_by_dtype: tuple[tuple[str, int], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
+        extra = {"bytes_by_dtype": dict(self.bytes_by_dtype)} if self.bytes_by_dtype else {}
         return {
             "bytes_sent": list(self.bytes_sent),
             "bytes_received": list(self.bytes_received),
@@ -46,6 +50,7 @@ class PlanStats:
             "num_transfers": self.num_transfers,
             "num_messages": self.num_messages,
             "num_rounds": self.num_rounds,
+            **extra,
         }
 
 
@@ -79,6 +84,10 @@ class RefitPlan:
     # How ``relay="auto"`` picked the relay mode (``relay_choice.py``); not part of the
     # plan's content, so not in its JSON or fingerprint.
     relay_choice: RelayChoice | None = field(default=None, compare=False, repr=False)
+    # Block-FP8 refits (layouts/fp8_wire.py): the block, and per refit-group rank the
+    # quantization it runs before (sources) or after (destinations) each step.
+    fp8_block: tuple[int, int] | None = None
+    quantize_steps: tuple[tuple[QuantizeStep, ...], ...] = ()
 
     @property
     def num_rounds(self) -> int:
@@ -107,6 +116,10 @@ class RefitPlan:
     def messages_of(self, group_rank: int) -> list[Message]:
         """Every message this refit-group rank sends or receives, in round order."""
         return self._expansion.messages_of(group_rank)
+
+    def quantize_steps_of(self, group_rank: int) -> tuple[QuantizeStep, ...]:
+        """The block-FP8 quantization this refit-group rank runs (``fp8_steps.py``)."""
+        return self.quantize_steps[group_rank] if self.quantize_steps else ()
 
     def colocated_bytes(self) -> ColocatedBytes:
         """A colocated plan's bytes, device-local and over the interconnect."""
@@ -140,6 +153,11 @@ class RefitPlan:
         }
         if self.colocated_hosts:  # absent otherwise: separate-pool plans keep their bytes
             body["colocated_hosts"] = list(self.colocated_hosts)
+        if self.fp8_block is not None:  # likewise
+            body["fp8"] = {
+                "block": list(self.fp8_block),
+                "steps": [[q.to_json() for q in rank] for rank in self.quantize_steps],
+            }
         return body
 
     @cached_property
@@ -176,6 +194,7 @@ class RefitPlan:
             for r, msgs in enumerate(data["rounds"])
         )
         s = data["stats"]
+        fp8 = data.get("fp8")
         plan = cls(
             model=data["model"],
             num_sources=data["num_sources"],
@@ -187,6 +206,7 @@ class RefitPlan:
             stats=PlanStats(
                 bytes_sent=tuple(s["bytes_sent"]),
                 bytes_received=tuple(s["bytes_received"]),
+                bytes_by_dtype=tuple(sorted(s.get("bytes_by_dtype", {}).items())),
                 **{
                     k: s[k]
                     for k in (
@@ -202,6 +222,12 @@ class RefitPlan:
             replica_groups=tuple(tuple(g) for g in data["replica_groups"]),
             relay_chains=tuple(tuple(c) for c in data["relay_chains"]),
             colocated_hosts=tuple(data.get("colocated_hosts", ())),
+            fp8_block=tuple(fp8["block"]) if fp8 else None,  # type: ignore[arg-type]
+            quantize_steps=tuple(
+                tuple(QuantizeStep.from_json(q) for q in rank) for rank in fp8["steps"]
+            )
+            if fp8
+            else (),
         )
         if plan.fingerprint != data["fingerprint"]:
             raise PlanError(
