@@ -17,7 +17,9 @@ from nemo_refit_reshard.integrations.nemo_rl.config import (
     infer_parallel,
     train_parallel,
 )
+from nemo_refit_reshard.integrations.nemo_rl.fp8 import fp8_spec
 from nemo_refit_reshard.integrations.nemo_rl.grpo import check_reshard_config, refit_config
+from nemo_refit_reshard.spec import load_model_spec as preset_spec
 from nemo_refit_reshard.spec.parallel import InferParallel, TrainParallel
 
 
@@ -89,9 +91,29 @@ def test_sizes_from_nemo_rl_config() -> None:
             "weights, not a draft model's; use refit.backend=nccl",
         ),
         (
-            lambda c: c["policy"]["generation"]["vllm_cfg"].update(precision="fp8"),
-            "policy.generation.vllm_cfg.precision='fp8' is not one of bfloat16, float16, "
-            "float32 (quantized generation is not refit in place)",
+            lambda c: c["policy"]["generation"]["vllm_cfg"].update(precision="int8"),
+            "policy.generation.vllm_cfg.precision='int8' is not one of bfloat16, float16, "
+            "float32 (or fp8 for vllm_cfg.precision)",
+        ),
+        (
+            lambda c: c["policy"]["generation"]["vllm_cfg"].update(precision="fp8", is_mx=True),
+            "policy.generation.vllm_cfg.is_mx=True with precision fp8 and "
+            "refit.backend=reshard: MXFP8 generation is not modeled (block FP8 is: is_mx: false)",
+        ),
+        (
+            lambda c: c["policy"]["generation"]["vllm_cfg"].update(
+                precision="fp8", use_deep_gemm=True
+            ),
+            "policy.generation.vllm_cfg.use_deep_gemm=True with precision fp8 and "
+            "refit.backend=reshard: vLLM's DeepGEMM kernels re-lay FP8 weights after loading "
+            "and reshard writes them in place: set it to false (and VLLM_USE_DEEP_GEMM=0)",
+        ),
+        (
+            lambda c: c["policy"]["generation"]["vllm_cfg"].update(
+                precision="fp8", kv_cache_dtype="fp8"
+            ),
+            "policy.generation.vllm_cfg.kv_cache_dtype='fp8' with refit.backend=reshard: the "
+            "FP8 KV cache's scales are not refit; use kv_cache_dtype: auto",
         ),
     ],
 )
@@ -177,4 +199,36 @@ def test_backend_sets_nemo_rl_switch() -> None:
         refit_config(copy.deepcopy(cfg))
     assert str(err.value).startswith(
         "policy.generation.refit_transport='nixl' conflicts with refit.backend=reshard"
+    )
+
+
+def test_fp8_generation_is_the_block_fp8_engine_nemo_rl_builds() -> None:
+    """``vllm_cfg.precision: fp8``: the engine NeMo RL's init_fp8 starts — 128x128 blocks,
+    every linear layer e4m3 except those of the first/last ``num_*_layers_in_bf16``
+    layers (its ``ignored_layers``), embeddings, norms and lm_head in the model's dtype."""
+    spec = preset_spec("small-qwen3")
+    vcfg = {"precision": "fp8", "num_first_layers_in_bf16": 1, "num_last_layers_in_bf16": 0}
+    fp8 = fp8_spec(spec, vcfg)
+    assert fp8.arch.quant is not None and fp8.arch.quant.block == (128, 128)
+    dtypes = {t.name: t.dtype for t in fp8}
+    assert dtypes["model.layers.0.self_attn.q_proj.weight"] == "bfloat16"
+    assert "model.layers.0.self_attn.q_proj.weight_scale_inv" not in dtypes
+    assert dtypes["model.layers.1.self_attn.q_proj.weight"] == "float8_e4m3fn"
+    assert dtypes["model.layers.1.mlp.down_proj.weight_scale_inv"] == "float32"
+    assert dtypes["model.embed_tokens.weight"] == "bfloat16"
+    assert sorted(fp8.arch.quant.ignored) == sorted(
+        f"model.layers.0.{m}"
+        for m in (
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+        )
+    )  # fmt: skip
+    assert fp8_spec(spec, {"precision": "bfloat16"}) is spec
+    moe = {"precision": "fp8", "num_last_layers_in_bf16": 1}
+    with pytest.raises(NemoRlConfigError) as err:
+        fp8_spec(preset_spec("small-qwen3-moe"), moe)
+    assert str(err.value) == (
+        "policy.generation.vllm_cfg.num_first_layers_in_bf16=0, num_last_layers_in_bf16=1: "
+        "BF16 layers in a MoE model are not modeled (vLLM skips fused experts by another "
+        "naming rule); set both to 0"
     )

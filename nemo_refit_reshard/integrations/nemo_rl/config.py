@@ -26,12 +26,10 @@ from typing import Any
 from ...engine.transport import DEFAULT_TIMEOUT_S
 from ...spec.parallel import InferParallel, TrainParallel
 from ..worker import TRANSPORTS
+from .errors import NemoRlConfigError
+from .fp8 import check_fp8
 
 REFIT_BACKENDS = ("reshard", "nccl", "nccl_reshard")
-
-
-class NemoRlConfigError(ValueError):
-    """A NeMo RL config value the refit cannot use; one line naming key, value, choices."""
 
 
 def _choose(key: str, value: Any, choices: tuple[str, ...]) -> str:
@@ -163,8 +161,6 @@ def check_generation(generation: Mapping[str, Any]) -> None:
         )
     vcfg = generation.get("vllm_cfg") or {}
     if vcfg.get("precision") == "fp8":
-        from .fp8 import check_fp8  # (fp8.py raises this module's error)
-
         check_fp8(vcfg)
     else:
         precision(vcfg, "precision", f"{where}.vllm_cfg")

@@ -28,7 +28,7 @@ from typing import Any
 
 from ...spec.model import ModelSpec
 from ...spec.quantization import BlockFp8, quantized_module
-from .config import NemoRlConfigError
+from .errors import NemoRlConfigError
 
 WHERE = "policy.generation.vllm_cfg"
 BLOCK = (128, 128)  # NeMo RL's FP8_BLOCK_QUANT_KWARGS weight_block_size
