@@ -462,3 +462,33 @@ def test_broken_fp8_scale_rule_is_caught(
             "model.layers.0.self_attn.o_proj.weight_scale_inv <- "
             "model.layers.0.self_attn.o_proj.weight_scale_inv"
         ) in failed[rank], failed[rank]
+
+
+def test_vllm_native_backend_plans_the_fp8_engine(vllm_runs: dict[str, Any]) -> None:
+    """The vLLM-native ``reshard`` backend's trainer side, told the engine's block-FP8
+    ``quantization_config`` (as ``ReshardTrainerInitInfo.quantization``), plans what
+    vLLM's own FP8 classes hold: every worker's planned tensors are its
+    ``named_parameters()`` (e4m3 weights, float32 scales, the unquantized router of
+    layer 0), all written by the refit; two replicated trainer ranks hold every weight
+    whole, so all of it crosses as e4m3 + scales they quantize, none as twins."""
+    from nemo_refit_reshard.integrations.vllm.engine_plan import plan_for_engine
+    from nemo_refit_reshard.integrations.vllm.transfer_sources import FullModuleSource
+
+    model, par = "qwen3_moe_fp8", InferParallel(tp=2)
+    cfg = MODELS[model]
+    trained = spec_from_hf_config({k: v for k, v in cfg.items() if k != "quantization_config"})
+    result = vllm_runs["meta"]
+    opts = VllmOptions(params_dtype="bfloat16", vllm_version=result["vllm_version"])
+    source = FullModuleSource({}, trained, world_size=2)
+    plan = plan_for_engine(source, par, opts, quantization=cfg["quantization_config"])
+    for rank in engine_ranks(par):
+        build = result["builds"][f"{case_id((model, par, None))}/{rank}"]
+        live = {n: v for n, v in build["params"].items() if not n.endswith(_KV_SCALES)}
+        planned = plan.expected_tensors(plan.num_sources + rank)
+        assert {n: [list(s), d] for n, (s, d) in planned.items()} == live
+        assert plan.quantize_steps_of(plan.num_sources + rank) == ()
+    assert all(plan.quantize_steps_of(r) for r in range(plan.num_sources))
+    assert dict(plan.stats.bytes_by_dtype)["float8_e4m3fn"] > 0
+    with pytest.raises(ValueError) as err:
+        plan_for_engine(source, par, opts, quantization={"quant_method": "awq"})
+    assert str(err.value).startswith("quantization_config.quant_method='awq' is not modeled")

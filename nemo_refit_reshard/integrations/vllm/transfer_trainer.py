@@ -46,10 +46,11 @@ from vllm.distributed.weight_transfer.base import (
 
 from ...engine.rendezvous import broadcast_text, free_address, gather_texts, new_secret
 from ...engine.transport import DEFAULT_TIMEOUT_S
-from ...layouts import VllmOptions, vllm_layouts
-from ...plan import Colocation, RefitPlan, plan_refit, rank_plan
+from ...layouts import VllmOptions
+from ...plan import RefitPlan, rank_plan
 from ...spec import InferParallel
 from ..worker import ColocatedTrainer, RefitEndpoint, RefitWorker
+from .engine_plan import plan_for_engine
 from .plugin import BACKEND
 from .transfer_sources import ReshardSource
 
@@ -68,7 +69,11 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     ranks. ``transport``: ``"gloo"`` or ``"cupy-nccl"``. ``colocated``: every worker
     shares a GPU with a trainer rank (``colocated_hosts[d]`` for engine rank ``d``;
     default: rank ``d``); the group is then the trainer ranks, and several of them need
-    ``torch.distributed`` to share their hosts' addresses.
+    ``torch.distributed`` to share their hosts' addresses. ``quantization``: the engine's
+    ``quantization_config`` when it quantizes weights the trainer holds unquantized (an
+    FP8 checkpoint's, or the ``hf_overrides`` a framework starts vLLM with): a block-FP8
+    one makes trainer ranks send e4m3 + scales where they hold whole blocks
+    (``layouts/fp8_wire.py``); any other is refused by name.
     """
 
     backend: ClassVar[str] = BACKEND
@@ -86,6 +91,7 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     bucket_mb: float = 512
     colocated: bool = False
     colocated_hosts: list[int] | None = None
+    quantization: dict[str, Any] | None = None
 
 
 def _installed_vllm() -> str:
@@ -114,29 +120,22 @@ def _shared_address(info: ReshardTrainerInitInfo, world: int) -> tuple[str, int,
 
 def build_plan(info: ReshardTrainerInitInfo, source: ReshardSource) -> RefitPlan:
     """The refit plan from the source's trainer layouts to the stated vLLM engine."""
-    infer = InferParallel(**info.vllm_parallel)
-    if infer.dp != 1:
-        raise ValueError(
-            f"vllm_parallel dp={infer.dp}: one reshard engine serves one vLLM engine per "
-            "client (its data-parallel ranks inside: engine_dp)"
-        )
     options = VllmOptions(
         params_dtype=info.params_dtype,
         vllm_version=info.vllm_version or _installed_vllm(),
         all2all_backend=info.all2all_backend,
     )
-    destinations = vllm_layouts(source.spec, infer, options)
-    colocation = None
-    if info.colocated:
-        s, d = len(source.layouts()), len(destinations)
-        hosts = info.colocated_hosts
-        colocation = Colocation(tuple(hosts)) if hosts else Colocation.same_index(s, d)
-    elif info.colocated_hosts:
+    if info.colocated_hosts and not info.colocated:
         raise ValueError("colocated_hosts given but colocated=False: set colocated=True")
-    return plan_refit(
-        source.spec, source.layouts(), destinations, bucket_mb=info.bucket_mb,
-        colocation=colocation,
-    )  # fmt: skip
+    hosts = tuple(info.colocated_hosts or ()) if info.colocated else None
+    return plan_for_engine(
+        source,
+        InferParallel(**info.vllm_parallel),
+        options,
+        info.bucket_mb,
+        info.quantization,
+        hosts,
+    )
 
 
 class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
