@@ -117,9 +117,12 @@ def plan_title(cfg: RunConfig, timed: TimedPlan) -> str:
         f" ranks) -> inference {cfg.infer} ({plan.num_destinations} ranks)"
     )
     quant = timed.spec.arch.quant
-    if quant is not None:  # layouts/vllm_fp8.bf16_twin
-        dtype = timed.spec.arch.dtype
-        title += f"\n  {quant} engine: {dtype} on the wire, quantized by each inference rank"
+    if quant is not None:  # layouts/fp8_wire.py
+        by_dtype = ", ".join(f"{mib(n)} {d}" for d, n in plan.stats.bytes_by_dtype)
+        title += (
+            f"\n  {quant} engine: e4m3 + scales on the wire where training ranks hold whole "
+            f"blocks, the rest quantized by the inference ranks; on the wire: {by_dtype}"
+        )
     return title
 
 

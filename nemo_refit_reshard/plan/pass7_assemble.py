@@ -142,7 +142,9 @@ def baseline_bytes(
 ) -> int:
     """Bytes of the gather-broadcast baseline (``analysis/baseline.py``): each needed tensor
     gathered to the source rank holding most of it, then sent whole to every destination
-    that needs any of it, all in the destination dtype."""
+    that needs any of it, all in the destination dtype — into a block-FP8 engine NeMo
+    RL's way: every weight in the trained dtype, no scales (quantized on arrival)."""
+    trained = DTYPE_BYTES[spec.unquantized().arch.dtype] if spec.arch.quant else 0
     held: dict[str, dict[int, int]] = {}
     for layout in sources:
         for p in layout.pieces():
@@ -157,7 +159,10 @@ def baseline_bytes(
         layout = destinations[g[0] - s]
         names: set[str] = set()
         for t in layout.tensors:
-            sized = dict.fromkeys(map(_CANONICAL, t.pieces), DTYPE_BYTES[t.dtype])
+            if trained and t.dtype == "float32" and t.name.endswith("weight_scale_inv"):
+                continue  # scales: the baseline sends none
+            size = trained if trained and t.dtype == FP8 else DTYPE_BYTES[t.dtype]
+            sized = dict.fromkeys(map(_CANONICAL, t.pieces), size)
             names.update(sized)
             itemsize.update(sized)
         groups_reading[len(g)].update(names)
