@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 import time
 
-from nemo_refit_reshard.layouts import refit_layouts
+from nemo_refit_reshard.layouts import MegatronOptions, refit_layouts
 from nemo_refit_reshard.plan import (
     Cluster,
     Placement,
@@ -35,6 +35,8 @@ CASES = [
     ("qwen3-235b-a22b", "tp=4,pp=2,dp=8,ep=16,etp=1", "tp=4,dp=16"),
 ]
 LARGE = [("deepseek-v3", "pp=16,dp=16,ep=16", "tp=32,dp=8")]
+# Uneven pipeline stages where the layer count needs them (as benchmarks/published.py).
+STAGES = {("deepseek-v3", 16): (3, 2)}
 CLUSTER = "gpus_per_node=8,nvlink_gbps=450,nic_gbps=50"
 
 
@@ -48,7 +50,11 @@ def row(model: str, train: str, infer: str, cluster: Cluster | None) -> str:
     plans, seconds = [], []
     for on_wire in (True, False):
         t0 = time.perf_counter()
-        src, dst = refit_layouts(spec, tp, ip, fp8_on_wire=on_wire)
+        first, last = STAGES.get((model, tp.pp), (None, None))
+        megatron = MegatronOptions(
+            num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last
+        )
+        src, dst = refit_layouts(spec, tp, ip, megatron, fp8_on_wire=on_wire)
         links = None
         if cluster is not None:
             links = Topology(cluster, Placement.packed(len(src), len(dst), cluster))
