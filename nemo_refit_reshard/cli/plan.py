@@ -106,6 +106,7 @@ def plan_summary(plan: RefitPlan, seconds: float) -> dict[str, Any]:
         "build_seconds": round(seconds, 3),
         "bytes_sent": list(s.bytes_sent),
         "bytes_received": list(s.bytes_received),
+        **({"bytes_by_dtype": dict(s.bytes_by_dtype)} if s.bytes_by_dtype else {}),
     }
 
 

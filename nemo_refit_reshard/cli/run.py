@@ -192,6 +192,12 @@ def print_report(report: dict[str, Any]) -> None:
             f"the interconnect, plus {mib(colocated['local_bytes'])} copied on the device "
             f"(never sent); plan {colocated['fingerprint']}"
         )
+    if plan.get("bytes_by_dtype"):  # a block-FP8 engine (layouts/fp8_wire.py)
+        wire = ", ".join(f"{mib(n)} {d}" for d, n in sorted(plan["bytes_by_dtype"].items()))
+        print(
+            f"  block-FP8 engine, reshard on the wire: {wire} (e4m3 + scales quantized by "
+            "the training ranks where they hold whole blocks)"
+        )
     print(
         f"  minimum bytes {mib(plan['min_bytes'])}; plan {plan['fingerprint']}, "
         f"{plan['messages']} messages in {plan['rounds']} round(s), "
