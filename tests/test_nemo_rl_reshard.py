@@ -24,6 +24,17 @@ from safetensors.torch import save_file
 from nemo_refit_reshard.spec import spec_from_hf_config
 from tests.helpers import vllm_env
 from tests.test_vllm_truth import MODELS
+from tests.test_vllm_worker import fp8_checkpoints
+
+# The quantization_config NeMo RL's init_fp8 passes vLLM (no BF16 layers).
+NEMO_RL_FP8 = {
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    }
+}
 
 _SKIP = vllm_env.nemo_rl_grpo_skip_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
@@ -46,8 +57,16 @@ COLOCATED = dict(
 )
 
 
-def drive(tmp: Path, scenario: str, steps: int, sizes: dict = TP2, **refit: Any) -> dict:
+def drive(
+    tmp: Path, scenario: str, steps: int, sizes: dict = TP2, fp8: bool = False, **refit: Any
+) -> dict:
+    """``fp8``: NeMo RL's ``vllm_cfg.precision: fp8`` on a BF16-trained model whose
+    shards are whole 128x128 blocks; vLLM loads and is compared with the checkpoints
+    quantized by the one quantizer (``fp8_checkpoints``)."""
     cfg = dict(MODELS["qwen3"], **(FOUR_LAYERS if "pp=2" in sizes["train"] else {}))
+    if fp8:
+        cfg = {k: v for k, v in MODELS["qwen3_fp8"].items() if k != "quantization_config"}
+        cfg["torch_dtype"] = "bfloat16"
     (tmp / "config.json").write_text(json.dumps(cfg))
     checkpoints = []
     for step in range(steps + 1):  # 0: what vLLM loads at start-up
@@ -56,7 +75,12 @@ def drive(tmp: Path, scenario: str, steps: int, sizes: dict = TP2, **refit: Any)
         tensors = {t.name: torch.randn(t.shape, generator=g) for t in spec_from_hf_config(cfg)}
         save_file(tensors, str(path))
         checkpoints.append(str(path))
+    extra: dict[str, Any] = {}
+    if fp8:
+        quantized = spec_from_hf_config({**cfg, **NEMO_RL_FP8})
+        extra = dict(fp8=True, fp8_checkpoints=fp8_checkpoints(quantized, checkpoints))
     spec = dict(
+        **extra,
         config=cfg,
         model_dir=str(tmp),
         engines=2,
@@ -79,6 +103,20 @@ def drive(tmp: Path, scenario: str, steps: int, sizes: dict = TP2, **refit: Any)
     out = json.loads(result.read_text())
     assert "error" not in out, out.get("traceback")
     return out
+
+
+def test_fp8_generation_refit_is_bit_exact(tmp_path: Path) -> None:
+    """``vllm_cfg.precision: fp8``: vLLM 0.25.1's engine built with the quantization NeMo
+    RL's own ``init_fp8`` returns, refit from BF16 Megatron tp=2 with e4m3 + scales on the
+    wire (the plan says so): after each of two steps every vLLM parameter equals vLLM's
+    own load of that step's checkpoint quantized by the one quantizer."""
+    out = drive(tmp_path, "refit", steps=2, fp8=True)
+    assert "init_error" not in out, out["init_error"]
+    assert "MiB float8_e4m3fn" in out["plan"] and "MiB float32" in out["plan"], out["plan"]
+    for step in out["steps"]:
+        assert "error" not in step, step["error"]
+        assert step["differ"] == [[]] * 4, step
+    assert out["closed"] is True
 
 
 @pytest.mark.parametrize("sizes", [TP2, PP2], ids=["tp2", "pp2"])

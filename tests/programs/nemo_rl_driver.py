@@ -82,7 +82,10 @@ class VllmWorkerProcess:
         pp: int = 1,
         pp_rank: int = 0,
         gpu: str | None = None,
+        fp8: dict | None = None,
     ) -> None:
+        """``fp8``: ``{"vllm_cfg", "model_dir"}`` — NeMo RL's FP8 generation: the engine
+        is what NeMo RL's own ``init_fp8`` makes vLLM build (its ``hf_overrides``)."""
         os.environ["VLLM_TARGET_DEVICE"] = "cpu"
         if gpu is not None:  # the GPU this CPU process stands for (colocated runs)
             os.environ["NRR_DEVICE"] = gpu
@@ -103,9 +106,16 @@ class VllmWorkerProcess:
             rank=pp_rank * tp + tp_rank,
             world_size=tp * pp,
         )
+        self.dtype = "float32"
+        if fp8 is not None:
+            from nemo_rl.models.generation.vllm.quantization.fp8 import init_fp8
+
+            kwargs = init_fp8(fp8["vllm_cfg"], fp8["model_dir"], tp * pp)
+            config = {**config, **kwargs["hf_overrides"]}  # as vLLM applies hf_overrides
+            self.dtype = "bfloat16"  # vLLM's Fp8Config refuses float32
         self.config = config
         self.rank = vllm_cpu.EngineRank(tp=tp, pp=pp, tp_rank=tp_rank, pp_rank=pp_rank)
-        model, vllm_config = vllm_cpu.build_model(config, self.rank, "cpu", "float32")
+        model, vllm_config = vllm_cpu.build_model(config, self.rank, "cpu", self.dtype)
 
         class Worker(Extension):  # as vLLM adds worker_extension_cls to its Worker
             pass
@@ -153,7 +163,7 @@ class VllmWorkerProcess:
         """Parameters that differ from vLLM's own load of ``checkpoint``."""
         from tests.helpers import vllm_cpu
 
-        truth, _ = vllm_cpu.build_model(self.config, self.rank, "cpu", "float32")
+        truth, _ = vllm_cpu.build_model(self.config, self.rank, "cpu", self.dtype)
         truth.load_weights(vllm_cpu.checkpoint_tensors(checkpoint))
         want = dict(truth.named_parameters())
         return [n for n, p in self.model.named_parameters() if not torch.equal(p, want[n])]

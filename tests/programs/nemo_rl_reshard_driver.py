@@ -162,7 +162,8 @@ def master_config(spec: dict[str, Any]) -> dict[str, Any]:
                     "tensor_parallel_size": spec["vllm_tp"],
                     "pipeline_parallel_size": spec["vllm_pp"],
                     "expert_parallel_size": 1,
-                    "precision": "float32",
+                    "precision": "fp8" if spec.get("fp8") else "float32",
+                    "kv_cache_dtype": "auto",
                     "async_engine": False,
                 },
             },
@@ -211,15 +212,22 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
     ]
     result["policy_worker"] = ray.get(policy_actors[0].info.remote())
     tp, pp, engines = spec["vllm_tp"], spec["vllm_pp"], spec["engines"]
+    fp8 = None
+    if spec.get("fp8"):  # vLLM loads and is compared with the quantized checkpoints
+        vllm_cfg = master_config(spec)["policy"]["generation"]["vllm_cfg"]
+        fp8 = {"vllm_cfg": vllm_cfg, "model_dir": spec["model_dir"]}
+    loads = spec.get("fp8_checkpoints") or spec["checkpoints"]
     processes = [  # per engine, in vLLM's rank order (pp_rank, tp_rank)
         [
-            VllmWorkerProcess.options(runtime_env=env).remote(spec["config"], tp, t, p, pp, s)
+            VllmWorkerProcess.options(runtime_env=env).remote(
+                spec["config"], tp, t, p, pp, s, None, fp8
+            )
             for s in range(pp)
             for t in range(tp)
         ]
         for p in [free_port() for _ in range(engines)]
     ]
-    ray.get([p.load.remote(spec["checkpoints"][0]) for ps in processes for p in ps])
+    ray.get([p.load.remote(loads[0]) for ps in processes for p in ps])
     generation_actors = [GenerationWorker.options(runtime_env=env).remote(p) for p in processes]
     policy = SimpleNamespace(worker_group=WorkerGroup(policy_actors, world))
     generation = SimpleNamespace(
@@ -243,7 +251,7 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
         ray.get([a.load.remote(checkpoint) for a in policy_actors])
         if spec["scenario"] == "dead_worker" and step == 2:
             ray.kill(processes[-1][-1])  # the last vLLM worker of the last engine
-        record = grpo_refit(policy, generation, sync, processes, checkpoint, colocated=False)
+        record = grpo_refit(policy, generation, sync, processes, loads[step], colocated=False)
         steps.append(record)
         if "error" in record:
             # the surviving engine's workers: stale, naming the failed step

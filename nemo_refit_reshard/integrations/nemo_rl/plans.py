@@ -69,6 +69,9 @@ class NemoRlPlan:
             f"{self.infer}, {s.total_bytes / 2**20:,.1f} MiB per refit in "
             f"{s.num_rounds} rounds"
         )
+        if s.bytes_by_dtype:  # a block-FP8 engine (layouts/fp8_wire.py)
+            wire = ", ".join(f"{n / 2**20:,.1f} MiB {d}" for d, n in s.bytes_by_dtype)
+            text += f"; on the wire: {wire}"
         if self.colocated:
             b = self.plan.colocated_bytes()
             text += (

@@ -137,13 +137,31 @@ def check_fp8_kernels(model: torch.nn.Module) -> None:
         )
 
 
+# vLLM's attention layers of a quantized engine register KV-cache scales (Fp8KVCacheMethod,
+# BaseKVCacheMethod) even when the KV cache is not FP8: constants set at load, in no
+# checkpoint the trainer holds, read by no kernel then. They are not refit.
+KV_CACHE_SCALES = (".attn.q_scale", ".attn.k_scale", ".attn.v_scale", ".attn.prob_scale")
+
+
+def refit_parameters(model: torch.nn.Module, vllm_config: Any) -> dict[str, torch.Tensor]:
+    """The parameters a refit writes: all of the model's, less the KV-cache scales of an
+    engine whose KV cache is not FP8 (an FP8 KV cache's scales are not refit: refused)."""
+    cache = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
+    if str(cache).startswith("fp8"):
+        raise UnsupportedVllmOption(
+            f"kv_cache_dtype={cache!r}: the FP8 KV cache's scales are not refit; serve "
+            "with kv_cache_dtype='auto'"
+        )
+    return {n: p for n, p in model.named_parameters() if not n.endswith(KV_CACHE_SCALES)}
+
+
 def _state(worker: Any) -> _WorkerState:
     state = getattr(worker, _STATE, None)
     if state is None:
         model = _model(worker)
         check_moe_backends(model)
         layout = engine_layout(worker.vllm_config, _vllm_version())
-        params = dict(model.named_parameters())
+        params = refit_parameters(model, worker.vllm_config)
         if layout.fp8_block is not None:
             # e4m3 weights and scales are written in place: quantized by the training
             # ranks, or by this rank's program from the twins the plan sends it
