@@ -23,7 +23,7 @@ import pytest
 from nemo_refit_reshard.spec import InferParallel, spec_from_hf_config
 from tests.helpers import vllm_env
 from tests.test_vllm_truth import MODELS, rank_fields
-from tests.test_vllm_worker import write_checkpoints
+from tests.test_vllm_worker import fp8_checkpoints, write_checkpoints
 
 _SKIP = vllm_env.skip_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
@@ -34,8 +34,16 @@ def run(
 ) -> dict[str, Any]:
     """The Ray job's result (see the program's docstring)."""
     cfg, infer = MODELS[model], InferParallel(tp=2)
-    initial, *checkpoints = write_checkpoints(spec_from_hf_config(cfg, name=model), work, steps)
+    quant = cfg.get("quantization_config")  # a block-FP8 engine of a BF16-trained model
+    cfg = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    trained = spec_from_hf_config(cfg, name=model)
+    initial, *checkpoints = write_checkpoints(trained, work, steps)
+    extra: dict[str, Any] = {}
+    if quant:
+        fp8 = fp8_checkpoints(spec_from_hf_config(MODELS[model]), [initial, *checkpoints])
+        extra = dict(quantization=quant, fp8_initial=fp8[0], fp8_checkpoints=fp8[1:])
     spec = dict(
+        **extra,
         config=cfg,
         train_tp=2,
         infer=[rank_fields(infer, d, None) for d in range(infer.world_size)],
@@ -53,11 +61,14 @@ def run(
 def test_reshard_backend_over_ray_bit_exact_then_failed_update_then_colocated(
     tmp_path: Path,
 ) -> None:
-    """Two versions committed bit-exact vs vLLM's load_weights; the third update fails
-    (a trainer rank left) and commits nothing. Then the same engine again, colocated
-    (re-initialised through vLLM's own shutdown/init calls), weights poisoned first: two
-    more versions, bit-exact."""
-    r = run("qwen3_moe", tmp_path, steps=3, fail_after=2, colocated_steps=2)
+    """A block-FP8 engine (vLLM's own FP8 Qwen3-MoE classes, layer 0's router left
+    unquantized) of a BF16-trained Megatron model, told its quantization_config through
+    ``ReshardTrainerInitInfo.quantization``: the trainer ranks quantize and send e4m3 +
+    scales. Two versions committed bit-exact vs vLLM's load_weights of the quantized
+    checkpoints; the third update fails (a trainer rank left) and commits nothing. Then
+    the same engine again, colocated (re-initialised through vLLM's own shutdown/init
+    calls), weights poisoned first: two more versions, bit-exact."""
+    r = run("qwen3_moe_fp8", tmp_path, steps=3, fail_after=2, colocated_steps=2)
     assert r["ok"], r.get("traceback")
     assert r["fingerprints"][0] == r["fingerprints"][1]
     assert r["llm_version"] == "v2"

@@ -61,7 +61,9 @@ class VllmWorkerRank:
         plugin.register()  # what vLLM's load_general_plugins() does via the entry point
         self.config, self.rank = config, vllm_cpu.EngineRank.from_dict(rank)
         self.checkpoints = checkpoints  # step n's truth: vLLM's load_weights of entry n-1
-        self.model, vllm_config = vllm_cpu.build_model(config, self.rank, "cpu", "float32")
+        # A block-FP8 engine (its quantization_config): bfloat16 besides the e4m3 weights
+        self.dtype = "bfloat16" if config.get("quantization_config") else "float32"
+        self.model, vllm_config = vllm_cpu.build_model(config, self.rank, "cpu", self.dtype)
         self.model.load_weights(vllm_cpu.checkpoint_tensors(initial))
         self.engine = WeightTransferEngineFactory.create_engine(
             WeightTransferConfig(backend="reshard"), vllm_config, torch.device("cpu"), self.model
@@ -78,9 +80,13 @@ class VllmWorkerRank:
         if method == "engine_finish":  # the engine alone, past vLLM's own guard
             return self.engine.finish_weight_update()
         if method == "poison":  # every element a refit writes must be written again
+            from nemo_refit_reshard.integrations.vllm.worker import KV_CACHE_SCALES
+
             vocab = int(self.config["vocab_size"])
             with torch.no_grad():
                 for name, p in self.model.named_parameters():
+                    if name.endswith(KV_CACHE_SCALES):
+                        continue  # an FP8 engine's KV-cache scales: constants, not refit
                     if name in ("model.embed_tokens.weight", "lm_head.weight"):
                         # vLLM's vocabulary padding rows: no refit writes them
                         start = self.rank.tp_rank * p.shape[0]
@@ -99,7 +105,7 @@ class VllmWorkerRank:
     def check(self, step: int) -> None:
         from tests.helpers import vllm_cpu
 
-        truth, _ = vllm_cpu.build_model(self.config, self.rank, "cpu", "float32")
+        truth, _ = vllm_cpu.build_model(self.config, self.rank, "cpu", self.dtype)
         truth.load_weights(vllm_cpu.checkpoint_tensors(self.checkpoints[step - 1]))
         want = dict(truth.named_parameters())
         params = list(self.model.named_parameters())
@@ -162,7 +168,9 @@ class MegatronTrainerRank:
         self.storage = pointers
         return n
 
-    def init_transfer(self, llm: Any, infer_tp: int, colocated: bool = False) -> str:
+    def init_transfer(
+        self, llm: Any, infer_tp: int, colocated: bool = False, quantization: dict | None = None
+    ) -> str:
         from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
@@ -174,7 +182,8 @@ class MegatronTrainerRank:
         info = ReshardTrainerInitInfo(
             rank=self.rank,
             vllm_parallel={"tp": infer_tp},
-            params_dtype="float32",
+            params_dtype="bfloat16" if quantization else "float32",
+            quantization=quantization,
             # port and secret None: rank 0 picks them and shares them over Megatron's
             # own torch.distributed world (engine.rendezvous.broadcast_text)
             timeout_s=60,
@@ -207,7 +216,13 @@ def run(spec: dict[str, Any], work: str) -> dict[str, Any]:
 
     cfg, tp, checkpoints = spec["config"], spec["train_tp"], spec["checkpoints"]
     fail_after = spec.get("fail_after")
-    workers = [VllmWorkerRank.remote(cfg, r, spec["initial"], checkpoints) for r in spec["infer"]]
+    # A block-FP8 engine: vLLM builds the quantized config and loads (and is checked
+    # against) the quantized checkpoints; the trainer holds the BF16 model.
+    quant = spec.get("quantization")
+    engine_cfg = {**cfg, "quantization_config": quant} if quant else cfg
+    loads = spec.get("fp8_checkpoints") or checkpoints
+    initial = spec.get("fp8_initial") or spec["initial"]
+    workers = [VllmWorkerRank.remote(engine_cfg, r, initial, loads) for r in spec["infer"]]
     ray.get([w.ready.remote() for w in workers], timeout=WAIT_S)
     llm = ray.remote(num_cpus=0)(cpu_llm_class()).remote(workers)
     trainers = [MegatronTrainerRank.remote(cfg, tp, r, f"{work}/init") for r in range(tp)]
@@ -217,7 +232,7 @@ def run(spec: dict[str, Any], work: str) -> dict[str, Any]:
     )
     infer_tp = spec["infer"][0]["tp"]
     out["fingerprints"] = ray.get(
-        [t.init_transfer.remote(llm, infer_tp) for t in trainers], timeout=WAIT_S
+        [t.init_transfer.remote(llm, infer_tp, False, quant) for t in trainers], timeout=WAIT_S
     )
     for step, path in enumerate(checkpoints):
         if fail_after is not None and step == fail_after:
@@ -253,7 +268,8 @@ def colocated_phase(
     ray.get(llm.rpc.remote("poison"), timeout=WAIT_S)
     out: dict[str, Any] = {}
     out["fingerprints"] = ray.get(
-        [t.init_transfer.remote(llm, infer_tp, True) for t in trainers], timeout=WAIT_S
+        [t.init_transfer.remote(llm, infer_tp, True, spec.get("quantization")) for t in trainers],
+        timeout=WAIT_S,
     )
     for step, path in enumerate(checkpoints[: spec["colocated_steps"]]):
         ray.get([t.load.remote(path) for t in trainers], timeout=WAIT_S)
