@@ -4,12 +4,14 @@ Two trainer ranks hold a live megatron-core ``GPTModel`` (tp=2 over gloo) filled
 Megatron's own sharded-state-dict placement, and build the trainer engine through vLLM's
 ``WeightTransferTrainerFactory.trainer_init`` from a ``MegatronSource``; rank 0 drives the
 engine with vLLM's own ``RayVLLMWeightSyncClient``. The engine is an ``LLM`` actor with
-vLLM's own RL methods (``RLOfflineMixin``) over two worker ranks (one tp=2 engine, vLLM's
-model classes with real float32 storage), each building the worker engine through vLLM's
+vLLM's own RL methods (``RLOfflineMixin``) over two worker ranks (one tp=2 engine of vLLM's
+block-FP8 model classes with real storage: e4m3 weights, float32 scales, bfloat16 for the
+rest), each building the worker engine through vLLM's
 ``WeightTransferEngineFactory`` from ``WeightTransferConfig(backend="reshard")`` and
 running the phases through vLLM's own ``Worker`` methods. Every party is a Ray actor
 (``tests/programs/vllm_ray_refit.py``). Stand-ins, for what needs a GPU: the engine core's
-``collective_rpc`` and the worker object (``tests/helpers/vllm_control_plane.py``).
+``collective_rpc`` and the worker object (``tests/helpers/vllm_control_plane.py``), and the
+FP8 kernel choice, which declines this CPU (``vllm_cpu.allow_fp8_block_kernel_on_cpu``).
 """
 
 from __future__ import annotations
