@@ -98,7 +98,7 @@ class Fp8Steps:
         self.tensors: dict[str, torch.Tensor] = {}
         self._jobs: list[tuple[QuantizeStep, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for q in steps:
-            dtype = _TORCH[q.dtype]
+            dtype = getattr(torch, q.dtype)  # the trained dtype: bfloat16, float16, float32
             if q.source is not None and q.box is not None:  # a sending rank
                 source = live[q.source][q.box.slices()]
                 weight = torch.empty(q.shape, dtype=E4M3, device=device)
@@ -114,7 +114,7 @@ class Fp8Steps:
     @torch.no_grad()
     def run(self) -> None:
         for q, x, weight, scale in self._jobs:
-            x = x.reshape(weight.shape).to(_TORCH[q.dtype])  # a view where it can be
+            x = x.reshape(weight.shape).to(getattr(torch, q.dtype))  # a view where it can be
             if x.dim() == 2:
                 quantize_into(x, weight, scale, self.block)
             else:
@@ -124,9 +124,6 @@ class Fp8Steps:
 
 def _scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
     return (*shape[:-2], _cdiv(shape[-2], block[0]), _cdiv(shape[-1], block[1]))
-
-
-_TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class QuantizedWeights(Mapping[str, torch.Tensor]):

@@ -131,7 +131,7 @@ def choose_fp8_wire(
     return Fp8Wire(quant.block, frozenset(fp8.keys() - split.keys()), split)
 
 
-def quantizing_source(layout: RankLayout, spec: ModelSpec, wire: Fp8Wire, dtype: str) -> RankLayout:
+def quantizing_source(layout: RankLayout, wire: Fp8Wire, dtype: str) -> RankLayout:
     """A training rank that quantizes its whole-block pieces of ``wire.quantized``: each
     such piece moves from its live tensor to a derived e4m3 tensor (``box`` of the live
     tensor, cast to ``dtype``, quantized) with a derived scale tensor."""
@@ -198,7 +198,7 @@ def wire_layouts(
     the model's), the dtype twins and quantizing training ranks work in."""
     dtype = dtype or spec.unquantized().arch.dtype
     wire = choose_fp8_wire(spec, sources, destinations, quantize)
-    sources = [quantizing_source(s, spec, wire, dtype) for s in sources]
+    sources = [quantizing_source(s, wire, dtype) for s in sources]
     destinations = [wire_destination(d, wire, dtype) for d in destinations]
     return sources, destinations, wire
 

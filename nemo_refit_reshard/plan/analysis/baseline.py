@@ -138,9 +138,10 @@ def trained_dtype_wire(
     """A block-FP8 refit's layouts with every weight crossing in the trained dtype: the
     training ranks as they hold their tensors, every e4m3 tensor of the inference ranks
     a twin."""
+    assert spec.arch.quant is not None
     twins = [t.fp8.dtype for d in destinations for t in d.tensors if t.fp8 is not None]
     dtype = twins[0] if twins else spec.unquantized().arch.dtype
-    none = Fp8Wire(spec.arch.quant.block if spec.arch.quant else (128, 128), frozenset())
+    none = Fp8Wire(spec.arch.quant.block, frozenset())  # no weight quantized on the wire
     sources = [live_layout(s) for s in sources]
     return sources, [wire_destination(d, none, dtype) for d in destinations]
 
