@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -91,3 +94,66 @@ def test_engine_model_as_hf_repo_id_says_why_it_failed(monkeypatch: pytest.Monke
     assert text.startswith("unknown model 'no-such-org/no-such-model': not a preset")
     assert "; as a HuggingFace repo id: " in text
     assert engine_spec("small-qwen3").name == "small-qwen3"
+
+
+# -- FP8 rollouts (veRL's rollout.quantization: fp8, or a block-FP8 checkpoint) ---------
+FP8_CONFIG = {
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+    "activation_scheme": "dynamic",
+}
+
+
+def fp8_checkpoint() -> dict[str, object]:
+    """A block-FP8 Qwen3-MoE config.json (its layer-0 router left unquantized)."""
+    from tests.test_vllm_truth import MODELS
+
+    return MODELS["qwen3_moe_fp8"]
+
+
+def model_dir(tmp_path: Path, name: str, **overrides: object) -> str:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**fp8_checkpoint(), **overrides}))
+    return str(d)
+
+
+def test_fp8_rollouts_are_planned_in_the_trained_dtype(tmp_path: Path) -> None:
+    """The rollout's loader takes the trained tensors and quantizes them itself: an FP8
+    checkpoint, or ``quantization: fp8``, plans exactly the BF16 plan (same fingerprint,
+    only bfloat16 on the wire)."""
+    model = model_dir(tmp_path, "model", quantization_config=None)
+    base = plan_full_tensors(config(model=model, infer="tp=2"), 2, 4)
+    dtypes = {t.dtype for s in base.slices for m in s.messages for t in m.transfers}
+    assert dtypes == {"bfloat16"}
+    fp8_rollout = plan_full_tensors(config(model=model, infer="tp=2", quantization="fp8"), 2, 4)
+    (Path(model) / "config.json").write_text(json.dumps(fp8_checkpoint()))
+    on_disk = plan_full_tensors(config(model=model, infer="tp=2"), 2, 4)
+    for plan in (fp8_rollout, on_disk):
+        assert plan.plan.fingerprint == base.plan.fingerprint
+        assert plan.slices_json == base.slices_json
+
+
+def test_fp8_rollout_whose_shards_cut_blocks_is_refused(tmp_path: Path) -> None:
+    bf16 = model_dir(tmp_path, "bf16", quantization_config=None)
+    with pytest.raises(ValueError) as err:
+        plan_full_tensors(config(model=bf16, infer="tp=4", quantization="fp8"), 2, 4)
+    assert str(err.value) == (
+        f"the rollout serves {bf16} as fp8 block 128x128 at tp=4,pp=1,dp=1,engine_dp=1,ep=1: "
+        "model.layers.0.mlp.experts.routed_experts: 64 intermediate rows per rank is not a "
+        "multiple of the FP8 block 128: vLLM 0.33 then refines the experts' scale grid and "
+        "upsamples the checkpoint's scales, which this refit does not model; use expert "
+        "parallel or a tensor-parallel size whose shards are whole blocks"
+    )
+    # Unquantized, the same rollout is planned.
+    assert plan_full_tensors(config(model=bf16, infer="tp=4"), 2, 4).bytes > 0
+
+
+def test_unknown_rollout_quantization_is_refused() -> None:
+    with pytest.raises(ValueError) as err:
+        config(quantization="int8")
+    assert str(err.value) == (
+        "checkpoint_engine.engine_kwargs.reshard.quantization='int8': the checkpoint engine "
+        "serves rollouts that quantize at load to ('fp8',) (veRL's rollout.quantization); "
+        "leave it unset for an unquantized rollout"
+    )

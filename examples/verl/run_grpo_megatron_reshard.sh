@@ -6,7 +6,9 @@
 # Needs a GPU node with veRL and its Megatron/vLLM extras installed, plus this package:
 #   pip install "verl[vllm,mcore]==0.9.1" cupy-cuda12x && pip install -e /path/to/nemo-refit-reshard
 # (docs/verl.md). 4 actor GPUs + 4 rollout GPUs on one node; REFIT_BACKEND=nccl runs
-# veRL's own broadcast engine for a side-by-side comparison.
+# veRL's own broadcast engine for a side-by-side comparison. ROLLOUT_QUANTIZATION=fp8
+# generates with 128x128 block-FP8 weights (veRL's rollout.quantization); the engine is
+# told too, and checks that every rollout shard is whole FP8 blocks.
 set -euo pipefail
 
 MODEL_PATH="${MODEL_PATH:-Qwen/Qwen3-8B}"
@@ -14,7 +16,12 @@ TRAIN_FILES="${TRAIN_FILES:-$HOME/data/gsm8k/train.parquet}"
 VAL_FILES="${VAL_FILES:-$HOME/data/gsm8k/test.parquet}"
 ROLLOUT_TP="${ROLLOUT_TP:-2}"
 REFIT_BACKEND="${REFIT_BACKEND:-reshard}"
+ROLLOUT_QUANTIZATION="${ROLLOUT_QUANTIZATION:-}"
 CE=actor_rollout_ref.rollout.checkpoint_engine
+QUANT=()
+if [ -n "$ROLLOUT_QUANTIZATION" ]; then
+    QUANT=("actor_rollout_ref.rollout.quantization=$ROLLOUT_QUANTIZATION")
+fi
 
 if [ "$REFIT_BACKEND" = reshard ]; then
     ENGINE=(
@@ -24,6 +31,9 @@ if [ "$REFIT_BACKEND" = reshard ]; then
         "+$CE.engine_kwargs.reshard.infer='tp=$ROLLOUT_TP'"
         "+$CE.engine_kwargs.reshard.transport=cupy-nccl"
     )
+    if [ -n "$ROLLOUT_QUANTIZATION" ]; then
+        ENGINE+=("+$CE.engine_kwargs.reshard.quantization=$ROLLOUT_QUANTIZATION")
+    fi
 elif [ "$REFIT_BACKEND" = nccl ]; then
     ENGINE=("$CE.backend=nccl")
 else
@@ -58,4 +68,5 @@ python3 -m verl.trainer.main_ppo --config-name=ppo_megatron_trainer \
     trainer.total_training_steps=20 \
     trainer.logger='["console"]' \
     "${ENGINE[@]}" \
+    "${QUANT[@]}" \
     "$@"

@@ -14,6 +14,7 @@ from ...spec import ModelSpec, load_model_spec
 from ..worker import TRANSPORTS
 
 MODES = ("reshard", "broadcast")
+QUANTIZATIONS = ("fp8",)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,10 @@ class ReshardEngineConfig:
     the tensors the actor yields; ``infer_dtype``: vLLM's parameter dtype (both default
     to the checkpoint's). ``transport``: ``gloo`` (CPU) or ``cupy-nccl`` (GPUs).
     ``bucket_mb``: bytes per round (default: ``update_weights_bucket_megabytes``).
+    ``quantization``: ``fp8`` when the rollout serves the trained weights as 128×128
+    block FP8, quantizing what it loads (veRL's ``rollout.quantization: fp8``); default:
+    the checkpoint's own ``quantization_config``. The wire carries the trained dtype
+    either way (what the rollout's loader takes); it only adds vLLM's block rules.
     """
 
     model: str
@@ -39,6 +44,7 @@ class ReshardEngineConfig:
     bucket_mb: float | None = None
     host: str | None = None
     mode: str = "reshard"  # or "broadcast": the gather-broadcast baseline, for comparison
+    quantization: str | None = None
 
     @classmethod
     def from_engine_kwargs(
@@ -62,6 +68,12 @@ class ReshardEngineConfig:
             raise ValueError(f"{where}.transport={config.transport!r}; choose from {TRANSPORTS}")
         if config.mode not in MODES:
             raise ValueError(f"{where}.mode={config.mode!r}; choose from {MODES}")
+        if config.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(
+                f"{where}.quantization={config.quantization!r}: the checkpoint engine serves "
+                f"rollouts that quantize at load to {QUANTIZATIONS} (veRL's "
+                "rollout.quantization); leave it unset for an unquantized rollout"
+            )
         if config.bucket_mb is None:
             config = dataclasses.replace(config, bucket_mb=bucket_size / 2**20)
         return config

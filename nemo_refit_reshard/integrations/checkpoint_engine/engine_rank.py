@@ -73,7 +73,7 @@ class CheckpointEngineRank:
             if self.config.transport == "cupy-nccl"
             else torch.device("cpu")
         )
-        spec = engine_spec(self.config.model)
+        spec = engine_spec(self.config.model).unquantized()  # what crosses: the trained tensors
         self.shapes = {t.name: t.shape for t in spec}
         me = rp.group_rank
         wanted = rp.tensors

@@ -12,6 +12,14 @@ plan therefore has:
 
 A rollout rank receives only its shard's elements and rebuilds the full-shape tensors
 vLLM's loader takes from them (``rebuild.py``).
+
+A rollout that serves FP8 (veRL's ``rollout.quantization: fp8``, or a block-FP8
+checkpoint) still loads the trained tensors: its loader quantizes each full-shape
+tensor it is handed in 128×128 blocks (veRL's ``load_quanted_weights``) and keeps its
+shard's blocks. A block's e4m3 values and scale depend on that block alone, so the
+rebuilt tensor quantizes to the right blocks iff the rank's shard is whole blocks:
+vLLM's own FP8 layouts (``vllm_fp8.py``) require exactly that, and planning checks
+them (:func:`check_fp8_shards`).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from ...engine.program import TORCH_DTYPES
 from ...layouts import RankLayout, Replicate, VllmOptions, dtensor_layout, vllm_layouts
 from ...plan import BroadcastPlan, RankPlan, RefitPlan, plan_broadcast, plan_refit, rank_plan
 from ...spec import InferParallel, ModelSpec
+from ...spec.quantization import BlockFp8, quantized_module
 from .config import ReshardEngineConfig, engine_spec
 
 
@@ -89,17 +98,49 @@ def _sent_only(slice_: RankPlan) -> RankPlan:
     )
 
 
+def served_quantization(spec: ModelSpec, config: ReshardEngineConfig) -> BlockFp8 | None:
+    """How the rollout quantizes what it loads: the checkpoint's block FP8, else, with
+    ``quantization: fp8``, veRL's (128×128 blocks, every MoE router left unquantized:
+    ``vllm_async_server._apply_quantization``); None for an unquantized rollout."""
+    if spec.arch.quant is not None:
+        return spec.arch.quant
+    if config.quantization != "fp8":
+        return None
+    routers = {
+        m
+        for t in spec
+        if (m := quantized_module(t.name, spec.arch.family)) and m.endswith(".mlp.gate")
+    }
+    return BlockFp8((128, 128), frozenset(routers))
+
+
+def check_fp8_shards(
+    spec: ModelSpec, quant: BlockFp8, infer: InferParallel, opts: VllmOptions
+) -> None:
+    """Refuse an FP8 rollout whose shards are not whole blocks (its loader's blocks would
+    mix this rank's elements with others' it never received)."""
+    try:
+        vllm_layouts(spec.quantized(quant), infer, opts)
+    except ValueError as err:
+        raise ValueError(f"the rollout serves {spec.name} as {quant} at {infer}: {err}") from None
+
+
 def engine_layouts(
     config: ReshardEngineConfig, actor_world: int, rollout_world: int
 ) -> tuple[ModelSpec, InferParallel, list[RankLayout], list[RankLayout]]:
-    """The model, the rollout's parallelism, the replicated actor layouts (sources) and
-    the rollout GPUs' vLLM layouts (destinations)."""
-    spec = engine_spec(config.model)
+    """The model as trained, the rollout's parallelism, the replicated actor layouts
+    (sources) and the rollout GPUs' vLLM layouts of the trained tensors (destinations:
+    what their loader takes, FP8 rollouts included)."""
+    checkpoint = engine_spec(config.model)
+    spec = checkpoint.unquantized()
     infer = rollout_parallel(config, rollout_world)
     sources = [
         replicated_layout(spec, actor_world, r, config.train_dtype) for r in range(actor_world)
     ]
     opts = VllmOptions(params_dtype=config.infer_dtype, vllm_version=config.vllm_version)
+    quant = served_quantization(checkpoint, config)
+    if quant is not None:
+        check_fp8_shards(spec, quant, infer, opts)
     return spec, infer, sources, vllm_layouts(spec, infer, opts)
 
 
