@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from nemo_refit_reshard.spec import spec_from_hf_config
-from tests.helpers import vllm_env
+from tests.helpers import broken_rules, vllm_env
 from tests.test_vllm_truth import MODELS
 from tests.test_vllm_worker import fp8_checkpoints
 
@@ -154,6 +154,19 @@ def test_grpo_refit_moves_local_shards_bit_exact(tmp_path: Path, sizes: dict) ->
         assert step["differ"] == [[]] * 4, step
         assert step["metrics"]["reshard/bytes"] > 0
     assert out["closed"] is True
+
+
+def test_broken_megatron_rule_fails_the_refit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Negative control: the Megatron policy workers hold Megatron's own placement of the
+    weights (its sharded state dict, never our layout), so with k and v swapped in our
+    Megatron rule (in every process: ``NRR_BROKEN_MEGATRON_RULE``) the refit above sends
+    the wrong rows and every vLLM worker sees exactly its fused qkv_proj differ."""
+    monkeypatch.setenv(broken_rules.ENV, "kv")
+    out = drive(tmp_path, "refit", steps=1)
+    qkv = [f"model.layers.{i}.self_attn.qkv_proj.weight" for i in range(3)]
+    assert out["steps"][0]["differ"] == [qkv] * 4, out["steps"]
 
 
 def test_wrong_config_is_named_before_any_transfer(tmp_path: Path) -> None:

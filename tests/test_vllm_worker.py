@@ -28,7 +28,7 @@ from nemo_refit_reshard.layouts import MegatronOptions, VllmOptions, megatron_la
 from nemo_refit_reshard.layouts.fp8_wire import wire_layouts
 from nemo_refit_reshard.plan import plan_refit, rank_plan
 from nemo_refit_reshard.spec import InferParallel, ModelSpec, TrainParallel, spec_from_hf_config
-from tests.helpers import vllm_env
+from tests.helpers import broken_rules, vllm_env
 from tests.test_vllm_truth import MODELS, rank_fields
 
 _SKIP = vllm_env.skip_reason()
@@ -128,6 +128,7 @@ def run_refit(
                     endpoint=dataclasses.replace(endpoint, group_rank=r).to_json(),
                     plan=plan,
                     checkpoints=checkpoints,
+                    init_file=str(work / "megatron.init"),
                 )
             )
         )
@@ -183,6 +184,22 @@ def _check(results: list[dict[str, Any]], steps: int, first: int) -> None:
         assert [len(s["differ"]) for s in r["steps"]] == [0] * steps, r["steps"]
         assert [len(s["moved"]) for s in r["steps"]] == [0] * steps
         assert all(s["timing"]["seconds"] > 0 for s in r["steps"])
+
+
+def test_broken_megatron_rule_fails_the_refit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Negative control: the training ranks hold Megatron's own placement of the weights
+    (its sharded state dict), so a plan made with k and v swapped in our Megatron rule
+    sends the wrong rows, and the vLLM ranks see exactly the fused qkv_proj differ."""
+    owner = broken_rules.rule_owner()
+    monkeypatch.setattr(owner, "qkv", broken_rules.kv_swapped(owner.qkv))
+    results = run_refit("qwen3", TrainParallel(tp=2), InferParallel(tp=2), tmp_path, steps=1)
+    for r in results:
+        assert r["ok"], r.get("traceback")
+        assert r["steps"][0]["differ"] == [
+            f"model.layers.{i}.self_attn.qkv_proj.weight" for i in range(3)
+        ]
 
 
 def test_refit_two_engines_qwen3_moe(tmp_path: Path) -> None:

@@ -30,7 +30,12 @@ from typing import Any
 import ray
 import torch
 
+from tests.helpers import broken_rules
 from tests.helpers.driver_report import report_to
+
+# A negative control's broken Megatron rule, in the driver and in every Ray actor (each
+# imports this module; Ray's local workers inherit the driver's environment).
+broken_rules.install_from_env()
 
 ENGINE = "nemo_refit_reshard.integrations.nemo_rl:ReshardCheckpointEngine"
 
