@@ -18,7 +18,11 @@ from nemo_refit_reshard.integrations.nemo_rl.config import (
     train_parallel,
 )
 from nemo_refit_reshard.integrations.nemo_rl.fp8 import fp8_spec
-from nemo_refit_reshard.integrations.nemo_rl.grpo import check_reshard_config, refit_config
+from nemo_refit_reshard.integrations.nemo_rl.grpo import (
+    async_grpo,
+    check_reshard_config,
+    refit_config,
+)
 from nemo_refit_reshard.spec import load_model_spec as preset_spec
 from nemo_refit_reshard.spec.parallel import InferParallel, TrainParallel
 
@@ -232,3 +236,58 @@ def test_fp8_generation_is_the_block_fp8_engine_nemo_rl_builds() -> None:
         "BF16 layers in a MoE model are not modeled (vLLM skips fused experts by another "
         "naming rule); set both to 0"
     )
+
+
+def async_config(**edits: Any) -> dict[str, Any]:
+    """``config()`` with NeMo RL's async GRPO on, as its async recipes set it."""
+    cfg = config()
+    cfg["grpo"] = {"async_grpo": {"enabled": True, "in_flight_weight_updates": True}}
+    cfg["policy"]["generation"]["vllm_cfg"]["async_engine"] = True
+    cfg["loss_fn"] = {"use_importance_sampling_correction": True}
+    for path, value in edits.items():
+        *head, last = path.split("__")
+        node = cfg
+        for key in head:
+            node = node.setdefault(key, {})
+        node[last] = value
+    return cfg
+
+
+def test_async_grpo_is_served() -> None:
+    assert async_grpo(async_config()) is True
+    assert async_grpo(config()) is False
+    off = async_config()
+    off["grpo"]["async_grpo"]["enabled"] = False
+    assert async_grpo(off) is False
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            {"policy__generation__vllm_cfg__async_engine": False},
+            "grpo.async_grpo.enabled=True with policy.generation.vllm_cfg.async_engine: async "
+            "GRPO generates with vLLM's async engine; set it to true",
+        ),
+        (
+            {"policy__generation__colocated__enabled": True},
+            "grpo.async_grpo.enabled=True with policy.generation.colocated.enabled: NeMo RL "
+            "runs colocated async GRPO with Megatron generation only; give vLLM its own GPUs "
+            "(false)",
+        ),
+        (
+            {"loss_fn__use_importance_sampling_correction": False},
+            "grpo.async_grpo.enabled=True with loss_fn.use_importance_sampling_correction: "
+            "async GRPO trains on off-policy samples and needs it; set it to true",
+        ),
+        (
+            {"grpo__reward_shaping__enabled": True},
+            "grpo.async_grpo.enabled=True with grpo.reward_shaping.enabled: NeMo RL's async "
+            "GRPO does not support it; turn it off",
+        ),
+    ],
+)
+def test_async_grpo_errors_name_the_key(edit: dict[str, Any], message: str) -> None:
+    with pytest.raises(NemoRlConfigError) as err:
+        async_grpo(async_config(**edit))
+    assert str(err.value) == message

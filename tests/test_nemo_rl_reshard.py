@@ -58,7 +58,13 @@ COLOCATED = dict(
 
 
 def drive(
-    tmp: Path, scenario: str, steps: int, sizes: dict = TP2, fp8: bool = False, **refit: Any
+    tmp: Path,
+    scenario: str,
+    steps: int,
+    sizes: dict = TP2,
+    fp8: bool = False,
+    async_grpo: dict | None = None,
+    **refit: Any,
 ) -> dict:
     """``fp8``: NeMo RL's ``vllm_cfg.precision: fp8`` on a BF16-trained model whose
     shards are whole 128x128 blocks; vLLM loads and is compared with the checkpoints
@@ -79,6 +85,8 @@ def drive(
     if fp8:
         quantized = spec_from_hf_config({**cfg, **NEMO_RL_FP8})
         extra = dict(fp8=True, fp8_checkpoints=fp8_checkpoints(quantized, checkpoints))
+    if async_grpo is not None:
+        extra["async_grpo"] = async_grpo
     spec = dict(
         **extra,
         config=cfg,
@@ -150,6 +158,26 @@ def test_grpo_refit_moves_local_shards_bit_exact(tmp_path: Path, sizes: dict) ->
     first, second = out["steps"]
     assert (first["stale_before"], first["stale_after"]) == (True, False)
     assert (second["stale_before"], second["stale_after"]) == (False, False)
+    for step in out["steps"]:
+        assert step["differ"] == [[]] * 4, step
+        assert step["metrics"]["reshard/bytes"] > 0
+    assert out["closed"] is True
+
+
+@pytest.mark.parametrize("in_flight", [False, True], ids=["drained", "in_flight"])
+def test_async_grpo_refits_through_nemo_rl_trajectory_collector(
+    tmp_path: Path, in_flight: bool
+) -> None:
+    """``grpo.async_grpo.enabled`` with ``vllm_cfg.async_engine``: each refit is
+    ``async_grpo_train``'s, around NeMo RL's own ``AsyncTrajectoryCollector`` (new
+    generations paused, pending ones drained unless ``in_flight_weight_updates``), the
+    calls into vLLM through NeMo RL's async RPC mixin. Bit-exact after each step, the
+    weight version advanced by one per refit, stale until the first sync."""
+    out = drive(tmp_path, "refit", steps=2, async_grpo={"in_flight_weight_updates": in_flight})
+    first, second = out["steps"]
+    assert (first["stale_before"], first["stale_after"]) == (True, False)
+    assert (second["stale_before"], second["stale_after"]) == (False, False)
+    assert [s["weight_version"] for s in out["steps"]] == [[0, 1], [1, 2]]
     for step in out["steps"]:
         assert step["differ"] == [[]] * 4, step
         assert step["metrics"]["reshard/bytes"] > 0

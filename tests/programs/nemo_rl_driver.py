@@ -178,10 +178,15 @@ class VllmWorkerProcess:
 class GenerationWorker:
     """NeMo RL's generation worker for one vLLM engine (its rank 0 receives the calls)."""
 
-    def __init__(self, processes: list, colocated: bool = False) -> None:
+    def __init__(
+        self, processes: list, colocated: bool = False, async_engine: bool = False
+    ) -> None:
         from types import SimpleNamespace  # Ray ships this class by value: no module globals
 
-        from nemo_rl.models.generation.vllm.checkpoint_engine import VllmCheckpointEngineRpcMixin
+        from nemo_rl.models.generation.vllm.checkpoint_engine import (
+            VllmAsyncCheckpointEngineRpcMixin,
+            VllmCheckpointEngineRpcMixin,
+        )
 
         class Llm:
             """vLLM's ``LLM``: RPCs and sleep mode fan out to the engine's workers."""
@@ -197,6 +202,13 @@ class GenerationWorker:
             def wake_up(self, tags: list[str] | None = None) -> None:
                 ray.get([p.wake_up.remote(tags) for p in processes])
 
+        class AsyncLlm:
+            """vLLM's ``AsyncLLM`` (``async_engine: true``): ``collective_rpc`` is a
+            coroutine whose results NeMo RL resolves (``resolve_collective_rpc_result``)."""
+
+            async def collective_rpc(self, method: str, args: tuple = ()) -> list:
+                return [p.run.remote(method, tuple(args)) for p in processes]
+
         if colocated:  # NeMo RL's own generation worker: its sleep and wake_up
             from nemo_rl.models.generation.vllm.vllm_worker import VllmGenerationWorkerImpl
 
@@ -204,6 +216,10 @@ class GenerationWorker:
                 def __init__(self) -> None:  # NeMo RL's starts vLLM on a GPU
                     self.llm = Llm()
                     self.cfg = {"vllm_cfg": {"async_engine": False}}
+        elif async_engine:
+
+            class Worker(VllmAsyncCheckpointEngineRpcMixin):  # type: ignore[no-redef]
+                llm = AsyncLlm()
         else:
 
             class Worker(VllmCheckpointEngineRpcMixin):  # type: ignore[no-redef]
@@ -213,6 +229,14 @@ class GenerationWorker:
 
     def checkpoint_engine_rpc(self, checkpoint_method: str, method_args=()) -> Any:
         return self.worker.checkpoint_engine_rpc(checkpoint_method, method_args)
+
+    def checkpoint_engine_rpc_async(self, checkpoint_method: str, method_args=()) -> Any:
+        """NeMo RL's async worker awaits this on its engine's event loop; the actor stays
+        synchronous (its other calls block on ``ray.get``), so the coroutine runs here."""
+        import asyncio
+
+        call = self.worker.checkpoint_engine_rpc_async(checkpoint_method, method_args)
+        return asyncio.run(call)
 
     def sleep(self) -> None:
         return self.worker.sleep()

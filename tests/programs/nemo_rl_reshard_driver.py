@@ -5,7 +5,15 @@
 SPEC: ``{"config": <HF config>, "model_dir", "train": Megatron TrainParallel text (what
 the workers run), "megatron_cfg": what the NeMo RL config claims, "vllm_tp", "vllm_pp",
 "engines", "checkpoints": [safetensors per step], "refit": the refit block, "scenario":
-"refit" | "dead_worker"}``.
+"refit" | "dead_worker", "async_grpo": optional {"in_flight_weight_updates": bool}}``.
+
+With ``async_grpo`` the vLLM engines are async (``vllm_cfg.async_engine: true``: NeMo RL's
+``VllmAsyncCheckpointEngineRpcMixin`` awaits ``AsyncLLM.collective_rpc``) and every refit
+is ``async_grpo_train``'s: NeMo RL's own ``AsyncTrajectoryCollector`` (a Ray actor, built
+from NeMo RL's ``MasterConfig`` of our overlay with async GRPO on) is told
+``prepare_for_refit`` (pause new generations; drain pending ones unless in-flight
+updates), then ``refit_policy_generation``, ``set_weight_version(v + 1)``,
+``resume_after_refit``.
 
 Real NeMo RL: ``grpo.refit_policy_generation`` (GRPO's refit; it calls
 ``policy_generation.weight_synchronizer.sync_weights``), the ``WeightSynchronizer``
@@ -164,7 +172,7 @@ def master_config(spec: dict[str, Any]) -> dict[str, Any]:
                     "expert_parallel_size": 1,
                     "precision": "fp8" if spec.get("fp8") else "float32",
                     "kv_cache_dtype": "auto",
-                    "async_engine": False,
+                    "async_engine": bool(spec.get("async_engine")),
                 },
             },
         },
@@ -189,6 +197,54 @@ def grpo_refit(
     record["stale_after"] = sync.is_stale
     if "error" not in record:
         record["differ"] = ray.get([p.compare.remote(checkpoint) for ps in processes for p in ps])
+    return record
+
+
+def trajectory_collector(spec: dict[str, Any]) -> Any:
+    """NeMo RL's ``AsyncTrajectoryCollector`` actor for the overlay with async GRPO on."""
+    import importlib.util
+
+    from nemo_rl.algorithms.async_utils import AsyncTrajectoryCollector
+    from nemo_rl.algorithms.grpo import MasterConfig
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    module_spec = importlib.util.spec_from_file_location(
+        "run_grpo", os.path.join(repo, "examples/nemo_rl/run_grpo.py")
+    )
+    assert module_spec is not None and module_spec.loader is not None
+    run_grpo = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(run_grpo)
+    in_flight = spec["async_grpo"]["in_flight_weight_updates"]
+    raw = run_grpo.load(
+        os.path.join(repo, "configs/nemo_rl/grpo_math_qwen3_8B_megatron_reshard.yaml"),
+        [
+            "grpo.async_grpo.enabled=true",
+            f"grpo.async_grpo.in_flight_weight_updates={str(in_flight).lower()}",
+            "policy.generation.vllm_cfg.async_engine=true",
+            "loss_fn.use_importance_sampling_correction=true",
+        ],
+        None,
+    )
+    return AsyncTrajectoryCollector.remote(
+        policy_generation=None,
+        tokenizer=None,
+        task_to_env={},
+        master_config=MasterConfig(**raw),
+        replay_buffer=None,
+    )
+
+
+def async_grpo_refit(
+    collector: Any, policy: Any, generation: Any, sync: Any, processes: list, checkpoint: str
+) -> dict[str, Any]:
+    """One refit as ``async_grpo_train`` makes it, around :func:`grpo_refit`."""
+    version = ray.get(collector.get_weight_version.remote())
+    ray.get(collector.prepare_for_refit.remote())
+    record = grpo_refit(policy, generation, sync, processes, checkpoint, colocated=False)
+    if "error" not in record:
+        ray.get(collector.set_weight_version.remote(version + 1))
+        ray.get(collector.resume_after_refit.remote())
+    record["weight_version"] = [version, ray.get(collector.get_weight_version.remote())]
     return record
 
 
@@ -228,11 +284,15 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
         for p in [free_port() for _ in range(engines)]
     ]
     ray.get([p.load.remote(loads[0]) for ps in processes for p in ps])
-    generation_actors = [GenerationWorker.options(runtime_env=env).remote(p) for p in processes]
+    async_engine = bool(spec.get("async_engine"))
+    generation_actors = [
+        GenerationWorker.options(runtime_env=env).remote(p, async_engine=async_engine)
+        for p in processes
+    ]
     policy = SimpleNamespace(worker_group=WorkerGroup(policy_actors, world))
     generation = SimpleNamespace(
         worker_group=WorkerGroup(generation_actors, tp * pp * engines),
-        cfg={"vllm_cfg": {"async_engine": False}},
+        cfg={"vllm_cfg": {"async_engine": async_engine}},
         weight_synchronizer=None,
     )
     config = master_config(spec)
@@ -247,11 +307,15 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
     result["plan"] = str(sync.plan)
     steps: list[dict[str, Any]] = []
     result["steps"] = steps
+    collector = trajectory_collector(spec) if spec.get("async_grpo") else None
     for step, checkpoint in enumerate(spec["checkpoints"][1:], start=1):
         ray.get([a.load.remote(checkpoint) for a in policy_actors])
         if spec["scenario"] == "dead_worker" and step == 2:
             ray.kill(processes[-1][-1])  # the last vLLM worker of the last engine
-        record = grpo_refit(policy, generation, sync, processes, loads[step], colocated=False)
+        if collector is not None:
+            record = async_grpo_refit(collector, policy, generation, sync, processes, loads[step])
+        else:
+            record = grpo_refit(policy, generation, sync, processes, loads[step], colocated=False)
         steps.append(record)
         if "error" in record:
             # the surviving engine's workers: stale, naming the failed step

@@ -56,6 +56,59 @@ def check_reshard_config(config: Mapping[str, Any]) -> None:
         )
 
 
+def async_grpo(config: Mapping[str, Any]) -> bool:
+    """Whether the config runs NeMo RL's ``async_grpo_train`` (``grpo.async_grpo.enabled``),
+    after the checks NeMo RL itself makes there and in its ``examples/run_grpo.py``, each
+    as one line naming the key (NeMo RL asserts or raises ``NotImplementedError`` deep in
+    its setup). Every refit there is GRPO's ``refit_policy_generation``, so any backend
+    serves it; ``reshard`` reaches NeMo RL's async vLLM engine through its async RPC."""
+    grpo = config.get("grpo") or {}
+    if not (grpo.get("async_grpo") or {}).get("enabled", False):
+        return False
+    generation = config["policy"]["generation"]
+    rules = [
+        (
+            "policy.generation.vllm_cfg.async_engine",
+            (generation.get("vllm_cfg") or {}).get("async_engine", False) is True,
+            "async GRPO generates with vLLM's async engine; set it to true",
+        ),
+        (
+            "policy.generation.colocated.enabled",
+            not (generation.get("colocated") or {}).get("enabled", False),
+            "NeMo RL runs colocated async GRPO with Megatron generation only; give vLLM "
+            "its own GPUs (false)",
+        ),
+        (
+            "loss_fn.use_importance_sampling_correction",
+            (config.get("loss_fn") or {}).get("use_importance_sampling_correction") is True,
+            "async GRPO trains on off-policy samples and needs it; set it to true",
+        ),
+        ("grpo.use_dynamic_sampling", not grpo.get("use_dynamic_sampling"), _NOT_ASYNC),
+        (
+            "grpo.reward_scaling.enabled",
+            not (grpo.get("reward_scaling") or {}).get("enabled"),
+            _NOT_ASYNC,
+        ),
+        (
+            "grpo.reward_shaping.enabled",
+            not (grpo.get("reward_shaping") or {}).get("enabled"),
+            _NOT_ASYNC,
+        ),
+        (
+            "data.use_multiple_dataloader",
+            not (config.get("data") or {}).get("use_multiple_dataloader"),
+            _NOT_ASYNC,
+        ),
+    ]
+    for key, ok, why in rules:
+        if not ok:
+            raise NemoRlConfigError(f"grpo.async_grpo.enabled=True with {key}: {why}")
+    return True
+
+
+_NOT_ASYNC = "NeMo RL's async GRPO does not support it; turn it off"
+
+
 def policy_factory(refit: RefitConfig) -> Callable[..., Any] | None:
     """``setup(policy_factory=...)``: our worker for ``reshard``, NeMo RL's otherwise."""
     if refit.backend != "reshard":
