@@ -11,15 +11,21 @@
 # this machine's CPU torch, transformers < 5.9 (its pin) and vLLM 0.25.1 (its pin,
 # model classes only, as scripts/setup_vllm_cpu.sh installs them).
 #
-#   NEMO_RL_PYTHON=/path/to/python3.12 scripts/setup_nemo_rl_cpu.sh SRC VENV
+#   NEMO_RL_PYTHON=python3.12 scripts/setup_nemo_rl_cpu.sh SRC VENV
 #
-# builds VENV instead as an isolated venv on that interpreter (no system site packages;
-# see VENV_PYTHON in scripts/venv_lib.sh), with torch of the same version (the CUDA build
-# from the index where no CPU wheel exists: ~2.6 GB, runs on CPU) and everything the
-# system site would otherwise provide: this project (editable), megatron-core and ray at
-# the system's versions, pytest, and what nemo_rl.algorithms.grpo imports. That module
-# needs Python >= 3.12: on 3.11 pydantic rejects its typing.TypedDict configs. About 3
-# minutes after the download.
+# builds VENV instead as an isolated venv on that interpreter (a name, looked up on PATH
+# and then through pyenv, or a path; no system site packages; see VENV_PYTHON in
+# scripts/venv_lib.sh), with torch of the same version (the CUDA build from the index
+# where no CPU wheel exists: ~2.6 GB, runs on CPU) and everything the system site would
+# otherwise provide: this project (editable), megatron-core and ray[default] at the
+# system's versions, pytest, and what examples/nemo_rl/run_grpo.py imports (NeMo RL's GRPO,
+# data and logger modules; Ray's dashboard, which NeMo RL's init_ray starts). NeMo RL's GRPO
+# module needs Python >= 3.12: on 3.11 pydantic rejects its typing.TypedDict configs.
+#
+# Measured on a shared 2-core machine (the one this project is built on), nothing in pip's
+# cache: the default (3.11) flow 2.5 minutes, 1.1 GB (the 336 MB vLLM wheel); the 3.12
+# flow 10.5 minutes, 6.9 GB (about 4 of those minutes the torch download and install).
+# Idempotent: a re-run over a finished 3.12 venv took 1.7 minutes.
 set -euo pipefail
 SRC="${1:?usage: scripts/setup_nemo_rl_cpu.sh SRC [VENV] (SRC: a NeMo RL clone or git URL)}"
 VENV="${2:-.venv-nemo-rl}"
@@ -29,7 +35,11 @@ REPO="$(dirname "$HERE")"
 source "$HERE/venv_lib.sh"
 
 if [ -n "${NEMO_RL_PYTHON:-}" ]; then
-    export VENV_PYTHON="$NEMO_RL_PYTHON"  # read by make_venv, here and in setup_vllm_cpu.sh
+    # A name (python3.12) or a path; resolved once, here, so that a pyenv shim's failure
+    # is one line before anything is built. Read by make_venv here and in setup_vllm_cpu.sh.
+    VENV_PYTHON="$(resolve_python NEMO_RL_PYTHON "$NEMO_RL_PYTHON")"
+    export VENV_PYTHON
+    echo "NEMO_RL_PYTHON: $VENV_PYTHON"
 fi
 make_venv "$VENV"
 if [ -n "${VENV_PYTHON:-}" ]; then
@@ -61,13 +71,15 @@ quiet "${PIP[@]}" "transformers>=5.5,<5.9" accelerate pillow pyzmq nvidia-ml-py 
 quiet "${PIP[@]}" --no-deps --ignore-requires-python -e "$SRC"
 if [ -n "${VENV_PYTHON:-}" ]; then
     # The isolated venv sees none of the system's packages. megatron-core and ray at the
-    # system's versions (else this project's test-extra ranges).
+    # system's versions (else this project's test-extra ranges). Ray with its `default`
+    # extra, as NeMo RL declares it: init_ray starts a local cluster with the dashboard,
+    # which refuses to start without aiohttp_cors, opencensus, ... (ray alone lacks them).
     mcore="$(installed "$(command -v python3)" megatron-core || true)"
     ray="$(installed "$(command -v python3)" ray || true)"
     MCORE_REQ="megatron-core>=0.16,<0.17"
-    RAY_REQ="ray>=2.40"
+    RAY_REQ="ray[default]>=2.40"
     [ -z "$mcore" ] || MCORE_REQ="megatron-core==$mcore"
-    [ -z "$ray" ] || RAY_REQ="ray==$ray"
+    [ -z "$ray" ] || RAY_REQ="ray[default]==$ray"
     # torchdata ... hydra-core: what nemo_rl.algorithms.grpo imports (its loggers, data
     # and config stack). pytest, safetensors: the tests. transformers again so that none
     # of these moves it off NeMo RL's range.
@@ -96,9 +108,18 @@ import sys
 
 import megatron.core  # noqa: F401
 import nemo_refit_reshard  # noqa: F401
+import ray.dashboard.optional_deps  # noqa: F401  (what Ray checks before its dashboard starts)
 
 if sys.version_info >= (3, 12):  # pydantic rejects its typing.TypedDict configs below
-    from nemo_rl.algorithms.grpo import refit_policy_generation  # noqa: F401
+    # everything examples/nemo_rl/run_grpo.py imports from NeMo RL
+    from nemo_rl.algorithms.grpo import refit_policy_generation, setup  # noqa: F401
+    from nemo_rl.algorithms.utils import get_tokenizer  # noqa: F401
+    from nemo_rl.data.utils import setup_response_data  # noqa: F401
+    from nemo_rl.distributed.virtual_cluster import init_ray  # noqa: F401
+    from nemo_rl.models.generation import configure_generation_config  # noqa: F401
+    from nemo_rl.utils.logger import get_next_experiment_dir  # noqa: F401
+
+    from nemo_refit_reshard.integrations.nemo_rl.grpo import policy_factory  # noqa: F401
 PYEOF
-    echo "megatron-core, nemo_refit_reshard (and on Python >= 3.12 nemo_rl.algorithms.grpo) import in $VENV"
+    echo "megatron-core, nemo_refit_reshard, Ray's dashboard (and on Python >= 3.12 what examples/nemo_rl/run_grpo.py imports) import in $VENV"
 fi

@@ -10,7 +10,9 @@ The overlay's ``defaults:`` is looked up beside it, then in NeMo RL's own
 in NeMo RL's ``examples/run_grpo.py``, which this follows step for step; the only
 changes are the policy worker (``reshard``: NeMo RL's Megatron worker plus our refit
 methods) and the weight synchronizer GRPO's refit calls. A bad value in the config
-prints one line naming the key, the value and the choices, and exits with status 2.
+prints one line naming the key, the value and the choices, and exits with status 2; so
+do, once Ray has started, fewer GPUs than the config places the job on
+(``cluster.gpus_per_node`` x ``cluster.num_nodes``) and a tokenizer that cannot be loaded.
 Synchronous GRPO only (``grpo.async_grpo.enabled=false``).
 """
 
@@ -51,6 +53,44 @@ def load(config: str, overrides: list[str], base_dir: str | None) -> dict[str, A
     if overrides:
         cfg = parse_hydra_overrides(cfg, overrides)
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+def one_line(err: BaseException) -> str:
+    """The error's message on one line (Ray's and transformers' span several)."""
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def ray_hint(message: str) -> str:
+    """What to do about the two start-up failures a new environment meets."""
+    if "Version mismatch" in message:
+        # init_ray first joins any Ray cluster running on this machine ("auto"), even one
+        # another job started under another Python.
+        return (
+            "; NeMo RL's init_ray joined a Ray cluster already running on this machine: "
+            "stop it, or set RAY_ADDRESS=local to start one for this run"
+        )
+    if "dashboard" in message:
+        # init_ray starts its own cluster with the dashboard, which plain `ray` lacks.
+        return "; install ray[default] (scripts/setup_nemo_rl_cpu.sh does)"
+    return ""
+
+
+def ray_gpus() -> float:
+    """The GPUs of the Ray cluster ``init_ray`` started or joined."""
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0))
+
+
+def gpus_needed(cluster: dict[str, Any]) -> tuple[int, str] | None:
+    """The GPUs NeMo RL's setup places the job on (``cluster.gpus_per_node`` x
+    ``cluster.num_nodes``) and how to say so, or None when the config does not say."""
+    per_node, nodes = cluster.get("gpus_per_node"), cluster.get("num_nodes")
+    if not isinstance(per_node, int) or not isinstance(nodes, int):
+        return None
+    return per_node * nodes, (
+        f"{per_node * nodes} GPUs (cluster.gpus_per_node={per_node} x cluster.num_nodes={nodes})"
+    )
 
 
 def main() -> int:
@@ -95,8 +135,31 @@ def main() -> int:
 
     config = MasterConfig(**raw)
     config.logger["log_dir"] = get_next_experiment_dir(config.logger["log_dir"])
-    init_ray()
-    tokenizer = get_tokenizer(config.policy["tokenizer"])
+    try:
+        init_ray()
+    except Exception as err:  # any start-up failure: Ray's reason is the user's to fix
+        message = one_line(err).rstrip(".")
+        print(f"error: Ray did not start: {message}{ray_hint(message)}", file=sys.stderr)
+        return 2
+    gpus = ray_gpus()
+    print(f"ray started: {gpus:g} GPUs", flush=True)
+    needed = gpus_needed(config.cluster)
+    if needed is not None and gpus < needed[0]:
+        # Said here, in one line: NeMo RL's setup finds out only after the tokenizer and
+        # dataset downloads, retries its placement groups for about a minute and ends in a
+        # ResourceInsufficientError traceback.
+        print(f"error: this run needs {needed[1]}; Ray sees {gpus:g}", file=sys.stderr)
+        return 2
+    try:
+        tokenizer = get_tokenizer(config.policy["tokenizer"])
+    except (OSError, ValueError) as err:  # transformers' "cannot be loaded" errors
+        name = config.policy["tokenizer"]["name"]
+        print(
+            f"error: tokenizer {name} cannot be loaded: {one_line(err).rstrip('.')}; set "
+            "policy.tokenizer.name to a local copy or make the Hugging Face hub reachable",
+            file=sys.stderr,
+        )
+        return 2
     megatron_cfg = config.policy.get("megatron_cfg") or {}
     config.policy["generation"] = configure_generation_config(
         config.policy["generation"],
