@@ -34,7 +34,8 @@ _SKIP = vllm_env._missing(
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
 
 
-def test_run_grpo_without_gpus_stops_in_one_line(tmp_path: Path) -> None:
+def launch(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """``run_grpo.py`` with the Qwen3-8B overlay and ``overrides``, on no GPUs, offline."""
     python = vllm_env.nemo_rl_grpo_python()
     assert python is not None
     env = vllm_env.vllm_env()
@@ -46,22 +47,47 @@ def test_run_grpo_without_gpus_stops_in_one_line(tmp_path: Path) -> None:
     env.pop("RAY_OVERRIDE_RESOURCES", None)
     # Nothing may reach the network before the GPU check (it comes before the tokenizer).
     env["HF_HUB_OFFLINE"] = "1"
-    done = subprocess.run(
+    return subprocess.run(
         [
             python,
             str(vllm_env.REPO / "examples" / "nemo_rl" / "run_grpo.py"),
             "--config",
             str(vllm_env.REPO / "configs" / "nemo_rl" / "grpo_math_qwen3_8B_megatron_reshard.yaml"),
             f"logger.log_dir={tmp_path / 'logs'}",
+            *overrides,
         ],
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
     )
+
+
+ASYNC = (
+    "grpo.async_grpo.enabled=true",
+    "grpo.async_grpo.in_flight_weight_updates=true",
+    "policy.generation.vllm_cfg.async_engine=true",
+    "loss_fn.use_importance_sampling_correction=true",
+)
+
+
+@pytest.mark.parametrize("overrides", [(), ASYNC], ids=["sync", "async_grpo"])
+def test_run_grpo_without_gpus_stops_in_one_line(tmp_path: Path, overrides: tuple) -> None:
+    """Synchronous and async GRPO (``async_grpo_train``) alike get past Ray's start-up."""
+    done = launch(tmp_path, *overrides)
     assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
     assert "ray started: 0 GPUs" in done.stdout.splitlines(), done.stdout[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1] == (
         "error: this run needs 16 GPUs (cluster.gpus_per_node=8 x cluster.num_nodes=2); Ray sees 0"
     )
+
+
+def test_async_grpo_without_async_engine_is_one_line_before_ray(tmp_path: Path) -> None:
+    done = launch(tmp_path, "grpo.async_grpo.enabled=true")
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "ray started" not in done.stdout
+    assert done.stderr.strip().splitlines() == [
+        "error: grpo.async_grpo.enabled=True with policy.generation.vllm_cfg.async_engine: "
+        "async GRPO generates with vLLM's async engine; set it to true"
+    ]

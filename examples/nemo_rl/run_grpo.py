@@ -13,7 +13,10 @@ methods) and the weight synchronizer GRPO's refit calls. A bad value in the conf
 prints one line naming the key, the value and the choices, and exits with status 2; so
 do, once Ray has started, fewer GPUs than the config places the job on
 (``cluster.gpus_per_node`` x ``cluster.num_nodes``) and a tokenizer that cannot be loaded.
-Synchronous GRPO only (``grpo.async_grpo.enabled=false``).
+With ``grpo.async_grpo.enabled=true`` it runs NeMo RL's ``async_grpo_train`` as NeMo RL's
+script does (its async rules checked first, one line each); every refit there is GRPO's
+``refit_policy_generation``, so ``reshard`` serves it, drained or with
+``in_flight_weight_updates``.
 """
 
 from __future__ import annotations
@@ -104,6 +107,7 @@ def main() -> int:
 
     from nemo_refit_reshard.integrations.nemo_rl.config import NemoRlConfigError
     from nemo_refit_reshard.integrations.nemo_rl.grpo import (
+        async_grpo,
         check_reshard_config,
         install_synchronizer,
         policy_factory,
@@ -116,11 +120,7 @@ def main() -> int:
         refit = refit_config(raw)
         if refit.backend == "reshard":
             check_reshard_config(raw)
-            if (raw.get("grpo") or {}).get("async_grpo", {}).get("enabled", False):
-                raise NemoRlConfigError(
-                    "grpo.async_grpo.enabled=True: this script runs synchronous GRPO; set it "
-                    "to false"
-                )
+        run_async = async_grpo(raw)
     except (NemoRlConfigError, FileNotFoundError, OverridesError, OmegaConfBaseException) as err:
         print(f"error: {str(err).strip().splitlines()[0]}", file=sys.stderr)
         return 2
@@ -192,6 +192,28 @@ def main() -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
         print(f"weight synchronizer: {type(sync).__name__}", flush=True)
+        if run_async:
+            from nemo_rl.algorithms.grpo import async_grpo_train
+
+            print("async GRPO", flush=True)
+            async_grpo_train(
+                policy=policy,
+                policy_generation=policy_generation,
+                dataloader=dataloader,
+                val_dataloader=val_dataloader,
+                tokenizer=tokenizer,
+                loss_fn=loss_fn,
+                task_to_env=task_to_env,
+                val_task_to_env=val_task_to_env,
+                logger=logger,
+                checkpointer=checkpointer,
+                grpo_save_state=grpo_state,
+                master_config=master_config,
+                max_trajectory_age_steps=config.grpo.async_grpo.max_trajectory_age_steps,
+                teacher_worker_groups=_teachers,
+                alias_to_group_alias=_aliases,
+            )
+            return 0
         with checkpointer:
             grpo_train(
                 policy,

@@ -102,9 +102,9 @@ def nemo_rl_grpo_skip_reason() -> str | None:
     """NeMo RL's GRPO module (``refit_policy_generation``) imports on Python >= 3.12 only."""
     probe = "import nemo_rl.algorithms.grpo, megatron.core"
     hint = (
-        "NeMo RL's GRPO module needs Python >= 3.12: NEMO_RL_PYTHON=/path/to/python3.12 "
+        "NeMo RL's GRPO module needs Python >= 3.12: NEMO_RL_PYTHON=python3.12 "
         "bash scripts/setup_nemo_rl_cpu.sh <NeMo RL clone or git URL> .venv-nemo-rl312 "
-        "(about 3 minutes plus a ~2.6 GB torch download)"
+        "(about 10 minutes, most of it a ~2.6 GB torch download)"
     )
     return _missing(nemo_rl_grpo_python(), "NeMo RL's GRPO", probe, hint)
 
