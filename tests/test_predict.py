@@ -458,3 +458,29 @@ def test_cli_simulate_chooses_uneven_pipeline_stages_and_says_so(tmp_path, capsy
     # plan and demo keep Megatron's rule: an explicit error, not a guess
     assert main(["plan", "--model", str(path), "--train", "pp=3", "--infer", "tp=1"]) == 2
     assert "not divisible by pp=3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "model, train, infer, gpus_per_node",
+    [
+        ("small-qwen3-moe", "pp=2,dp=2,ep=2", "tp=2,dp=2", 2),  # replicas on both sides
+        ("small-qwen3-moe", "tp=2,ep=2,dp=2", "tp=1,dp=4", 4),
+        ("small-qwen3", "tp=2,pp=2", "tp=2,dp=2", 8),  # one node each
+    ],
+)
+def test_baseline_priced_from_layouts_equals_its_plan(
+    model: str, train: str, infer: str, gpus_per_node: int
+) -> None:
+    """``simulate`` prices the gather-broadcast baseline from the layouts, never building
+    its plan (11 million transfers at 256 GPUs): the same figures, bit for bit."""
+    from nemo_refit_reshard.plan import predict_broadcast_layouts
+    from nemo_refit_reshard.runner import RunConfig, build_layouts
+
+    spec, src, dst = build_layouts(RunConfig(model=model, train=train, infer=infer))
+    cluster = Cluster(gpus_per_node=gpus_per_node)
+    links = Topology(cluster, Placement.packed(len(src), len(dst), cluster))
+    want = predict_broadcast(plan_broadcast(spec, src, dst, bucket_mb=1), links)
+    assert want.num_tensors == len(spec)
+    assert want.broadcast_seconds > 0
+    assert (want.gather_seconds > 0) == ("tp=2" in train)  # TP shards gather to a root
+    assert predict_broadcast_layouts(spec, src, dst, links) == want

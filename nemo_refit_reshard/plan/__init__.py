@@ -23,6 +23,7 @@ from .analysis.baseline import (
     BroadcastStep,
     plan_broadcast,
     predict_broadcast,
+    predict_broadcast_layouts,
 )
 from .analysis.floor import Floor, FloorTerm, bandwidth_floor
 from .analysis.predict import Prediction, predict_refit, predict_timeline, traffic_matrix
@@ -72,6 +73,7 @@ __all__ = [
     "plan_refit",
     "plan_with",
     "predict_broadcast",
+    "predict_broadcast_layouts",
     "predict_refit",
     "predict_timeline",
     "rank_plan",

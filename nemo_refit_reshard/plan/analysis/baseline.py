@@ -195,3 +195,94 @@ def predict_broadcast(bplan: BroadcastPlan, topology: Topology) -> BroadcastPred
                 links = [(bw, topology.latency(link)) for link, bw in rates]
                 bcast += st.nbytes / min(bw for bw, _ in links) + sum(lat for _, lat in links)
     return BroadcastPrediction(gather + bcast, gather, bcast, count)
+
+
+def predict_broadcast_layouts(
+    spec: ModelSpec, sources: list[RankLayout], destinations: list[RankLayout], topology: Topology
+) -> BroadcastPrediction:
+    """``predict_broadcast(plan_broadcast(spec, sources, destinations), topology)``,
+    bit for bit, without building the plan.
+
+    The prediction needs, per canonical tensor a destination reads (in spec order), its
+    dtype, its root, its gather messages and its readers' ranks. Ranks listed in each
+    other's ``replicas`` hold identical pieces, so all of that is found on one layout per
+    replica class and expanded to the class's ranks; the broadcast chain's slowest link
+    and latency sum depend only on the root and the reading classes, so each such pair
+    is priced once, with :func:`broadcast_chain` as the plan's prediction does.
+    """
+    quant = spec.arch.quant
+    if quant is not None:
+        sources, destinations = trained_dtype_wire(spec, sources, destinations)
+        spec = wire_spec(spec, destinations)
+    topology.check_ranks(len(sources), len(destinations))
+    s = len(sources)
+    # Sources: per canonical tensor, its distinct boxes and their holders (in rank order).
+    source_classes = _replica_classes(sources)
+    by_box: dict[str, dict[Box, list[int]]] = defaultdict(dict)
+    for lay, members in source_classes:
+        for piece in lay.pieces():
+            by_box[piece.canonical].setdefault(piece.canonical_box, []).extend(members)
+    # Destinations: per canonical tensor, the classes reading it; the first reader's dtype.
+    readers: dict[str, list[int]] = defaultdict(list)  # canonical -> class indices
+    dtype_of: dict[str, tuple[int, str]] = {}  # canonical -> (lowest reading rank, dtype)
+    dest_classes = _replica_classes(destinations)
+    for k, (lay, members) in enumerate(dest_classes):
+        for t in lay.tensors:
+            for p in t.pieces:
+                seen = readers[p.canonical]
+                if not seen or seen[-1] != k:
+                    seen.append(k)
+                first = dtype_of.get(p.canonical)
+                if first is None or members[0] < first[0]:
+                    dtype_of[p.canonical] = (members[0], t.dtype)
+    chains: dict[tuple[int, tuple[int, ...]], tuple[float, float]] = {}
+    placement = topology.placement
+    gather = bcast = 0.0
+    count = 0
+    for c in spec:
+        if c.name not in readers:
+            continue
+        boxes = by_box.get(c.name)
+        if not boxes:
+            raise PlanError(f"no source rank holds {c.name!r}, which destinations need")
+        held: dict[int, int] = defaultdict(int)
+        regions = sorted(boxes.items())
+        for box, ranks in regions:
+            for r in ranks:
+                held[r] += box.numel
+        root = min(held, key=lambda r: (-held[r], r))
+        item = DTYPE_BYTES[dtype_of[c.name][1]]
+        msgs = []
+        for box, ranks in regions:
+            holder = root if root in ranks else min(ranks)
+            msgs.append((holder, root, box.numel * item))
+        count += 1
+        gather += topology.round_time(msgs)[0]
+        key = (root, tuple(readers[c.name]))
+        if key not in chains:
+            ranks = sorted(s + d for k in key[1] for d in dest_classes[k][1])
+            hops = broadcast_chain(root, ranks, placement)
+            if not hops:
+                chains[key] = (0.0, 0.0)
+            else:
+                rates = [topology.link_rate(x, y) for x, y in hops]
+                links = [(bw, topology.latency(link)) for link, bw in rates]
+                chains[key] = (min(bw for bw, _ in links), sum(lat for _, lat in links))
+        bw, latency = chains[key]
+        if bw:
+            nbytes = item
+            for n in c.shape:
+                nbytes *= n
+            bcast += nbytes / bw + latency
+    return BroadcastPrediction(gather + bcast, gather, bcast, count)
+
+
+def _replica_classes(layouts: list[RankLayout]) -> list[tuple[RankLayout, list[int]]]:
+    """One layout per replica class (its lowest rank's) and the class's ranks, ascending."""
+    classes: dict[int, tuple[RankLayout, list[int]]] = {}
+    for lay in layouts:
+        key = min(lay.replicas)
+        if key not in classes:
+            classes[key] = (lay, [])
+        classes[key][1].append(lay.rank)
+    return list(classes.values())

@@ -94,52 +94,45 @@ def bandwidth_floor(
         nodes = {node_of(r) for r in ranks}
         for p in lay.pieces():
             held[p.canonical][p.canonical_box] |= nodes
-    needed: dict[str, dict[Box, set[tuple[str, int]]]] = defaultdict(lambda: defaultdict(set))
+    # Per canonical tensor and box, the inference classes needing it (each class once).
+    needed: dict[str, dict[Box, list[int]]] = defaultdict(dict)
     itemsize: dict[str, int] = {}
     inference_classes = _classes(destinations, s)
-    for cls, (lay, ranks) in inference_classes.items():
-        labels = {("n", node_of(r)) for r in ranks} | {("c", cls)}
+    labels: list[frozenset[tuple[str, int]]] = []
+    for k, (cls, (lay, ranks)) in enumerate(inference_classes.items()):
+        labels.append(frozenset({("n", node_of(r)) for r in ranks} | {("c", cls)}))
         for t in lay.tensors:
             size = DTYPE_BYTES[t.dtype]
             for p in t.pieces:
-                needed[p.canonical][p.canonical_box] |= labels
+                classes = needed[p.canonical].setdefault(p.canonical_box, [])
+                if not classes or classes[-1] != k:
+                    classes.append(k)
                 itemsize[p.canonical] = min(size, itemsize.get(p.canonical, size))
-    train_nodes = set(placement.training_nodes)
+    train_nodes = frozenset(placement.training_nodes)
     a: dict[int, int] = defaultdict(int)
     b: dict[int, int] = defaultdict(int)
     c: dict[int, int] = defaultdict(int)
     d = 0
+    # Tensors alike (every expert of a layer kind held by one training node set) give
+    # the same terms: computed once per (bytes per element, needs, holders).
+    seen: dict[tuple, _Terms] = {}
     for name, need_boxes in needed.items():
         hold_boxes = held.get(name, {})
-        bounds = [set() for _ in next(iter(need_boxes)).offsets]
-        for box in (*need_boxes, *hold_boxes):
-            for dim, (o, sz) in enumerate(zip(box.offsets, box.sizes)):
-                bounds[dim].update((o, o + sz))
-        cuts = [sorted(x) for x in bounds]
-        cell_need: dict[tuple[int, ...], set[tuple[str, int]]] = defaultdict(set)
-        for box, labels in need_boxes.items():
-            for cell in _cells(box, cuts):
-                cell_need[cell] |= labels
-        cell_held: dict[tuple[int, ...], set[int]] = defaultdict(set)
-        for box, nodes in hold_boxes.items():
-            for cell in _cells(box, cuts):
-                if cell in cell_need:
-                    cell_held[cell] |= nodes
-        for cell, labels in cell_need.items():
-            nbytes = itemsize[name]
-            for dim, i in enumerate(cell):
-                nbytes *= cuts[dim][i + 1] - cuts[dim][i]
-            holders = cell_held.get(cell, set())
-            need_nodes = {v for k, v in labels if k == "n"}
-            for n in need_nodes - holders:
-                a[n] += nbytes
-            for k, v in labels:
-                if k == "c":
-                    b[v] += nbytes
-            if len(holders) == 1 and need_nodes - holders:
-                c[next(iter(holders))] += nbytes
-            if need_nodes - train_nodes:
-                d += nbytes
+        key = (
+            itemsize[name],
+            tuple((box, tuple(ks)) for box, ks in need_boxes.items()),
+            tuple((box, frozenset(nodes)) for box, nodes in hold_boxes.items()),
+        )
+        terms = seen.get(key)
+        if terms is None:
+            terms = seen[key] = _tensor_terms(key, labels, train_nodes)
+        for n, v in terms.a:
+            a[n] += v
+        for x, v in terms.b:
+            b[x] += v
+        for n, v in terms.c:
+            c[n] += v
+        d += terms.d
     k = placement.node_sizes()
     nic, nvlink = cluster.nic_bytes_per_s, cluster.nvlink_bytes_per_s
     terms = [
@@ -160,6 +153,60 @@ def bandwidth_floor(
     ]
     binding = max(terms, key=lambda t: t.seconds)  # first of equals: a, b, c, d
     return Floor(binding.seconds, binding, tuple(terms))
+
+
+@dataclass(frozen=True)
+class _Terms:
+    """One canonical tensor's bytes in each term: (node or class, bytes) pairs."""
+
+    a: tuple[tuple[int, int], ...]
+    b: tuple[tuple[int, int], ...]
+    c: tuple[tuple[int, int], ...]
+    d: int
+
+
+def _tensor_terms(
+    key: tuple, labels: list[frozenset[tuple[str, int]]], train_nodes: frozenset[int]
+) -> _Terms:
+    """One tensor's contribution to (a)-(d) (``bandwidth_floor``), from its need boxes
+    (with the classes needing each), its held boxes (with the nodes holding each) and
+    its bytes per element: on the grid cut by every box boundary, per cell."""
+    item, need, hold = key
+    bounds: list[set[int]] = [set() for _ in need[0][0].offsets]
+    for box, _ in (*need, *hold):
+        for dim, (o, sz) in enumerate(zip(box.offsets, box.sizes)):
+            bounds[dim].update((o, o + sz))
+    cuts = [sorted(x) for x in bounds]
+    cell_need: dict[tuple[int, ...], set[tuple[str, int]]] = defaultdict(set)
+    for box, ks in need:
+        box_labels = frozenset().union(*(labels[k] for k in ks))
+        for cell in _cells(box, cuts):
+            cell_need[cell] |= box_labels
+    cell_held: dict[tuple[int, ...], set[int]] = defaultdict(set)
+    for box, nodes in hold:
+        for cell in _cells(box, cuts):
+            if cell in cell_need:
+                cell_held[cell] |= nodes
+    a: dict[int, int] = defaultdict(int)
+    b: dict[int, int] = defaultdict(int)
+    c: dict[int, int] = defaultdict(int)
+    d = 0
+    for cell, cell_labels in cell_need.items():
+        nbytes = item
+        for dim, i in enumerate(cell):
+            nbytes *= cuts[dim][i + 1] - cuts[dim][i]
+        holders = cell_held.get(cell, set())
+        need_nodes = {v for k, v in cell_labels if k == "n"}
+        for n in need_nodes - holders:
+            a[n] += nbytes
+        for k, v in cell_labels:
+            if k == "c":
+                b[v] += nbytes
+        if len(holders) == 1 and need_nodes - holders:
+            c[next(iter(holders))] += nbytes
+        if need_nodes - train_nodes:
+            d += nbytes
+    return _Terms(tuple(a.items()), tuple(b.items()), tuple(c.items()), d)
 
 
 def _largest(key: str, what: str, items: dict[str, tuple[int, float]]) -> FloorTerm:
