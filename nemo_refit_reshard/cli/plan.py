@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..layouts import RankLayout
+from ..layouts.base import paused_gc
 from ..plan import (
     BroadcastPrediction,
     Cluster,
@@ -48,6 +49,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+@paused_gc  # millions of acyclic boxes and transfers stay alive: nothing to collect
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Predict the refit's time on a cluster model: no processes, no GPUs."""
     if args.plot:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ...layouts.base import Box, RankLayout
+from ...layouts.base import Box, RankLayout, paused_gc
 from ...layouts.fp8_wire import Fp8Wire, live_layout, wire_destination, wire_spec
 from ...spec.model import ModelSpec
 from ..base import DTYPE_BYTES, PlanError
@@ -197,6 +197,7 @@ def predict_broadcast(bplan: BroadcastPlan, topology: Topology) -> BroadcastPred
     return BroadcastPrediction(gather + bcast, gather, bcast, count)
 
 
+@paused_gc
 def predict_broadcast_layouts(
     spec: ModelSpec, sources: list[RankLayout], destinations: list[RankLayout], topology: Topology
 ) -> BroadcastPrediction:

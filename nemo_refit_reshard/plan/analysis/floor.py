@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Any
 
-from ...layouts.base import Box, RankLayout
+from ...layouts.base import RankLayout, paused_gc
 from ..base import DTYPE_BYTES
 from ..cluster import Topology
 from ..result.refit_plan import RefitPlan
@@ -48,16 +48,18 @@ def _classes(layouts: list[RankLayout], offset: int) -> dict[int, tuple[RankLayo
     return out
 
 
-def _cells(box: Box, cuts: list[list[int]]) -> Iterable[tuple[int, ...]]:
+_BoxKey = tuple[tuple[int, ...], tuple[int, ...]]  # a Box's (offsets, sizes)
+
+
+def _cells(box: _BoxKey, cuts: list[list[int]]) -> Iterable[tuple[int, ...]]:
     """Indices of the grid cells (between consecutive ``cuts`` per dim) inside ``box``."""
+    offsets, sizes = box
     return product(
-        *(
-            range(bisect_left(c, o), bisect_left(c, o + s))
-            for c, o, s in zip(cuts, box.offsets, box.sizes)
-        )
+        *(range(bisect_left(c, o), bisect_left(c, o + s)) for c, o, s in zip(cuts, offsets, sizes))
     )
 
 
+@paused_gc
 def bandwidth_floor(
     plan: RefitPlan,
     sources: list[RankLayout],
@@ -89,13 +91,16 @@ def bandwidth_floor(
     cluster, placement = topology.cluster, topology.placement
     s = len(sources)
     node_of = placement.node
-    held: dict[str, dict[Box, set[int]]] = defaultdict(lambda: defaultdict(set))
+    # Boxes as (offsets, sizes) keys: hashing tuples is done in C, a Box's hash in Python,
+    # and there are millions of pieces at 256 GPUs.
+    held: dict[str, dict[_BoxKey, set[int]]] = defaultdict(lambda: defaultdict(set))
     for lay, ranks in _classes(sources, 0).values():
         nodes = {node_of(r) for r in ranks}
         for p in lay.pieces():
-            held[p.canonical][p.canonical_box] |= nodes
+            box = p.canonical_box
+            held[p.canonical][box.offsets, box.sizes] |= nodes
     # Per canonical tensor and box, the inference classes needing it (each class once).
-    needed: dict[str, dict[Box, list[int]]] = defaultdict(dict)
+    needed: dict[str, dict[_BoxKey, list[int]]] = defaultdict(dict)
     itemsize: dict[str, int] = {}
     inference_classes = _classes(destinations, s)
     labels: list[frozenset[tuple[str, int]]] = []
@@ -104,10 +109,13 @@ def bandwidth_floor(
         for t in lay.tensors:
             size = DTYPE_BYTES[t.dtype]
             for p in t.pieces:
-                classes = needed[p.canonical].setdefault(p.canonical_box, [])
+                box = p.canonical_box
+                classes = needed[p.canonical].setdefault((box.offsets, box.sizes), [])
                 if not classes or classes[-1] != k:
                     classes.append(k)
-                itemsize[p.canonical] = min(size, itemsize.get(p.canonical, size))
+                known = itemsize.get(p.canonical)
+                if known is None or size < known:
+                    itemsize[p.canonical] = size
     train_nodes = frozenset(placement.training_nodes)
     a: dict[int, int] = defaultdict(int)
     b: dict[int, int] = defaultdict(int)
@@ -172,9 +180,9 @@ def _tensor_terms(
     (with the classes needing each), its held boxes (with the nodes holding each) and
     its bytes per element: on the grid cut by every box boundary, per cell."""
     item, need, hold = key
-    bounds: list[set[int]] = [set() for _ in need[0][0].offsets]
-    for box, _ in (*need, *hold):
-        for dim, (o, sz) in enumerate(zip(box.offsets, box.sizes)):
+    bounds: list[set[int]] = [set() for _ in need[0][0][0]]
+    for (offsets, sizes), _ in (*need, *hold):
+        for dim, (o, sz) in enumerate(zip(offsets, sizes)):
             bounds[dim].update((o, o + sz))
     cuts = [sorted(x) for x in bounds]
     cell_need: dict[tuple[int, ...], set[tuple[str, int]]] = defaultdict(set)
