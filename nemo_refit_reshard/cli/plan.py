@@ -60,8 +60,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     progress = Progress("simulate")
     refit = plan_on_cluster(cfg, cluster, args.placement, progress)
     prediction = predict(refit, progress)
+    # The text shows no fingerprint: serialising a 256-GPU plan to hash it takes seconds.
     with progress.step("the plan's fingerprint"):
-        report = simulation_report(cfg, refit, prediction, stages_note)
+        report = simulation_report(cfg, refit, prediction, stages_note, fingerprint=args.json)
     if args.plot:
         plot_simulation(refit.plan, prediction.refit, refit.topology, args.plot)
     if args.json:
@@ -299,12 +300,17 @@ def predict(refit: ClusterRefit, progress: Progress | None = None) -> SimulatedF
 
 
 def simulation_report(
-    cfg: RunConfig, refit: ClusterRefit, pred: SimulatedFigures, stages_note: str | None
+    cfg: RunConfig,
+    refit: ClusterRefit,
+    pred: SimulatedFigures,
+    stages_note: str | None,
+    fingerprint: bool = True,
 ) -> dict[str, Any]:
-    """Every figure ``simulate`` reports, as JSON (``simulate --json``)."""
+    """Every figure ``simulate`` reports, as JSON (``simulate --json``); ``plan`` (the
+    fingerprint) only with ``fingerprint``."""
     choice = refit.plan.relay_choice
     p, floor, base = pred.refit, pred.floor, pred.baseline
-    return {
+    report = {
         "model": refit.spec.name,
         "train": cfg.train,
         "infer": cfg.infer,
@@ -314,7 +320,7 @@ def simulation_report(
         "cluster": str(refit.cluster),
         "training_nodes": len(refit.placement.training_nodes),
         "inference_nodes": len(refit.placement.inference_nodes),
-        "plan": refit.plan.fingerprint,
+        "plan": refit.plan.fingerprint if fingerprint else None,
         "predicted": p.to_json(),
         "predicted_s": p.seconds,
         "predicted_timeline_s": pred.timeline_s,
@@ -327,6 +333,9 @@ def simulation_report(
         "baseline_broadcast_s": base.broadcast_seconds,
         "speedup": base.seconds / p.seconds if p.seconds else None,
     }
+    if not fingerprint:
+        del report["plan"]
+    return report
 
 
 def simulation_title(report: dict[str, Any], refit: ClusterRefit) -> str:
