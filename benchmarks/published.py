@@ -30,9 +30,8 @@ from nemo_refit_reshard.plan import (
     Placement,
     Topology,
     bandwidth_floor,
-    plan_broadcast,
     plan_refit,
-    predict_broadcast,
+    predict_broadcast_layouts,
     predict_refit,
 )
 from nemo_refit_reshard.runner import RunConfig, build_layouts
@@ -78,7 +77,7 @@ def row(run: dict) -> str:
         if relay == "none":
             floor = bandwidth_floor(plan, src, dst, Topology(cluster, placement))
         del plan
-    base = predict_broadcast(plan_broadcast(spec, src, dst), Topology(cluster, placement)).seconds
+    base = predict_broadcast_layouts(spec, src, dst, Topology(cluster, placement)).seconds
     best = min(results.values())
     chain = f"{results['chain']:.3f} s" if "chain" in results else "not built"
     theirs = run["seconds"]
