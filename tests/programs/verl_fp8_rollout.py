@@ -5,7 +5,7 @@
 SPEC: ``{"config": the trained model's config.json, "engine": ReshardEngineConfig fields
 (``model`` is filled in here), "actors": A, "infer": one replica's vLLM parallelism, as
 ``EngineRank`` fields without the rank, "checkpoints": [one BF16 safetensors path per
-step], "verl": veRL's package directory}``.
+step], "verl": veRL's package directory, "ranks": optional, the rollout ranks to check}``.
 
 veRL's ``rollout.quantization: fp8`` starts vLLM from the BF16 model with a 128×128
 block-FP8 ``quantization_config`` that leaves every MoE router unquantized
@@ -167,7 +167,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     shapes = {t.name: t.shape for t in trained}
     generator = torch.Generator().manual_seed(7)
     result: dict[str, Any] = {"ranks": []}
-    for rank in range(rollout):
+    for rank in spec.get("ranks", range(rollout)):
         r = dataclasses.replace(one, tp_rank=rank % one.tp, pp_rank=rank // one.tp)
         slice_ = full.slices[actors + rank]
         boxes = boxes_of(slice_)
