@@ -85,9 +85,14 @@ def test_every_rollout_gpu_rebuilds_exactly_its_shard() -> None:
 
 
 def test_engine_model_as_hf_repo_id_says_why_it_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants
+
     from nemo_refit_reshard.integrations.checkpoint_engine import engine_spec
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # The hub reads the variable once, at import: another test may have imported it already
+    # (then the download would retry the network for ~20 s).
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ValueError) as err:
         engine_spec("no-such-org/no-such-model")
     text = str(err.value)
