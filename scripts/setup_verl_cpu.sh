@@ -13,11 +13,16 @@ VERSION="${1:-0.9.1}"
 VENV="${2:-.venv-verl}"
 source "$(dirname "$0")/venv_lib.sh"
 
-if [ "$(installed "$VENV/bin/python" verl)" = "$VERSION" ]; then
+if [ "$(installed "$VENV/bin/python" verl)" = "$VERSION" ] \
+    && "$VENV/bin/python" -c "import verl.checkpoint_engine" >/dev/null 2>&1; then
     echo "veRL $VERSION already in $VENV"
     exit 0
 fi
 make_venv "$VENV"
 quiet "${PIP[@]}" "verl==$VERSION" uvicorn fastapi pyzmq cachetools
+# The machine's transformers may require a newer `kernels` than the venv's pinned
+# transformers accepts (kernels 0.19 rejects the LayerRepository calls of transformers
+# 5.10 at import); its `kernels` extra puts the matching version inside the venv.
+quiet "${PIP[@]}" "transformers[kernels]==$(installed "$PY" transformers)"
 quiet "$PY" -c "import verl.checkpoint_engine"
 echo "veRL $VERSION checkpoint engines import on CPU"
