@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import gc
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from operator import add
 from operator import sub as _sub
@@ -219,6 +219,16 @@ class Piece:
         }
 
 
+def _unchecked_piece(canonical: str, canonical_box: Box, local: str, local_box: Box) -> Piece:
+    """``Piece(...)`` for boxes a provider computed consistent by construction, without
+    the frozen dataclass's per-field setattr and the shape check."""
+    piece = object.__new__(Piece)
+    piece.__dict__.update(
+        canonical=canonical, canonical_box=canonical_box, local=local, local_box=local_box
+    )
+    return piece
+
+
 @dataclass(frozen=True)
 class Fp8Link:
     """How a local tensor of a block-FP8 refit (``layouts/fp8_wire.py``) relates to the
@@ -353,6 +363,23 @@ class LayoutBuilder:
         if check and not local_box.fits_in(self._shapes[local]):
             raise AssertionError(f"piece box {local_box} outside {local}{self._shapes[local]}")
         self._pieces[local].append(Piece(canonical, canonical_box, local, local_box))
+
+    def stacked_pieces(
+        self, local: str, canonical_box: Box, slots: Iterable[tuple[str, tuple[int, ...]]]
+    ) -> None:
+        """Record, per ``(canonical, offsets)``, the piece ``canonical[canonical_box]``
+        stored as one slot of a stacked tensor: ``local`` at ``offsets``, sizes
+        ``(1, *canonical_box.sizes)`` (experts: 1.4 million pieces per replica at
+        DeepSeek-V3 scale). The provider computes the offsets in range by construction:
+        neither the boxes nor the pieces are checked."""
+        sizes = (1, *canonical_box.sizes)
+        if 0 in sizes:
+            return
+        out = self._pieces[local]
+        for canonical, offsets in slots:
+            out.append(
+                _unchecked_piece(canonical, canonical_box, local, _derived_box(offsets, sizes))
+            )
 
     def padding(self, local: str, local_box: Box) -> None:
         if local_box.numel:

@@ -432,12 +432,16 @@ class _VllmRank(Fp8Layout):
         # tp=32 has 1.5 million expert pieces per rank set). Slot j < n_local and rows
         # [half * n, half * n + n) lie inside (n_local, 2n, h) by construction.
         gate_up, down = Box((lo, 0), (n, h)), Box((0, lo), (h, n))
-        piece = self.b.piece
-        for j, e in enumerate(range(first, stop)):
-            hf = f"{p}.experts.{e}"
-            piece(f"{hf}.gate_proj.weight", gate_up, w13, Box((j, 0, 0), (1, n, h)), False)
-            piece(f"{hf}.up_proj.weight", gate_up, w13, Box((j, n, 0), (1, n, h)), False)
-            piece(f"{hf}.down_proj.weight", down, w2, Box((j, 0, 0), (1, h, n)), False)
+        experts = [(j, f"{p}.experts.{e}") for j, e in enumerate(range(first, stop))]
+        # w13's pieces in expert order, each expert's gate before its up
+        halves = (("gate_proj", 0), ("up_proj", n))
+        w13_slots = [
+            (f"{hf}.{half}.weight", (j, row, 0)) for j, hf in experts for half, row in halves
+        ]
+        self.b.stacked_pieces(w13, gate_up, w13_slots)
+        self.b.stacked_pieces(
+            w2, down, [(f"{hf}.down_proj.weight", (j, 0, 0)) for j, hf in experts]
+        )
 
     def mlp(self, layer: int, p: str) -> None:
         a = self.a

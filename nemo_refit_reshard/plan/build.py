@@ -29,7 +29,7 @@ from .colocation import Colocation
 from .config import RELAY_CHOICES, PlanConfig
 from .pass1_needs import find_needs
 from .pass2_fanout import plan_fanout
-from .pass3_senders import choose_senders
+from .pass3_senders import Senders, choose_senders
 from .pass4_routes import Routes, plan_routes
 from .pass5_rounds import Rounds, plan_rounds
 from .pass6_messages import to_messages
@@ -92,12 +92,14 @@ def plan_with(
 ) -> RefitPlan:
     """The passes in order (module docstring), for layouts ``plan_refit`` checked."""
     needs = find_needs(spec, sources, destinations)
+    earlier: list[Senders] = []  # pass 3 of the mode routed before (its fixed part is reused)
 
     def route(mode: str) -> Routes:
         """Passes 2-4 for one relay mode."""
         settings = config.with_relay(mode)
         fanout = plan_fanout(needs, settings)
-        senders = choose_senders(needs, fanout, settings)
+        senders = choose_senders(needs, fanout, settings, *earlier[-1:])
+        earlier[:] = [senders]
         return plan_routes(senders, fanout, settings, needs.num_sources)
 
     def schedule(routes: Routes) -> Rounds:

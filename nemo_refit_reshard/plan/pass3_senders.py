@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property, reduce
 from itertools import compress
-from operator import eq, itemgetter
+from operator import add, eq, is_, itemgetter, mul
 
 from ..layouts.base import Box, map_sub_box
 from .base import DTYPE_BYTES, Transfer, new_transfer, split_box
@@ -38,6 +39,8 @@ class Senders:
     continue each other, addressed to the groups' stored receivers."""
 
     transfers: list[Transfer]
+    # what it took from the needs alone, for another relay mode's pass (``choose_senders``)
+    fixed: Fixed | None = field(default=None, repr=False, compare=False)
 
     def load(self, members: Mapping[int, tuple[int, ...]]) -> dict[int, int]:
         """Bytes each sender sends, counting every receiver a transfer reaches."""
@@ -55,14 +58,153 @@ class Senders:
         )
 
 
-def choose_senders(needs: Needs, fanout: FanOut, config: PlanConfig) -> Senders:
-    """Pass 3 (module docstring); topology-aware when ``config.links`` is set."""
+def choose_senders(
+    needs: Needs, fanout: FanOut, config: PlanConfig, earlier: Senders | None = None
+) -> Senders:
+    """Pass 3 (module docstring); topology-aware when ``config.links`` is set.
+    ``earlier``: this pass's result for another relay mode of the same ``needs``; where
+    the fan-out planned the same needs, what it took from them alone (:class:`Fixed`)
+    is reused rather than built again."""
     hosts = None
     if config.colocation is not None:
         s = needs.num_sources
         hosts = {s + d: h for d, h in enumerate(config.colocation.hosts)}
-    chosen = assign_senders(fanout.needs, needs.dtype_of, config.links, fanout.members, hosts)
-    return Senders(coalesce(chosen))
+    fixed = earlier.fixed if earlier is not None else None
+    if fixed is None or not fixed.built_from(fanout.needs, hosts):
+        fixed = Fixed.of(fanout.needs, needs.dtype_of, hosts)
+    chosen = balance(fixed, config.links, fanout.members)
+    # ``fixed.ordered`` is already in coalesce's order: the sort only places ``chosen``
+    return Senders(coalesce(fixed.ordered + chosen), fixed)
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """What the senders pass takes from a needs list alone, whatever the relay mode:
+    the transfers whose sender is fixed — a need with one holder, or one whose
+    colocated host holds it — in need order, what each fixed sender sends to whom (its
+    charges), and the needs with a choice left.
+
+    Each charge is an integer byte count; the load they put on a sender's links
+    depends on the fan-out (how many replicas a stored transfer reaches), so it is
+    summed per relay mode by :func:`balance`."""
+
+    needs: list[Need]
+    hosts: Mapping[int, int] | None
+    transfers: list[Transfer]
+    charges: dict[int, tuple[list[int], list[int]]]  # sender -> (receivers, bytes)
+    open: list[tuple[Need, int, str]]  # (need, its bytes, its wire dtype)
+    dst_bytes: dict[int, int]  # bytes each receiver needs in all
+    senders: frozenset[int]  # every rank that holds a needed box
+
+    @cached_property
+    def ordered(self) -> list[Transfer]:
+        """``transfers`` in :func:`coalesce`'s order (a stable sort)."""
+        return sorted(self.transfers, key=_PAIR_KEY)
+
+    def built_from(self, needs: list[Need], hosts: Mapping[int, int] | None) -> bool:
+        """Whether this is what :meth:`of` makes of ``needs`` (the same objects)."""
+        return (
+            hosts == self.hosts
+            and len(needs) == len(self.needs)
+            and all(map(is_, needs, self.needs))
+        )
+
+    @classmethod
+    def of(
+        cls,
+        needs: list[Need],
+        dtype_of: dict[tuple[int, str], str],
+        hosts: Mapping[int, int] | None = None,
+    ) -> Fixed:
+        """``dtype_of[(dst, local tensor)]``: the destination (wire) dtype; ``hosts[dst]``:
+        the source rank on ``dst``'s GPU (colocated), which sends every need it holds."""
+        transfers: list[Transfer] = []
+        charges: dict[int, tuple[list[int], list[int]]] = {}
+        open_needs: list[tuple[Need, int, str]] = []
+        dst_bytes: dict[int, int] = defaultdict(int)
+        held = list(map(itemgetter(3), needs))  # each need's region
+        regions = dict(zip(map(id, held), held)).values()
+        senders = frozenset(h.rank for region in regions for h in region.holders)
+
+        def charge(rank: int, dst: int, nbytes: int) -> None:
+            to = charges.get(rank)
+            if to is None:
+                to = charges[rank] = ([], [])
+            to[0].append(dst)
+            to[1].append(nbytes)
+
+        # Needs come in runs of one receiver: what depends on it alone is looked up per run.
+        run_dst = -1
+        itemsizes: dict[str, tuple[str, int]] = {}  # its local tensor -> (dtype, bytes each)
+        run_charges: dict[int, tuple[list[int], list[int]]] = {}  # sender -> its charges
+        for need in needs:
+            dst, dst_piece, box, region = need
+            if dst != run_dst:
+                run_dst, itemsizes, run_charges = dst, {}, {}
+            local = dst_piece.local
+            sized = itemsizes.get(local)
+            if sized is None:
+                dtype = dtype_of[(dst, local)]
+                sized = itemsizes[local] = (dtype, DTYPE_BYTES[dtype])
+            dtype, itemsize = sized
+            nbytes = box.numel * itemsize
+            dst_bytes[dst] += nbytes
+            holders = region.holders
+            if len(holders) > 1:
+                host = hosts.get(dst) if hosts else None
+                mine = [h for h in holders if h.rank == host] if host is not None else []
+                if mine:  # colocated: a same-GPU copy costs no interconnect bytes
+                    transfers.append(_transfer(mine[0], need, box, dtype))
+                    charge(host, dst, nbytes)
+                else:
+                    open_needs.append((need, nbytes, dtype))
+                continue
+            # ``_transfer`` inlined: this loop runs over every expert slice of the model.
+            rank, src_piece = holders[0].rank, holders[0].piece
+            to = run_charges.get(rank)
+            if to is None:
+                to = charges.get(rank)
+                if to is None:
+                    to = charges[rank] = ([], [])
+                run_charges[rank] = to
+            to[0].append(dst)
+            to[1].append(nbytes)
+            cb = dst_piece.canonical_box
+            transfers.append(
+                new_transfer(
+                    Transfer,
+                    (
+                        rank,
+                        dst,
+                        src_piece.local,
+                        map_sub_box(src_piece.canonical_box, src_piece.local_box, box),
+                        local,
+                        dst_piece.local_box
+                        if box is cb
+                        else map_sub_box(cb, dst_piece.local_box, box),
+                        dst_piece.canonical,
+                        box,
+                        dtype,
+                    ),
+                )
+            )
+        return cls(needs, hosts, transfers, charges, open_needs, dict(dst_bytes), senders)
+
+
+def _transfer(holder: Holder, need: Need, box: Box, dtype: str) -> Transfer:
+    """``box`` of ``need`` (inside its canonical box) sent by ``holder``."""
+    src_piece, dst_piece = holder.piece, need.dst_piece
+    return Transfer(
+        holder.rank,
+        need.dst,
+        src_piece.local,
+        src_piece.local_sub_box(box),
+        dst_piece.local,
+        dst_piece.local_sub_box(box),
+        dst_piece.canonical,
+        box,
+        dtype,
+    )
 
 
 def assign_senders(
@@ -72,17 +214,32 @@ def assign_senders(
     members: Mapping[int, tuple[int, ...]] | None = None,
     hosts: Mapping[int, int] | None = None,
 ) -> list[Transfer]:
-    """Turn needs into transfers, each with one sender, balancing the senders.
+    """Turn needs into transfers, each with one sender, balancing the senders: the
+    fixed ones (:class:`Fixed`, in need order), then the chosen ones (:func:`balance`).
 
     ``dtype_of[(dst, local tensor)]`` is the destination dtype (the wire dtype).
     ``members[dst]`` lists the replicas ``dst`` stands for (itself first): the
     sender sends them the same transfer, so it is charged once per member.
-    Without ``links`` the balancer minimises the largest number of bytes one
-    sender sends. With ``links`` it minimises the largest predicted busy time of
-    a sender's link — bytes × seconds-per-byte, per (sender, link) — so holders
-    on the receiver's node (NVLink) are preferred and NIC load is spread.
     ``hosts[dst]``: the source rank on ``dst``'s GPU (colocated); it sends every need it
     holds, whole.
+    """
+    fixed = Fixed.of(needs, dtype_of, hosts)
+    return fixed.transfers + balance(fixed, links, members)
+
+
+def balance(
+    fixed: Fixed,
+    links: LinkModel | None = None,
+    members: Mapping[int, tuple[int, ...]] | None = None,
+) -> list[Transfer]:
+    """The transfers of ``fixed.open``'s needs, each with the sender chosen by the greedy
+    of the module docstring, after charging every fixed transfer.
+
+    Without ``links`` the balancer minimises the largest number of bytes one sender
+    sends. With ``links`` it minimises the largest predicted busy time of a sender's
+    link — bytes × seconds-per-byte, per (sender, link) — so holders on the receiver's
+    node (NVLink) are preferred and NIC load is spread. ``members[dst]``: the replicas
+    ``dst`` stands for (itself first), each charged.
     """
     members = members or {}
 
@@ -106,107 +263,42 @@ def assign_senders(
             w = weights[(rank, dst)] = sorted(acc.items())
         return w
 
-    out: list[Transfer] = []
-
-    def emit(holder: Holder, need: Need, box: Box, nbytes: int) -> None:
-        for k, c in weight(holder.rank, need.dst):
-            busy[k] += nbytes * c
-        src_piece, dst_piece = holder.piece, need.dst_piece
-        out.append(
-            Transfer(
-                holder.rank,
-                need.dst,
-                src_piece.local,
-                src_piece.local_sub_box(box),
-                dst_piece.local,
-                dst_piece.local_sub_box(box),
-                dst_piece.canonical,
-                box,
-                dtype_of[(need.dst, dst_piece.local)],
-            )
-        )
-
-    # Needs with one holder leave no choice: charge them first, so the greedy choice
-    # for the others sees every fixed load (experts held by one EP rank are most of a
-    # DeepSeek-V3 plan).
-    held = list(map(itemgetter(3), needs))  # each need's region
-    senders = {h.rank for region in dict(zip(map(id, held), held)).values() for h in region.holders}
-    ncopies = {dst: len(g) for dst, g in members.items()}
-    total = 0
-    chosen: list[tuple[Need, int]] = []
-    # Needs come in runs of one receiver: what depends on it alone is looked up per run.
-    run_dst = -1
-    itemsizes: dict[str, tuple[str, int]] = {}  # its local tensor -> (dtype, bytes each)
-    run_weights: dict[int, list[tuple[tuple[int, str], float]]] = {}  # sender -> weight
-    copies_of_dst = 1
-    for need in needs:
-        dst, dst_piece, box, region = need
-        if dst != run_dst:
-            run_dst, itemsizes, run_weights = dst, {}, {}
-            copies_of_dst = ncopies.get(dst, 1)
-        local = dst_piece.local
-        sized = itemsizes.get(local)
-        if sized is None:
-            dtype = dtype_of[(dst, local)]
-            sized = itemsizes[local] = (dtype, DTYPE_BYTES[dtype])
-        dtype, itemsize = sized
-        nbytes = box.numel * itemsize
-        total += nbytes * copies_of_dst
-        holders = region.holders
-        if len(holders) > 1:
-            host = hosts.get(dst) if hosts else None
-            local = [h for h in holders if h.rank == host] if host is not None else []
-            if local:  # colocated: a same-GPU copy costs no interconnect bytes
-                emit(local[0], need, box, nbytes)
-            else:
-                chosen.append((need, nbytes))
-            continue
-        # ``emit`` inlined: this loop runs over every expert slice of the model.
-        rank, src_piece = holders[0].rank, holders[0].piece
-        w = run_weights.get(rank)
-        if w is None:
-            w = run_weights[rank] = weight(rank, dst)
-        for k, c in w:
-            busy[k] += nbytes * c
-        cb = dst_piece.canonical_box
-        out.append(
-            new_transfer(
-                Transfer,
-                (
-                    rank,
-                    dst,
-                    src_piece.local,
-                    map_sub_box(src_piece.canonical_box, src_piece.local_box, box),
-                    local,
-                    dst_piece.local_box if box is cb else map_sub_box(cb, dst_piece.local_box, box),
-                    dst_piece.canonical,
-                    box,
-                    dtype,
-                ),
-            )
-        )
-    share = max(1, total // max(1, len(senders)))
-    items: list[tuple[int, int, Need, Box]] = []
-    for index, (need, nbytes) in enumerate(chosen):
+    # The fixed transfers first, so the greedy choice for the others sees every fixed
+    # load (experts held by one EP rank are most of a DeepSeek-V3 plan). Each link's
+    # load is summed in need order, one product per charge, as charging them one by one
+    # would (a charge on another link adds 0.0, which changes no sum): the same floats.
+    for rank, (dsts, sizes) in fixed.charges.items():
+        per_dst = {d: dict(weight(rank, d)) for d in dict.fromkeys(dsts)}
+        for k in sorted({k for w in per_dst.values() for k in w}):
+            cost = {d: w.get(k, 0.0) for d, w in per_dst.items()}
+            busy[k] = reduce(add, map(mul, sizes, map(cost.__getitem__, dsts)), busy[k])
+    total = sum(n * copies(d) for d, n in fixed.dst_bytes.items())
+    share = max(1, total // max(1, len(fixed.senders)))
+    items: list[tuple[int, int, Need, Box, str]] = []
+    for index, (need, nbytes, dtype) in enumerate(fixed.open):
         wire = nbytes * copies(need.dst)
         parts = 1
         if wire > share:
             parts = min(len(need.region.holders), -(-wire // share))
         if parts == 1:
-            items.append((nbytes, index, need, need.canonical_box))
+            items.append((nbytes, index, need, need.canonical_box, dtype))
             continue
         for box in split_box(need.canonical_box, parts):
-            items.append((box.numel * nbytes // max(1, need.numel), index, need, box))
+            items.append((box.numel * nbytes // max(1, need.numel), index, need, box, dtype))
     # Largest first; index keeps the order total for equal sizes.
     items.sort(key=lambda it: (-it[0], it[1], it[3].offsets))
-    for nbytes, _, need, box in items:
+    out: list[Transfer] = []
+    for nbytes, _, need, box, dtype in items:
         best = None
         for h in need.region.holders:
             score = max(busy[k] + nbytes * c for k, c in weight(h.rank, need.dst))
             if best is None or (score, h.rank) < best[0]:
                 best = ((score, h.rank), h)
         assert best is not None
-        emit(best[1], need, box, nbytes)
+        holder = best[1]
+        for k, c in weight(holder.rank, need.dst):
+            busy[k] += nbytes * c
+        out.append(_transfer(holder, need, box, dtype))
     return out
 
 
