@@ -18,6 +18,7 @@ from nemo_refit_reshard.layouts import (
 )
 from nemo_refit_reshard.layouts.base import LocalTensor
 from nemo_refit_reshard.plan import PlanError, RefitPlan, plan_broadcast, plan_refit
+from nemo_refit_reshard.plan.result.serialize import NameTable, message_json
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
 from tests.helpers.hf_models import TINY_CONFIGS
 
@@ -126,6 +127,19 @@ def test_plan_json_round_trip_and_tamper() -> None:
     data["version"] = 99
     with pytest.raises(PlanError, match="plan version 99 is not 2"):
         RefitPlan.from_json(json.dumps(data))
+
+
+def test_plan_text_is_the_json_of_its_body() -> None:
+    """The plan text writes its rounds directly (``serialize.rounds_text``): the same
+    characters as json's encoder gives for the ``message_json`` rows."""
+    plan = plan_refit(MOE, *_layouts(MOE, "tp=2,ep=2,etp=1", "tp=2,engine_dp=2,ep=4"))
+    names = NameTable()
+    rounds = [[message_json(m, names) for m in msgs] for msgs in plan.class_rounds]
+    body = plan._body(rounds, names)
+    assert body["rounds"] and len(names.names) > 10
+    assert plan.to_json() == json.dumps(
+        dict(body, fingerprint=plan.fingerprint), separators=(",", ":")
+    )
 
 
 def test_plan_is_deterministic() -> None:

@@ -71,7 +71,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="build the transfer plan and print its stats")
     add_run_arguments(p, steps=1)
     p.add_argument("--out", help="write the plan JSON here")
-    p.set_defaults(func=plan.cmd_plan)
+    p.set_defaults(func=plan.cmd_plan, fast_exit=True)
 
 
 def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
@@ -91,7 +91,7 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
         "order) or a comma list of node ids, one per refit rank (training ranks first)",
     )
     simulate.add_argument("--plot", help="write a PNG of per-GPU bytes and node traffic here")
-    simulate.set_defaults(func=plan.cmd_simulate)
+    simulate.set_defaults(func=plan.cmd_simulate, fast_exit=True)
 
 
 def add_gpu_check_parser(sub: argparse._SubParsersAction) -> None:

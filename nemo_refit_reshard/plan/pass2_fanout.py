@@ -154,23 +154,31 @@ def relieve_egress(
     egress: dict[int, float] = defaultdict(float)
     group_bytes: dict[int, int] = defaultdict(int)
     holder_of: dict[int, int] = {}  # a training rank sending to the group
-    spb_of: dict[tuple[int, int], float] = {}
-    for need in needs:
-        runs = runs_of.get(need.dst)
+    # Needs come in runs of one receiver: what depends on it alone is looked up per run.
+    run_dst, runs = -1, None
+    itemsizes: dict[str, int] = {}  # its local tensor -> bytes per element
+    spb_of: dict[int, float] = {}  # sender -> seconds per byte to every run of the group
+    for dst, dst_piece, box, region in needs:
+        if dst != run_dst:
+            run_dst, runs, itemsizes, spb_of = dst, runs_of.get(dst), {}, {}
         if runs is None:
             continue
-        item = DTYPE_BYTES[dtype_of[(need.dst, need.dst_piece.local)]]
-        nbytes = need.canonical_box.numel * item
-        group_bytes[need.dst] += nbytes
-        holders = need.region.holders
-        holder_of.setdefault(need.dst, holders[0].rank)
+        local = dst_piece.local
+        item = itemsizes.get(local)
+        if item is None:
+            item = itemsizes[local] = DTYPE_BYTES[dtype_of[(dst, local)]]
+        nbytes = box.numel * item
+        group_bytes[dst] += nbytes
+        holders = region.holders
+        if dst not in holder_of:
+            holder_of[dst] = holders[0].rank
         share = nbytes / len(holders)
         for h in holders:
-            key = (h.rank, need.dst)
-            spb = spb_of.get(key)
+            rank = h.rank
+            spb = spb_of.get(rank)
             if spb is None:
-                spb = spb_of[key] = sum(links.link(h.rank, run[0])[1] for run in runs)
-            egress[h.rank] += share * spb
+                spb = spb_of[rank] = sum(links.link(rank, run[0])[1] for run in runs)
+            egress[rank] += share * spb
     if not egress:
         return runs_of
     # A run's members bring in its copy in even shares, each through its own link.

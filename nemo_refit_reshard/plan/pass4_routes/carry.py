@@ -23,8 +23,9 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 from collections.abc import Callable, Mapping
+from functools import reduce
 from itertools import groupby
-from operator import itemgetter
+from operator import add, itemgetter, mul
 
 from ..base import Transfer, cut_rows, sizes_of
 from ..cluster import LinkModel, nvlink_domains
@@ -32,6 +33,7 @@ from ..cluster import LinkModel, nvlink_domains
 # A rank carries for a neighbour only to save more than this many message latencies.
 LATENCIES_WORTH = 16
 _PAIR = itemgetter(0, 1)  # a transfer's (sender, receiver)
+_SRC = itemgetter(0)
 
 
 def choose_carriers(
@@ -66,20 +68,23 @@ def choose_carriers(
                 c[link] = c.get(link, 0.0) + x
         return c
 
-    busy: dict[tuple[int, str], float] = defaultdict(float)
-    pair, weights = (-1, -1), []  # the (sender, receiver) before, and its charges
     sizes = list(sizes_of(transfers))
-    for t, nbytes in zip(transfers, sizes):
-        if t.src < num_sources:
-            if t.src != pair[0] or t.dst != pair[1]:  # (runs of one pair are common)
-                pair = (t.src, t.dst)
-                weights = [((t.src, link), x) for link, x in spb(t.src, t.dst).items()]
-            for key, x in weights:
-                busy[key] += nbytes * x
-    domains = nvlink_domains(list(range(num_sources)), links)
     by_src: dict[int, list[int]] = defaultdict(list)
-    for i, t in enumerate(transfers):
-        by_src[t.src].append(i)
+    for i, src in enumerate(map(_SRC, transfers)):
+        by_src[src].append(i)
+    # Each (rank, link)'s busy seconds, summed in transfer order, one product per
+    # transfer of the rank (0.0 on links it does not cross, which changes no sum).
+    busy: dict[tuple[int, str], float] = defaultdict(float)
+    for src, ids in by_src.items():
+        if src >= num_sources:
+            continue
+        dsts = [transfers[i].dst for i in ids]
+        nbytes = [sizes[i] for i in ids]
+        per_dst = {d: spb(src, d) for d in dict.fromkeys(dsts)}
+        for link in dict.fromkeys(lk for c in per_dst.values() for lk in c):
+            cost = {d: c.get(link, 0.0) for d, c in per_dst.items()}
+            busy[(src, link)] = reduce(add, map(mul, nbytes, map(cost.__getitem__, dsts)), 0.0)
+    domains = nvlink_domains(list(range(num_sources)), links)
     record = _Moves()
     for domain in domains:
         if len(domain) < 2:

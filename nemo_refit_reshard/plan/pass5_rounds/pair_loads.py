@@ -148,6 +148,10 @@ class RoundLoads:
         self.full_time: list[int] = []
         self.full_stage: list[int] = []
         self.sent: set[int] = set()  # codes of (round, src, dst) with a message
+        # A time key is full below this many seconds left (``FULL`` of the budget, or a
+        # worthwhile chunk's latencies), a staging index below this many bytes.
+        self.full_at = [max(FULL * tau, MIN_CHUNK_LATENCIES * lat) for lat in latency]
+        self.stage_full_at = FULL * bucket
 
     def open(self, r: int) -> None:
         while len(self.busy) <= r:
@@ -243,7 +247,7 @@ class RoundLoads:
         return x
 
     def add(self, p: Pair, r: int, nbytes: float) -> None:
-        tau, lat, bucket = self.tau, self.latency, self.bucket
+        tau, lat, full_at, stage_full_at = self.tau, self.latency, self.full_at, self.stage_full_at
         sent, codes = self.sent, self.codes
         count, busy, full = self.count[r], self.busy[r], self.full_time[r]
         base = r * codes
@@ -252,33 +256,34 @@ class RoundLoads:
             count[ka] += 1
             count[kb] += 1
         for idx, k, c, _ in p.now_time:
-            busy[idx] += nbytes * c
-            if tau - busy[idx] - lat[k] * count[k] < max(FULL * tau, MIN_CHUNK_LATENCIES * lat[k]):
+            b = busy[idx] = busy[idx] + nbytes * c
+            if tau - b - lat[k] * count[k] < full_at[k]:
                 full |= 1 << idx
         self.full_time[r] = full
         staged, sfull = self.staged[r], self.full_stage[r]
+        ceil = math.ceil
         for idx, c in p.now_staging:
-            staged[idx] += math.ceil(nbytes * c)
-            if bucket - staged[idx] < FULL * bucket:
+            b = staged[idx] = staged[idx] + ceil(nbytes * c)
+            if self.bucket - b < stage_full_at:
                 sfull |= 1 << idx
         self.full_stage[r] = sfull
         for o, code, ka, kb in p.later_messages:
             key = (r + o) * codes + code
             if key not in sent:
                 sent.add(key)
-                self.count[r + o][ka] += 1
-                self.count[r + o][kb] += 1
+                row = self.count[r + o]
+                row[ka] += 1
+                row[kb] += 1
         for o, idx, k, c in p.later_time:
             rr = r + o
             row = self.busy[rr]
-            row[idx] += nbytes * c
-            left = tau - row[idx] - lat[k] * self.count[rr][k]
-            if left < max(FULL * tau, MIN_CHUNK_LATENCIES * lat[k]):
+            b = row[idx] = row[idx] + nbytes * c
+            if tau - b - lat[k] * self.count[rr][k] < full_at[k]:
                 self.full_time[rr] |= 1 << idx
         for o, idx, c in p.later_staging:
             row = self.staged[r + o]
-            row[idx] += math.ceil(nbytes * c)
-            if bucket - row[idx] < FULL * bucket:
+            b = row[idx] = row[idx] + ceil(nbytes * c)
+            if self.bucket - b < stage_full_at:
                 self.full_stage[r + o] |= 1 << idx
 
     def round_seconds(self, r: int) -> float:

@@ -18,7 +18,7 @@ from ..colocation import ColocatedBytes, colocated_bytes
 from ..pass6_messages import Message
 from .expand import Expansion
 from .fp8_steps import QuantizeStep
-from .serialize import NameTable, compact_json, fingerprint_of, message_from_json, message_json
+from .serialize import NameTable, compact_json, fingerprint_of, message_from_json, rounds_text
 
 if TYPE_CHECKING:
     from ..relay_choice import RelayChoice
@@ -128,15 +128,16 @@ class RefitPlan:
         return colocated_bytes(self.traffic(), self.colocated_hosts, self.num_sources)
 
     # -- serialization (JSON, no pickle) ----------------------------------------------
-    def _body(self) -> dict[str, Any]:
+    def _body(self, rounds: Any, names: NameTable) -> dict[str, Any]:
+        """The plan's JSON body, with ``rounds`` as given and the tensor names that
+        ``names`` collected while they were written."""
+
         def tensors(table: TensorTable) -> list[dict[str, Any]]:
             return [
                 {name: [list(shape), dtype] for name, (shape, dtype) in sorted(rank.items())}
                 for rank in table
             ]
 
-        names = NameTable()
-        rounds = [[message_json(m, names) for m in msgs] for msgs in self.class_rounds]
         body: dict[str, Any] = {
             "version": PLAN_VERSION,
             "model": self.model,
@@ -162,7 +163,19 @@ class RefitPlan:
 
     @cached_property
     def _body_text(self) -> str:
-        return compact_json(self._body())
+        """``compact_json`` of the body, its rounds written by ``rounds_text`` (the same
+        text as ``message_json`` rows would give, ``tests/test_plan_units.py``)."""
+        names = NameTable()
+        rounds = rounds_text(self.class_rounds, names)
+        body = self._body(None, names)
+        return (
+            "{"
+            + ",".join(
+                f"{json.dumps(key)}:{rounds if key == 'rounds' else compact_json(value)}"
+                for key, value in body.items()
+            )
+            + "}"
+        )
 
     @cached_property
     def fingerprint(self) -> str:

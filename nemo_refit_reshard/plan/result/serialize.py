@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from ...layouts.base import Box
@@ -53,6 +54,48 @@ def message_json(m: Message, names: NameTable) -> dict[str, Any]:
             for t in m.transfers
         ],
     }
+
+
+def rounds_text(class_rounds: Sequence[Sequence[Message]], names: NameTable) -> str:
+    """``compact_json([[message_json(m, names) for m in msgs] for msgs in class_rounds])``,
+    the same text written directly: a DeepSeek-V3 plan has 1.5 million rows, and json's
+    encoder walking a tuple per row (and a tuple per box) took most of its fingerprint.
+    Boxes, names and dtypes recur, so their text is made once (each a non-empty string:
+    ``get(x) or make(x)`` looks it up in C and makes it only when missing)."""
+    texts: dict[object, str] = {}  # offsets or sizes -> JSON array; dtype -> JSON string
+    indices: dict[str, str] = {}  # tensor name -> its index in ``names``, as text
+
+    def array(values: tuple[int, ...]) -> str:
+        text = texts[values] = "[" + ",".join(map(str, values)) + "]"
+        return text
+
+    def index(name: str) -> str:
+        text = indices[name] = str(names(name))
+        return text
+
+    def string(value: str) -> str:
+        text = texts[value] = json.dumps(value)
+        return text
+
+    text, name = texts.get, indices.get
+
+    def row(t: Transfer) -> str:
+        src, dst, canonical = t.src_box, t.dst_box, t.canonical_box
+        so, ss, do, ds = src.offsets, src.sizes, dst.offsets, dst.sizes
+        co, cs = canonical.offsets, canonical.sizes
+        s_name, d_name, c_name = t.src_tensor, t.dst_tensor, t.canonical
+        return (
+            f"[{name(s_name) or index(s_name)},{text(so) or array(so)},"
+            f"{text(ss) or array(ss)},{name(d_name) or index(d_name)},"
+            f"{text(do) or array(do)},{text(ds) or array(ds)},"
+            f"{name(c_name) or index(c_name)},{text(co) or array(co)},"
+            f"{text(cs) or array(cs)},{text(t.dtype) or string(t.dtype)}]"
+        )
+
+    def message(m: Message) -> str:
+        return f'{{"src":{m.src},"dst":{m.dst},"t":[{",".join(map(row, m.transfers))}]}}'
+
+    return "[" + ",".join("[" + ",".join(map(message, msgs)) + "]" for msgs in class_rounds) + "]"
 
 
 def message_from_json(
