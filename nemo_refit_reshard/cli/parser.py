@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import models, plan, run
+from . import models, plan
 from .run_args import add_run_arguments
 
 DESCRIPTION = """Command line: ``nemo-refit-reshard <command>``.
@@ -26,10 +26,10 @@ def make_parser() -> argparse.ArgumentParser:
     add_plan_parser(sub)
     demo = sub.add_parser("demo", help="refit between local processes, reshard vs broadcast")
     add_run_arguments(demo, steps=3)
-    demo.set_defaults(func=run.cmd_demo)
+    demo.set_defaults(func=cmd_demo)
     bench = sub.add_parser("bench", help="like demo with more steps; --json for the figures")
     add_run_arguments(bench, steps=10)
-    bench.set_defaults(func=run.cmd_bench)
+    bench.set_defaults(func=cmd_bench)
     add_simulate_parser(sub)
     add_gpu_check_parser(sub)
     return parser
@@ -110,3 +110,18 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
     from .gpu_check import cmd_gpu_check as run_gpu_check
 
     return run_gpu_check(args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Run ``demo``, importing the local runner only then: it loads torch, which the
+    planning commands do without (a second and more of every ``simulate``)."""
+    from .run import cmd_demo as run_demo
+
+    return run_demo(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run ``bench``, importing the local runner only then (see :func:`cmd_demo`)."""
+    from .run import cmd_bench as run_bench
+
+    return run_bench(args)
