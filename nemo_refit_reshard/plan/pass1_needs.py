@@ -97,9 +97,15 @@ def destination_needs(
     """Cut every piece of one destination rank (refit-group rank ``group_rank``) by the
     source regions it overlaps."""
     needs: list[Need] = []
+    append = needs.append
     for piece in destination.pieces():
+        held = regions.get(piece.canonical, ())
+        if len(held) == 1 and piece.canonical_box.contained_in(held[0].box):
+            # one region holds all of it (every expert slice): the whole piece, one need
+            append(tuple.__new__(Need, (group_rank, piece, piece.canonical_box, held[0])))
+            continue
         covered = 0
-        for region in regions.get(piece.canonical, ()):
+        for region in held:
             common = piece.canonical_box.intersect(region.box)
             if common is None:
                 continue

@@ -68,8 +68,8 @@ def domain_entries(
     keys = zip(map(neg, sizes), map(_DST, transfers), map(_SRC, transfers), count())
     order = [i for _, _, _, i in sorted(keys)]
     total: dict[int, int] = defaultdict(int)
-    for t, nbytes in zip(transfers, sizes):
-        total[t.dst] += nbytes
+    for dst, nbytes in zip(map(_DST, transfers), sizes):
+        total[dst] += nbytes
     heaps: dict[int, list[tuple[float, int]]] = {}
     for rep, runs in runs_of.items():
         weights = entry_weights(tuple(len(run) for run in runs))
@@ -77,15 +77,20 @@ def domain_entries(
         heaps[rep] = [(-w * total[rep], j) for j, w in enumerate(weights)]
         heapq.heapify(heaps[rep])
     out = list(transfers)
+    heapreplace = heapq.heapreplace
+    # (the order is by receiver within a size: its runs and heap are looked up per run)
+    run_dst, heap, entries = -1, None, None
     for i in order:
         t = transfers[i]
-        runs = runs_of.get(t.dst)
-        if runs is None:
+        if t[1] != run_dst:
+            run_dst = t[1]
+            runs = runs_of.get(run_dst)
+            heap, entries = (None, None) if runs is None else (heaps[run_dst], runs[0])
+        if heap is None:
             continue
-        heap = heaps[t.dst]
         due, j = heap[0]
-        heapq.heapreplace(heap, (due + sizes[i], j))
-        out[i] = new_transfer(Transfer, (t[0], runs[0][j], *t[2:]))  # (``_replace``, cheaper)
+        heapreplace(heap, (due + sizes[i], j))
+        out[i] = new_transfer(Transfer, (t[0], entries[j], *t[2:]))  # (``_replace``, cheaper)
     targets = {
         run0[j]: tuple(run[j % len(run)] for run in runs)
         for runs in runs_of.values()

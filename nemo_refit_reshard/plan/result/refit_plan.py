@@ -104,7 +104,12 @@ class RefitPlan:
         return tuple(tuple(msgs) for msgs in self._expansion.all_messages())
 
     def traffic(self) -> list[list[tuple[int, int, int]]]:
-        """Per round, ``(src, dst, bytes)`` of every message, expanded like :attr:`rounds`."""
+        """Per round, ``(src, dst, bytes)`` of every message, expanded like :attr:`rounds`
+        (computed once: the prediction and the timeline both read it; not to be changed)."""
+        return self._traffic
+
+    @cached_property
+    def _traffic(self) -> list[list[tuple[int, int, int]]]:
         return self._expansion.traffic()
 
     def expected_tensors(self, group_rank: int) -> dict[str, tuple[tuple[int, ...], str]]:
