@@ -4,10 +4,12 @@ values worked out by hand, and ``plan_refit`` as exactly their composition."""
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 
 from nemo_refit_reshard.layouts import megatron_layout, vllm_layout
+from nemo_refit_reshard.layouts.base import Box
 from nemo_refit_reshard.plan import (
     DTYPE_BYTES,
     Cluster,
@@ -22,7 +24,7 @@ from nemo_refit_reshard.plan.base import message_order
 from nemo_refit_reshard.plan.cluster import nvlink_domains
 from nemo_refit_reshard.plan.pass1_needs import find_needs
 from nemo_refit_reshard.plan.pass2_fanout import plan_fanout
-from nemo_refit_reshard.plan.pass3_senders import choose_senders
+from nemo_refit_reshard.plan.pass3_senders import _PAIR_KEY, balance, choose_senders
 from nemo_refit_reshard.plan.pass4_routes import plan_routes
 from nemo_refit_reshard.plan.pass5_rounds import plan_rounds
 from nemo_refit_reshard.plan.pass6_messages import to_messages
@@ -82,6 +84,38 @@ def test_fanout_per_relay_mode() -> None:
     assert domain.chains == [(2, 3)] and domain.lone == ()
     with pytest.raises(PlanError, match='relay="domain" needs a topology'):
         plan_fanout(needs, PlanConfig(relay="domain", links=None))
+
+
+def test_senders_reuse_the_fixed_part_across_relay_modes() -> None:
+    """Pass 3 for a second relay mode of the same needs reuses the first one's fixed
+    transfers (``Fixed``) and gives what building it afresh gives: the fixed transfers
+    merged with the chosen ones exactly as one stable sort orders them, coalesced."""
+    src, dst = _layouts("tp=2,pp=2", "tp=2,dp=4")  # norms held twice, the rest once
+    links = _links(4, len(src), len(dst))
+    needs = find_needs(SPEC, src, dst)
+    plans = {}
+    for mode in ("domain", "none"):
+        settings = PlanConfig(relay=mode, links=links)
+        fanout = plan_fanout(needs, settings)
+        plans[mode] = (fanout, settings, choose_senders(needs, fanout, settings))
+    fanout, settings, first = plans["domain"]
+    again = choose_senders(needs, plans["none"][0], plans["none"][1], first)
+    assert again.fixed is first.fixed  # reused, not rebuilt
+    assert again.transfers == plans["none"][2].transfers
+    fixed = first.fixed
+    assert fixed.open and fixed.transfers  # both parts present: the merge is exercised
+    chosen = balance(fixed, links, fanout.members)
+    merged, keys = fixed.merged(chosen)
+    assert merged == sorted(fixed.transfers + chosen, key=_PAIR_KEY)
+    assert keys == [_PAIR_KEY(t) for t in merged]
+    # ties: fixed transfers with the keys of chosen ones (told apart by a box) go first
+    twins = [t._replace(canonical_box=Box((9, 9), (1, 1))) for t in chosen[::2]]
+    tied = replace(fixed, transfers=fixed.transfers + twins)
+    merged, _ = tied.merged(chosen)
+    assert merged == sorted(tied.transfers + chosen, key=_PAIR_KEY)
+    assert [merged.index(t) < merged.index(c) for t, c in zip(twins, chosen[::2])] == [True] * len(
+        twins
+    )
 
 
 def test_senders_split_a_replicated_tensor_evenly_between_its_holders() -> None:

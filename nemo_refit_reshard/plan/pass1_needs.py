@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import cached_property
+from operator import attrgetter, mul
 from typing import NamedTuple
 
 from ..layouts.base import Box, Piece, RankLayout
@@ -38,6 +39,9 @@ class Holder:
 class SourceRegion:
     box: Box
     holders: tuple[Holder, ...]
+
+
+_LOCAL, _NUMEL = attrgetter("dst_piece.local"), attrgetter("canonical_box.numel")  # of a Need
 
 
 class Need(NamedTuple):
@@ -146,10 +150,15 @@ class Needs:
         """Bytes one member of ``rep``'s group receives."""
         total = self._group_bytes.get(rep)
         if total is None:
-            total = self._group_bytes[rep] = sum(
-                n.canonical_box.numel * DTYPE_BYTES[self.dtype_of[(rep, n.dst_piece.local)]]
-                for n in self.by_group[rep]
-            )
+            needs, dtype_of = self.by_group[rep], self.dtype_of
+
+            class ItemSize(dict):  # local tensor -> bytes per element, looked up once
+                def __missing__(self, local: str) -> int:
+                    size = self[local] = DTYPE_BYTES[dtype_of[(rep, local)]]
+                    return size
+
+            sizes = map(ItemSize().__getitem__, map(_LOCAL, needs))
+            total = self._group_bytes[rep] = sum(map(mul, map(_NUMEL, needs), sizes))
         return total
 
     @cached_property

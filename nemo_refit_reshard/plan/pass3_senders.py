@@ -18,6 +18,7 @@ boxes the host lacks are balanced as above.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -73,8 +74,7 @@ def choose_senders(
     if fixed is None or not fixed.built_from(fanout.needs, hosts):
         fixed = Fixed.of(fanout.needs, needs.dtype_of, hosts)
     chosen = balance(fixed, config.links, fanout.members)
-    # ``fixed.ordered`` is already in coalesce's order: the sort only places ``chosen``
-    return Senders(coalesce(fixed.ordered + chosen), fixed)
+    return Senders(coalesce(*fixed.merged(chosen)), fixed)
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,31 @@ class Fixed:
     def ordered(self) -> list[Transfer]:
         """``transfers`` in :func:`coalesce`'s order (a stable sort)."""
         return sorted(self.transfers, key=_PAIR_KEY)
+
+    @cached_property
+    def ordered_keys(self) -> list[tuple]:
+        return list(map(_PAIR_KEY, self.ordered))
+
+    def merged(self, chosen: list[Transfer]) -> tuple[list[Transfer], list[tuple]]:
+        """``sorted(self.transfers + chosen, key=_PAIR_KEY)`` and its keys, without
+        sorting the fixed transfers again: each chosen one goes after the fixed ones
+        with its key or a smaller one (``bisect_right``: as the stable sort places it,
+        ``chosen`` coming last), the chosen in their own stable order."""
+        fixed, keys = self.ordered, self.ordered_keys
+        placed = sorted(chosen, key=_PAIR_KEY)
+        out: list[Transfer] = []
+        out_keys: list[tuple] = []
+        done = 0
+        for t, key in zip(placed, map(_PAIR_KEY, placed)):
+            at = bisect_right(keys, key, done)
+            out += fixed[done:at]
+            out_keys += keys[done:at]
+            out.append(t)
+            out_keys.append(key)
+            done = at
+        out += fixed[done:]
+        out_keys += keys[done:]
+        return out, out_keys
 
     def built_from(self, needs: list[Need], hosts: Mapping[int, int] | None) -> bool:
         """Whether this is what :meth:`of` makes of ``needs`` (the same objects)."""
@@ -302,14 +327,18 @@ def balance(
     return out
 
 
-def coalesce(transfers: list[Transfer]) -> list[Transfer]:
+def coalesce(transfers: list[Transfer], keys: list[tuple] | None = None) -> list[Transfer]:
     """Merge adjacent transfers between the same (src tensor, dst tensor) pair.
 
     Sorted by (src, dst, src tensor, dst tensor, canonical, dtype), then by source
     box; where consecutive transfers share that key and their boxes continue each
-    other (:meth:`Box.followed_by`), they become one."""
-    ordered = sorted(transfers, key=_PAIR_KEY)
-    keys = list(map(_PAIR_KEY, ordered))
+    other (:meth:`Box.followed_by`), they become one. ``keys`` given, ``transfers``
+    are in that order already and ``keys`` are theirs (:meth:`Fixed.merged`)."""
+    if keys is None:
+        ordered = sorted(transfers, key=_PAIR_KEY)
+        keys = list(map(_PAIR_KEY, ordered))
+    else:
+        ordered = transfers
     # Most keys are unique (one slice of one expert): find the runs of equal ones in C.
     starts = list(compress(range(1, len(keys)), map(eq, keys, keys[1:])))
     if not starts:
