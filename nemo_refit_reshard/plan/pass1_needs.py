@@ -73,8 +73,11 @@ def source_regions(spec: ModelSpec, sources: list[RankLayout]) -> dict[str, list
                 Holder(layout.rank, piece)
             )
     out: dict[str, list[SourceRegion]] = {}
+    shared: dict[Box, Box] = {}  # equal boxes as one object (``destination_needs``' cache)
     for name, boxes in by_box.items():
-        regions = [SourceRegion(box, tuple(h)) for box, h in sorted(boxes.items())]
+        regions = [
+            SourceRegion(shared.setdefault(box, box), tuple(h)) for box, h in sorted(boxes.items())
+        ]
         _check_disjoint(name, regions)
         out[name] = regions
     return out
@@ -102,12 +105,21 @@ def destination_needs(
     source regions it overlaps."""
     needs: list[Need] = []
     append = needs.append
+    # (piece box, region box) -> whether the region holds the piece: the boxes are shared
+    # objects (a layer's experts, ``source_regions``), so few pairs recur many times
+    inside: dict[tuple[int, int], bool] = {}
     for piece in destination.pieces():
         held = regions.get(piece.canonical, ())
-        if len(held) == 1 and piece.canonical_box.contained_in(held[0].box):
-            # one region holds all of it (every expert slice): the whole piece, one need
-            append(tuple.__new__(Need, (group_rank, piece, piece.canonical_box, held[0])))
-            continue
+        if len(held) == 1:
+            box, region = piece.canonical_box, held[0]
+            pair = (id(box), id(region.box))
+            whole = inside.get(pair)
+            if whole is None:
+                whole = inside[pair] = box.contained_in(region.box)
+            if whole:
+                # one region holds all of it (every expert slice): the whole piece, one need
+                append(tuple.__new__(Need, (group_rank, piece, box, region)))
+                continue
         covered = 0
         for region in held:
             common = piece.canonical_box.intersect(region.box)

@@ -162,10 +162,12 @@ class Fixed:
         run_dst = -1
         itemsizes: dict[str, tuple[str, int]] = {}  # its local tensor -> (dtype, bytes each)
         run_charges: dict[int, tuple[list[int], list[int]]] = {}  # sender -> its charges
+        run_bytes = 0
         for need in needs:
             dst, dst_piece, box, region = need
             if dst != run_dst:
-                run_dst, itemsizes, run_charges = dst, {}, {}
+                dst_bytes[run_dst] += run_bytes
+                run_dst, itemsizes, run_charges, run_bytes = dst, {}, {}, 0
             local = dst_piece.local
             sized = itemsizes.get(local)
             if sized is None:
@@ -173,7 +175,7 @@ class Fixed:
                 sized = itemsizes[local] = (dtype, DTYPE_BYTES[dtype])
             dtype, itemsize = sized
             nbytes = box.numel * itemsize
-            dst_bytes[dst] += nbytes
+            run_bytes += nbytes
             holders = region.holders
             if len(holders) > 1:
                 host = hosts.get(dst) if hosts else None
@@ -195,6 +197,10 @@ class Fixed:
             to[0].append(dst)
             to[1].append(nbytes)
             cb = dst_piece.canonical_box
+            # (``map_sub_box``'s first case inlined: a source piece stored as its
+            # canonical box, as most expert weights are, maps a box to itself)
+            sc, sl = src_piece.canonical_box, src_piece.local_box
+            same = sc is sl or (sc.offsets == sl.offsets and sc.sizes == sl.sizes)
             transfers.append(
                 new_transfer(
                     Transfer,
@@ -202,7 +208,7 @@ class Fixed:
                         rank,
                         dst,
                         src_piece.local,
-                        map_sub_box(src_piece.canonical_box, src_piece.local_box, box),
+                        box if same else map_sub_box(sc, sl, box),
                         local,
                         dst_piece.local_box
                         if box is cb
@@ -213,6 +219,8 @@ class Fixed:
                     ),
                 )
             )
+        dst_bytes[run_dst] += run_bytes
+        dst_bytes.pop(-1, None)
         return cls(needs, hosts, transfers, charges, open_needs, dict(dst_bytes), senders)
 
 

@@ -246,6 +246,8 @@ class _Moves:
         self, transfers: list[Transfer]
     ) -> tuple[list[Transfer], list[tuple[Transfer, int]]]:
         """(the transfers still direct, the carried ``(transfer, via)``)."""
+        if not self.moved:
+            return list(transfers), self.carried
         direct = [
             self.rest.get(i, t)
             for i, t in enumerate(transfers)
