@@ -321,15 +321,23 @@ def balance(
     # Largest first; index keeps the order total for equal sizes.
     items.sort(key=lambda it: (-it[0], it[1], it[3].offsets))
     out: list[Transfer] = []
+    known = weights.get
     for nbytes, _, need, box, dtype in items:
+        dst = need.dst
         best = None
         for h in need.region.holders:
-            score = max(busy[k] + nbytes * c for k, c in weight(h.rank, need.dst))
-            if best is None or (score, h.rank) < best[0]:
-                best = ((score, h.rank), h)
+            rank = h.rank
+            w = known((rank, dst)) or weight(rank, dst)
+            if len(w) == 1:  # one link (a max over one term, written out)
+                ((k, c),) = w
+                score = busy[k] + nbytes * c
+            else:
+                score = max(busy[k] + nbytes * c for k, c in w)
+            if best is None or (score, rank) < best[0]:
+                best = ((score, rank), h)
         assert best is not None
         holder = best[1]
-        for k, c in weight(holder.rank, need.dst):
+        for k, c in weight(holder.rank, dst):
             busy[k] += nbytes * c
         out.append(_transfer(holder, need, box, dtype))
     return out
