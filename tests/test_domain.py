@@ -4,11 +4,12 @@ across nodes where the training NICs would bind (``plan/pass2_fanout.py``,
 
 from __future__ import annotations
 
+import random
 from fractions import Fraction
 
 from nemo_refit_reshard.layouts import megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import Cluster, Placement, Topology, plan_refit, predict_refit
-from nemo_refit_reshard.plan.pass4_routes.domain import entry_weights
+from nemo_refit_reshard.plan.pass4_routes.domain import _largest_first, entry_weights
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
 from tests.helpers.hf_models import TINY_CONFIGS
 from tests.helpers.plan_checks import assert_delivers_exactly
@@ -59,3 +60,15 @@ def test_training_egress_binding_joins_lone_replicas_into_a_ring() -> None:
         predict_refit(plan, Topology(cluster, placement)).seconds
         < 0.5 * predict_refit(direct, Topology(cluster, placement)).seconds
     )
+
+
+def test_entries_take_transfers_largest_first_as_the_tuple_order_does() -> None:
+    """``domain_entries`` orders transfers by ``(-size, receiver, sender, position)``
+    through one integer per transfer: the same order as the tuples, ties included."""
+    rng = random.Random(7)
+    sizes = [rng.choice([0, 1, 64, 4096, 2**33]) for _ in range(2000)]
+    dsts = [rng.randrange(300, 320) for _ in sizes]
+    srcs = [rng.randrange(0, 300) for _ in sizes]
+    want = [i for *_, i in sorted(zip([-x for x in sizes], dsts, srcs, range(len(sizes))))]
+    assert _largest_first(sizes, dsts, srcs) == want
+    assert _largest_first([], [], []) == []

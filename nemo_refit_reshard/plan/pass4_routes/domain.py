@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 import heapq
 from collections import defaultdict
-from itertools import count
-from operator import itemgetter, neg
+from itertools import repeat
+from operator import add, itemgetter, mod, mul, sub
 
 from ..base import Transfer, new_transfer, sizes_of
 
@@ -49,6 +49,22 @@ def _entry_cost(load: list[list[int]], j: int) -> tuple[int, int, int]:
 _SRC, _DST = itemgetter(0), itemgetter(1)  # a transfer's sender and receiver
 
 
+def _largest_first(sizes: list[int], dsts: list[int], srcs: list[int]) -> list[int]:
+    """Positions ``i`` ordered by ``(-sizes[i], dsts[i], srcs[i], i)``, sorted as one
+    integer each, ``((top - size) * ranks + dst) * ranks + src) * n + i``, which orders
+    exactly as the tuple does (every part within its range) and sorts several times
+    faster than tuples (1.5 million transfers at DeepSeek-V3 scale)."""
+    n = len(sizes)
+    if not n:
+        return []
+    top, ranks = max(sizes), max(max(dsts), max(srcs)) + 1
+    keys = map(sub, repeat(top), sizes)
+    keys = map(add, map(mul, keys, repeat(ranks)), dsts)
+    keys = map(add, map(mul, keys, repeat(ranks)), srcs)
+    keys = map(add, map(mul, keys, repeat(n)), range(n))
+    return list(map(mod, sorted(keys), repeat(n)))
+
+
 def domain_entries(
     transfers: list[Transfer], runs_of: dict[int, list[tuple[int, ...]]]
 ) -> tuple[list[Transfer], dict[int, tuple[int, ...]]]:
@@ -64,9 +80,7 @@ def domain_entries(
     stored transfer).
     """
     sizes = list(sizes_of(transfers))
-    # largest first, then by receiver, sender and position
-    keys = zip(map(neg, sizes), map(_DST, transfers), map(_SRC, transfers), count())
-    order = [i for _, _, _, i in sorted(keys)]
+    order = _largest_first(sizes, list(map(_DST, transfers)), list(map(_SRC, transfers)))
     total: dict[int, int] = defaultdict(int)
     for dst, nbytes in zip(map(_DST, transfers), sizes):
         total[dst] += nbytes
