@@ -13,8 +13,9 @@ package) with one entry function and a typed result you can print::
     plan     = assemble_plan(spec, sources, destinations, config,
                              needs, routes, messages, choice)     # 7 pass7_assemble.py
 
-``relay="auto"`` with a topology runs passes 2-4 for each candidate relay mode and pass 5
-only for those whose routes could still win (``relay_choice.py``).
+``relay="auto"`` with a topology runs passes 2-4 for each candidate relay mode (pass 3
+reusing what the mode before it took from the needs alone) and pass 5 only for those
+whose routes could still win (``relay_choice.py``).
 """
 
 from __future__ import annotations

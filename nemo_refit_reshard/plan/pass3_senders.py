@@ -9,7 +9,9 @@ is spread. A sender is charged once per receiver a stored transfer reaches
 is first cut along its outermost non-unit dimension into up to ``len(holders)`` parts,
 so replicas share one large tensor instead of one replica carrying it whole. Ties break
 on rank, so the result is deterministic. Transfers between the same pair of local
-tensors whose boxes continue each other are then merged (:func:`coalesce`).
+tensors whose boxes continue each other are then merged (:func:`coalesce`). What depends
+on the needs alone — the transfers whose sender is fixed (:class:`Fixed`) — is built once
+and reused when ``relay="auto"`` routes a second relay mode of the same needs.
 
 Colocated (``config.colocation``): a destination's host — the training rank on its GPU —
 sends every box it holds (a device-local copy, no interconnect bytes, never split); only
