@@ -162,14 +162,8 @@ class Needs:
         """Bytes one member of ``rep``'s group receives."""
         total = self._group_bytes.get(rep)
         if total is None:
-            needs, dtype_of = self.by_group[rep], self.dtype_of
-
-            class ItemSize(dict):  # local tensor -> bytes per element, looked up once
-                def __missing__(self, local: str) -> int:
-                    size = self[local] = DTYPE_BYTES[dtype_of[(rep, local)]]
-                    return size
-
-            sizes = map(ItemSize().__getitem__, map(_LOCAL, needs))
+            needs = self.by_group[rep]
+            sizes = map(_ItemSizes(self.dtype_of, rep).__getitem__, map(_LOCAL, needs))
             total = self._group_bytes[rep] = sum(map(mul, map(_NUMEL, needs), sizes))
         return total
 
@@ -190,6 +184,19 @@ class Needs:
             f"{len(self.groups)} replica group(s); {count:,} needs, {stored:,} bytes per "
             f"group set, {every:,} bytes to every destination"
         )
+
+
+class _ItemSizes(dict[str, int]):
+    """Destination ``rank``'s local tensor -> bytes per element of its wire dtype, each
+    looked up once (``Needs.group_bytes`` reads it once per need, in C)."""
+
+    def __init__(self, dtype_of: dict[tuple[int, str], str], rank: int) -> None:
+        super().__init__()
+        self.dtype_of, self.rank = dtype_of, rank
+
+    def __missing__(self, local: str) -> int:
+        size = self[local] = DTYPE_BYTES[self.dtype_of[(self.rank, local)]]
+        return size
 
 
 def replica_groups(destinations: list[RankLayout], offset: int) -> list[tuple[int, ...]]:

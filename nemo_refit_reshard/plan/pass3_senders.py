@@ -163,13 +163,10 @@ class Fixed:
         # Needs come in runs of one receiver: what depends on it alone is looked up per run.
         run_dst = -1
         itemsizes: dict[str, tuple[str, int]] = {}  # its local tensor -> (dtype, bytes each)
-        run_charges: dict[int, tuple[list[int], list[int]]] = {}  # sender -> its charges
-        run_bytes = 0
         for need in needs:
             dst, dst_piece, box, region = need
             if dst != run_dst:
-                dst_bytes[run_dst] += run_bytes
-                run_dst, itemsizes, run_charges, run_bytes = dst, {}, {}, 0
+                run_dst, itemsizes = dst, {}
             local = dst_piece.local
             sized = itemsizes.get(local)
             if sized is None:
@@ -177,7 +174,7 @@ class Fixed:
                 sized = itemsizes[local] = (dtype, DTYPE_BYTES[dtype])
             dtype, itemsize = sized
             nbytes = box.numel * itemsize
-            run_bytes += nbytes
+            dst_bytes[dst] += nbytes
             holders = region.holders
             if len(holders) > 1:
                 host = hosts.get(dst) if hosts else None
@@ -188,14 +185,11 @@ class Fixed:
                 else:
                     open_needs.append((need, nbytes, dtype))
                 continue
-            # ``_transfer`` inlined: this loop runs over every expert slice of the model.
+            # ``charge`` and ``_transfer`` inlined: this loop runs over every expert slice.
             rank, src_piece = holders[0].rank, holders[0].piece
-            to = run_charges.get(rank)
+            to = charges.get(rank)
             if to is None:
-                to = charges.get(rank)
-                if to is None:
-                    to = charges[rank] = ([], [])
-                run_charges[rank] = to
+                to = charges[rank] = ([], [])
             to[0].append(dst)
             to[1].append(nbytes)
             cb = dst_piece.canonical_box
@@ -221,8 +215,6 @@ class Fixed:
                     ),
                 )
             )
-        dst_bytes[run_dst] += run_bytes
-        dst_bytes.pop(-1, None)
         return cls(needs, hosts, transfers, charges, open_needs, dict(dst_bytes), senders)
 
 
