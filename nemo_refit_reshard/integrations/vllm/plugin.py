@@ -43,13 +43,12 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    import vllm
     from vllm.distributed.weight_transfer import factory as vllm_factory
 
     WeightTransferEngineFactory = getattr(vllm_factory, "WeightTransferEngineFactory", None)
     WeightTransferTrainerFactory = getattr(vllm_factory, "WeightTransferTrainerFactory", None)
     if WeightTransferEngineFactory is None or WeightTransferTrainerFactory is None:
-        import vllm
-
         logging.getLogger(__name__).warning(
             "nemo-refit-reshard: vLLM %s has no WeightTransferTrainerFactory, so the %r "
             "weight-transfer backend is not registered (it needs a vLLM with trainer-side "
@@ -61,9 +60,18 @@ def register() -> None:
         _registered = True
         return
 
-    for factory, target in (
-        (WeightTransferEngineFactory, WORKER_ENGINE),
-        (WeightTransferTrainerFactory, TRAINER_ENGINE),
+    from vllm.distributed.weight_transfer import base as vllm_base
+
+    from .api_check import api_problems, incompatible_message, refusing_engine
+
+    targets: tuple[tuple[object, ...], ...] = (WORKER_ENGINE, TRAINER_ENGINE)
+    problems = api_problems(vllm_base)
+    if problems:
+        message = incompatible_message(vllm.__version__, problems)
+        logging.getLogger(__name__).warning("%s", message)
+        targets = ((refusing_engine(message),), (refusing_engine(message),))
+    for factory, target in zip(
+        (WeightTransferEngineFactory, WeightTransferTrainerFactory), targets
     ):
         try:
             factory.register_engine(BACKEND, *target)
