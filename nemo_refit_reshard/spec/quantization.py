@@ -85,8 +85,10 @@ def quantization_from_hf_config(cfg: dict[str, Any]) -> BlockFp8 | None:
 
 
 def quantized_module(name: str, family: str) -> str | None:
-    """The HF module of canonical tensor ``name`` if vLLM quantizes it (ignoring
-    ``ignored``), else None."""
+    """The HF module of canonical tensor ``name`` if vLLM builds that module as a
+    quantized linear layer, else None. ``ignored_layers`` are not applied here: callers
+    drop ``BlockFp8.ignored`` themselves (and :func:`check_ignored` keeps fused modules
+    together)."""
     if not name.endswith(".weight"):
         return None
     module = name[: -len(".weight")]

@@ -45,8 +45,9 @@ def refit_config(config: MutableMapping[str, Any]) -> RefitConfig:
 
 def check_reshard_config(config: Mapping[str, Any]) -> None:
     """The config-only checks of ``reshard``, before any worker starts: Megatron policy,
-    vLLM generation (colocated or not, no other refit transport, unquantized). Sizes are
-    checked against the workers NeMo RL actually starts, in ``init_communicator``."""
+    vLLM generation (colocated or not, no other refit transport; BF16, or block FP8
+    through ``vllm_cfg.precision: fp8``, ``fp8.py``). Sizes are checked against the
+    workers NeMo RL actually starts, in ``init_communicator``."""
     check_generation(config["policy"]["generation"])
     check_megatron(config["policy"])
     if (config["policy"].get("draft") or {}).get("enabled", False):
