@@ -92,6 +92,11 @@ if [ -n "${VENV_PYTHON:-}" ]; then
 print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]))' "$REPO/pyproject.toml")
     quiet "${PIP[@]}" "${DEPS[@]}"
 fi
+# The machine's transformers may require a newer `kernels` than NeMo RL's transformers
+# accepts (kernels 0.19 rejects the LayerRepository calls of transformers 5.8 at import,
+# seen through --system-site-packages); its `kernels` extra puts the matching version
+# inside the venv.
+quiet "${PIP[@]}" "transformers[kernels]==$(installed "$PY" transformers)"
 VLLM_TARGET_DEVICE=cpu VLLM_LOGGING_LEVEL=ERROR quiet "$PY" - <<'PYEOF'
 from nemo_rl.models.generation.vllm.vllm_backend import (  # noqa: F401
     VllmInternalWorkerExtensionWithCheckpointEngine,
