@@ -21,6 +21,7 @@ unpacks into the parameters on the GPU.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -45,6 +46,7 @@ from .config import (
     UnsupportedVllmOption,
     engine_layout,
 )
+from .derived import DerivedWeights, derived_parameter_names
 
 _STATE = "_nemo_refit_reshard"
 
@@ -54,6 +56,7 @@ class _WorkerState:
     layout: EngineLayout
     engine_rank: int
     params: dict[str, torch.Tensor]  # what a refit writes (an FP8 engine: BF16 twins)
+    derived: DerivedWeights  # what vLLM derives from them, rerun after every refit
     refit: RefitWorker | None = None
     colocated: ColocatedWorker | None = None  # instead of ``refit`` in a colocated refit
     weights: WeightsState = field(default_factory=WeightsState)  # across memberships
@@ -145,14 +148,20 @@ KV_CACHE_SCALES = (".attn.q_scale", ".attn.k_scale", ".attn.v_scale", ".attn.pro
 
 def refit_parameters(model: torch.nn.Module, vllm_config: Any) -> dict[str, torch.Tensor]:
     """The parameters a refit writes: all of the model's, less the KV-cache scales of an
-    engine whose KV cache is not FP8 (an FP8 KV cache's scales are not refit: refused)."""
+    engine whose KV cache is not FP8 (an FP8 KV cache's scales are not refit: refused) and
+    less what vLLM derives after loading (MLA's ``W_UK_T``/``W_UV``: ``derived.py``)."""
     cache = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
     if str(cache).startswith("fp8"):
         raise UnsupportedVllmOption(
             f"kv_cache_dtype={cache!r}: the FP8 KV cache's scales are not refit; serve "
             "with kv_cache_dtype='auto'"
         )
-    return {n: p for n, p in model.named_parameters() if not n.endswith(KV_CACHE_SCALES)}
+    derived = derived_parameter_names(model)
+    return {
+        n: p
+        for n, p in model.named_parameters()
+        if not n.endswith(KV_CACHE_SCALES) and n not in derived
+    }
 
 
 def _state(worker: Any) -> _WorkerState:
@@ -167,7 +176,10 @@ def _state(worker: Any) -> _WorkerState:
             # ranks, or by this rank's program from the twins the plan sends it
             # (layouts/fp8_wire.py); only kernels that keep them as loaded compute right.
             check_fp8_kernels(model)
-        state = _WorkerState(layout=layout, engine_rank=engine_rank(worker), params=params)
+        derived = DerivedWeights.of(model, worker.vllm_config)  # refuses what cannot rerun
+        state = _WorkerState(
+            layout=layout, engine_rank=engine_rank(worker), params=params, derived=derived
+        )
         setattr(worker, _STATE, state)
     return state
 
@@ -315,23 +327,40 @@ def refit_step(worker: Any, step: int | None = None) -> dict[str, float]:
     while weights change) and should reset the prefix cache afterwards. Versioned:
     from the start until it completes the weights are stale (``refit_status``), and a
     failed refit leaves them so — ask ``refit_require_fresh`` before generating again.
+    Then what vLLM derives from the weights (MLA's ``W_UK_T``/``W_UV`` of a block-FP8
+    engine) is recomputed in place (``derived_seconds``): until then they are stale too.
     """
     s = _state(worker)
     if s.colocated is not None:
         seconds = s.colocated.refit(step)
+        derived = _rerun_derived(s)
         s.steps += 1
         rank = s.colocated.guest.group_rank if s.colocated.guest is not None else -1
-        return {"group_rank": float(rank), "seconds": seconds}
+        return {"group_rank": float(rank), "seconds": seconds, "derived_seconds": derived}
     if s.refit is None or s.refit.refitter is None:
         raise RuntimeError("call refit_join and refit_load_plan before refit_step")
     timing = s.refit.refit(step)
+    derived = _rerun_derived(s)
     s.steps += 1
     return {
         "group_rank": float(s.refit.endpoint.group_rank),
         "seconds": timing.seconds,
         "exchange_seconds": timing.exchange_seconds,
         "host_seconds": timing.host_seconds,
+        "derived_seconds": derived,
     }
+
+
+def _rerun_derived(s: _WorkerState) -> float:
+    """Recompute the derived tensors after a complete refit; a failure leaves the weights
+    marked stale (the refit parameters are new, the derived tensors are not)."""
+    start = time.perf_counter()
+    try:
+        s.derived.rerun()
+    except BaseException as err:
+        s.weights.failed(s.weights.step if s.weights.step is not None else s.steps, err)
+        raise
+    return time.perf_counter() - start
 
 
 def refit_status(worker: Any) -> dict[str, object]:

@@ -1,0 +1,203 @@
+"""What vLLM derives from the loaded weights stays current across refits (vLLM on CPU).
+
+vLLM's MLA layers absorb ``kv_b_proj`` into ``W_UK_T`` / ``W_UV`` after loading; for a
+block-FP8 ``kv_b_proj`` they are dequantized copies, which a refit of the parameters
+alone leaves at the previous step (``integrations/vllm/derived.py``). Megatron tp=2
+training ranks refit two one-rank engines of vLLM 0.33's own block-FP8
+``DeepseekV3ForCausalLM`` (``tests/programs/vllm_derived_check.py``), twice: the worker
+of engine 0 reruns vLLM's ``MLAAttention.process_weights_after_loading`` after each
+refit, the control engine 1 does not. Each is compared, bit for bit, with vLLM's own
+load + processing of that step's checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from nemo_refit_reshard.engine.rendezvous import free_port
+from nemo_refit_reshard.integrations.worker import RefitEndpoint
+from nemo_refit_reshard.layouts import MegatronOptions, VllmOptions, megatron_layout, vllm_layouts
+from nemo_refit_reshard.layouts.fp8_wire import wire_layouts
+from nemo_refit_reshard.plan import plan_refit, rank_plan
+from nemo_refit_reshard.spec import (
+    InferParallel,
+    ModelSpec,
+    TrainParallel,
+    spec_from_hf_config,
+)
+from tests.helpers import vllm_env
+from tests.test_vllm_truth import MODELS, rank_fields
+from tests.test_vllm_worker import engine_dtype, fp8_checkpoints, installed_version
+
+_SKIP = vllm_env.skip_reason()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+
+MLA = [f"model.layers.{i}.self_attn.mla_attn.mla_attn" for i in range(3)]
+DERIVED = sorted(f"{layer}.{attr}" for layer in MLA for attr in ("W_UK_T", "W_UV"))
+
+
+def write_checkpoints(spec: ModelSpec, work: Path, steps: int) -> list[str]:
+    """The start-up checkpoint, then one per refit step; every value a bfloat16 one, so
+    that the float32 training ranks and vLLM's load of the bfloat16 + FP8 checkpoint hold
+    the same numbers (vLLM keeps the router's correction bias in float32)."""
+    paths = []
+    for step in range(-1, steps):
+        g = torch.Generator().manual_seed(100 + step)
+        path = work / f"step{step}.safetensors"
+        tensors = {t.name: torch.randn(t.shape, generator=g) for t in spec}
+        save_file({n: t.bfloat16().float() for n, t in tensors.items()}, str(path))
+        paths.append(str(path))
+    return paths
+
+
+def write_plan(spec: ModelSpec, train: TrainParallel, infer: InferParallel, work: Path) -> str:
+    """Rank slices ``plan.rank{r}.json`` (the path template). The training ranks quantize
+    their whole-block pieces (``kv_b_proj`` among them) and send e4m3 + scales; Megatron's
+    tp halves of ``kv_a_proj_with_mqa`` (96 rows) cross as BF16 twins the engine quantizes."""
+    sources = [
+        megatron_layout(spec, train, r, MegatronOptions(params_dtype="float32"))
+        for r in range(train.world_size)
+    ]
+    opts = VllmOptions(params_dtype=engine_dtype(spec), vllm_version=installed_version())
+    destinations = vllm_layouts(spec, infer, opts)
+    sources, destinations, wire = wire_layouts(spec, sources, destinations, engine_dtype(spec))
+    assert all(f"model.layers.{i}.self_attn.kv_b_proj.weight" in wire.quantized for i in range(3))
+    plan = plan_refit(spec, sources, destinations, bucket_mb=1)
+    for r in range(train.world_size + infer.world_size):
+        (work / f"plan.rank{r}.json").write_text(rank_plan(plan, r).to_json())
+    return str(work / "plan.rank{rank}.json")
+
+
+MODES = ("rerun", "skip_rerun", "rebind")
+
+
+def run(work: Path, steps: int = 2) -> dict[str, dict[str, Any]]:
+    """Two training ranks and three one-rank engines (one per mode of
+    ``vllm_derived_check``) in one refit group; each engine's result."""
+    model, train, infer = "deepseek_v3_fp8", TrainParallel(tp=2), InferParallel(dp=len(MODES))
+    cfg = MODELS[model]
+    spec = spec_from_hf_config(cfg, name=model)
+    initial, *checkpoints = write_checkpoints(spec.unquantized(), work, steps)
+    loads = fp8_checkpoints(spec, [initial, *checkpoints])
+    plan = write_plan(spec, train, infer, work)
+    s, world = train.world_size, train.world_size + infer.world_size
+    endpoint = RefitEndpoint("127.0.0.1", free_port(), world, 0, "gloo", timeout_s=300)
+    procs = []
+    for r in range(s):
+        path = work / f"train{r}.json"
+        path.write_text(
+            json.dumps(
+                dict(
+                    config=cfg,
+                    train=str(train),
+                    rank=r,
+                    endpoint=dataclasses.replace(endpoint, group_rank=r).to_json(),
+                    plan=plan,
+                    checkpoints=checkpoints,
+                    init_file=str(work / "megatron.init"),
+                )
+            )
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *vllm_env.program("train_refit_rank"), str(path)],
+                env=vllm_env.vllm_env(),
+                cwd=vllm_env.REPO,
+            )
+        )
+    results = []
+    for engine in range(infer.dp):
+        path, out = work / f"vllm{engine}.json", work / f"vllm{engine}.out.json"
+        path.write_text(
+            json.dumps(
+                dict(
+                    config=cfg,
+                    rank=rank_fields(infer, 0, None),
+                    endpoint=endpoint.to_json(),
+                    first_rank=s + engine,
+                    plan=plan,
+                    initial=loads[0],
+                    checkpoints=loads[1:],
+                    dtype=engine_dtype(spec),
+                    mode=MODES[engine],
+                )
+            )
+        )
+        procs.append(vllm_env.start("vllm_derived_check", str(path), str(out)))
+        results.append(out)
+    try:
+        for p in procs:
+            if p.stdout is None:
+                assert p.wait() == 0, "a training rank failed"
+            else:
+                vllm_env.finish(p, "a vLLM rank")
+    finally:  # one failed rank must not leave the others waiting for their timeout
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return {mode: json.loads(r.read_text()) for mode, r in zip(MODES, results)}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    return run(tmp_path_factory.mktemp("vllm-derived"))
+
+
+def test_refit_reruns_mla_derivation_in_place(results: dict[str, dict[str, Any]]) -> None:
+    """After each of two refits, every refit parameter and every MLA layer's ``W_UK_T`` /
+    ``W_UV`` equal vLLM's fresh load + processing bit for bit, and no storage moved."""
+    r = results["rerun"]
+    assert r["ok"], r.get("traceback")
+    # block-FP8 kv_b_proj: the derived tensors are copies, not views of the weight ...
+    assert r["derived"] == r["copies"] == DERIVED
+    # ... and not refit: the plan writes every other parameter
+    assert not set(DERIVED) & set(r["described"])
+    assert r["written"] == len(r["described"])
+    assert [s["differ"] for s in r["steps"]] == [[], []]
+    assert [s["derived_differ"] for s in r["steps"]] == [[], []]
+    assert [s["moved"] for s in r["steps"]] == [[], []]
+    assert all(s["timing"]["derived_seconds"] > 0 for s in r["steps"])
+
+
+def test_control_without_rerun_serves_stale_attention(results: dict[str, dict[str, Any]]) -> None:
+    """The control: the same refits without the rerun write every parameter bit-exact,
+    yet every MLA layer keeps the previous step's ``W_UK_T`` / ``W_UV``."""
+    r = results["skip_rerun"]
+    assert r["ok"], r.get("traceback")
+    assert [s["differ"] for s in r["steps"]] == [[], []]
+    assert [s["derived_differ"] for s in r["steps"]] == [DERIVED, DERIVED]
+    assert [s["moved"] for s in r["steps"]] == [[], []]
+
+
+def test_rerun_that_rebinds_is_put_back_on_its_storage(
+    results: dict[str, dict[str, Any]],
+) -> None:
+    """A rerun whose ``replace_parameter`` rebinds the derived parameters to new storage
+    (vLLM 0.25 assigns new tensors; 0.33 rebinds when the stride differs): the worker
+    copies the values into the previous storage and puts it back."""
+    r = results["rebind"]
+    assert r["ok"], r.get("traceback")
+    assert [s["differ"] for s in r["steps"]] == [[], []]
+    assert [s["derived_differ"] for s in r["steps"]] == [[], []]
+    assert [s["moved"] for s in r["steps"]] == [[], []]
+
+
+def test_underivable_mla_variants_are_refused_by_name(results: dict[str, dict[str, Any]]) -> None:
+    """A worker whose MLA layers use DCP query replication or AMX refuses, naming each."""
+    assert results["rerun"]["refused"] == (
+        "UnsupportedVllmOption: layers that derive tensors from the loaded weights in a way "
+        f"a refit cannot rerun in place: {MLA[0]}: DCP query replication (W_UK_T_dcp_qrep), "
+        f"{MLA[1]}: AMX MLA (AMXMLAImpl releases kv_b_proj.weight); serve on CUDA with "
+        "decode_context_parallel_size=1 (MLA: W_UK_T/W_UV recomputed in place after every "
+        "refit)"
+    )
