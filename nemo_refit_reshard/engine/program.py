@@ -27,8 +27,8 @@ import torch
 
 from ..layouts.base import Box
 from ..plan import DTYPE_BYTES, Message, PlanError, RankPlan, RefitPlan, is_relay
+from .fp8_rounds import Fp8Receiver, Fp8Sender
 from .pipeline import replay_overlapped, replay_serial
-from .quantize import Fp8Steps
 from .transport import Transport
 
 TORCH_DTYPES = {
@@ -54,19 +54,30 @@ class CopyPhase:
     sends: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (peer, bytes)
     recvs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     reads_previous: bool = False  # pack reads what the previous round's unpack writes
+    # Block FP8 (engine/fp8_rounds.py): runs quantized straight into the send staging;
+    # twins' scratch slots opened before the unpack and quantized after it.
+    quantize_out: list[Callable[[], None]] = field(default_factory=list)
+    before_in: list[Callable[[], None]] = field(default_factory=list)
+    after_in: list[Callable[[], None]] = field(default_factory=list)
 
     def pack(self) -> None:
         if self.copies_out:
             torch._foreach_copy_([d for d, _ in self.copies_out], [s for _, s in self.copies_out])
+        for job in self.quantize_out:
+            job()
 
     def unpack(self) -> None:
+        for job in self.before_in:
+            job()
         if self.copies_in:
             torch._foreach_copy_([d for d, _ in self.copies_in], [s for _, s in self.copies_in])
+        for job in self.after_in:
+            job()
 
-    def run(self, transport: Transport) -> None:
+    def run(self, transport: Transport, round_index: int = 0) -> None:
         self.pack()
         if self.sends or self.recvs:
-            transport.exchange(self.sends, self.recvs)
+            transport.exchange(self.sends, self.recvs, round_index)
         self.unpack()
 
 
@@ -166,14 +177,21 @@ class RankProgram:
             f"source rank {group_rank}" if self.is_source else f"destination rank {group_rank - s}"
         )
         check_live_tensors(plan.expected_tensors(group_rank), tensors, self.device, who)
-        # Block-FP8 refits: derived e4m3 tensors a sender fills before the step, twins a
-        # receiver quantizes after it (engine/quantize.py); bound like live tensors.
+        # Block-FP8 refits (engine/fp8_rounds.py): a sender quantizes each run into its
+        # round's staging (no derived copies); a receiver's twins live in bounded
+        # scratch slots (plan/result/memory.py), bound like live tensors.
         steps = plan.quantize_steps_of(group_rank)
-        self.fp8: Fp8Steps | None = None
+        self.fp8_sender: Fp8Sender | None = None
+        self.fp8_receiver: Fp8Receiver | None = None
         if steps:
             assert plan.fp8_block is not None
-            self.fp8 = Fp8Steps(steps, plan.fp8_block, tensors, self.device)
-            tensors = {**tensors, **self.fp8.tensors}
+            if self.is_source:
+                self.fp8_sender = Fp8Sender(steps, plan.fp8_block, tensors)
+            else:
+                self.fp8_receiver = Fp8Receiver(
+                    plan, group_rank, plan.fp8_block, tensors, self.device
+                )
+                tensors = {**tensors, **self.fp8_receiver.tensors}
         messages = plan.messages_of(group_rank)
         by_round: dict[int, list[Message]] = {}
         for m in messages:
@@ -195,6 +213,10 @@ class RankProgram:
         ]
         self.relay_buffer = torch.empty(2 * self._relay_size, dtype=torch.uint8, device=self.device)
         self.rounds = [self._bind(lay[0], tensors, k % sets) for k, lay in enumerate(layouts)]
+        if self.fp8_receiver is not None:
+            for k, phase in enumerate(self.rounds):
+                phase.before_in += self.fp8_receiver.before_unpack(k)
+                phase.after_in += self.fp8_receiver.after_unpack(k)
         # Bytes a rank forwards (carried in its relay buffer, or relayed on from its own
         # live tensors along an inference chain) were unpacked the round before: that
         # round's unpack must precede this round's pack (engine/pipeline.py).
@@ -282,6 +304,10 @@ class RankProgram:
         for outgoing, peer, start, end, runs in layout:
             buf = (self.send_buffers if outgoing else self.recv_buffers)[staging]
             for r in runs:
+                if r.relay is None and self.fp8_sender and self.fp8_sender.binds(r.name):
+                    staged = byte_view(buf, r.offset, r.nbytes, r.dtype, tuple(r.box.sizes))
+                    phase.quantize_out.append(self.fp8_sender.job(r.name, r.box, staged))
+                    continue
                 if r.relay is None:
                     live = tensors[r.name][r.box.slices()]
                 else:
@@ -309,14 +335,11 @@ class RankProgram:
             self.finish()
 
     def prepare(self) -> None:
-        """Before a step's rounds: a block-FP8 sender quantizes what it sends."""
-        if self.fp8 is not None and self.is_source:
-            self.fp8.run()
+        """Before a step's rounds: nothing now (a block-FP8 sender quantizes in its
+        packs, a receiver after the unpack of each twin's last round); kept for callers."""
 
     def finish(self) -> None:
-        """After a step's rounds: a block-FP8 receiver quantizes its twins."""
-        if self.fp8 is not None and not self.is_source:
-            self.fp8.run()
+        """After a step's rounds: nothing now (see :meth:`prepare`)."""
 
     @property
     def staging_bytes(self) -> int:

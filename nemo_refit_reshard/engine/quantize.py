@@ -53,6 +53,18 @@ def quantize_block_fp8(
     return q.view(rows * bm, cols * bn)[:m, :n].contiguous(), scale.view(rows, cols)
 
 
+def block_scales(x: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """``quantize_block_fp8(x, block)[1]`` without the e4m3 weight: the float32 block
+    scales of ``x`` ``[m, n]`` (a sender staging scales apart from their weight)."""
+    m, n = x.shape
+    bm, bn = block
+    rows, cols = _cdiv(m, bm), _cdiv(n, bn)
+    padded = torch.zeros((rows * bm, cols * bn), dtype=x.dtype, device=x.device)
+    padded[:m, :n] = x
+    amax = padded.view(rows, bm, cols, bn).abs().float().amax(dim=(1, 3)).clamp(AMAX_FLOOR)
+    return amax / E4M3_MAX
+
+
 def quantize_into(
     x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
 ) -> None:
@@ -165,6 +177,7 @@ __all__ = [
     "E4M3_MAX",
     "Fp8Steps",
     "QuantizedWeights",
+    "block_scales",
     "quantize_block_fp8",
     "quantize_into",
     "scale_of",

@@ -1,0 +1,221 @@
+"""What a refit holds beyond the live weights, per refit-group rank, from the plan alone.
+
+A rank's compiled program (``engine/program.py``) allocates, once, and keeps:
+
+* **staging**: per round its outgoing messages back to back in one send buffer and its
+  incoming ones in one receive buffer (each message starting on ``ALIGN`` bytes, an
+  outgoing message identical to an earlier one of the round staged once), both sized to
+  the largest round; ×2 with ``overlap``. The planner keeps a rank's bytes per round
+  within the bucket, so each buffer holds at most ``bucket_bytes`` plus alignment.
+* **relay**: two halves, each the largest round's bytes carried for another rank.
+* **fp8_scratch** (a block-FP8 receiver): the trained-dtype *twins* of the e4m3 tensors
+  it receives unquantized (``layouts/fp8_wire.py``) live in one scratch buffer, each in
+  a slot from the first round that writes it to the last round that reads it
+  (quantized into the live e4m3 weight and scales at the end of its last receiving
+  round); slots whose rounds do not overlap share bytes (first fit, in round order).
+
+A block-FP8 *sender* holds nothing more: it quantizes each e4m3 piece and its scales
+per round straight into that round's send staging (``engine/fp8_rounds.py``).
+
+A colocated plan (``plan/colocation.py``): the training rank allocates its guest's
+receive staging (shared with the vLLM worker by a same-device handle), so it is counted
+once, at the training rank; the guest adds only its scratch.
+
+These are the exact byte counts the engine allocates (``tests/test_fp8_memory.py``
+compiles every rank and compares). Not counted: the quantizer's transient working set
+(float32 of the largest run, freed as it ends).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from math import prod
+from typing import TYPE_CHECKING, Any
+
+from ..base import DTYPE_BYTES, is_relay
+from ..pass6_messages import Message
+from .fp8_steps import QuantizeStep
+
+if TYPE_CHECKING:
+    from .rank_share import RankPlan
+    from .refit_plan import RefitPlan
+
+ALIGN = 16  # message starts in staging (engine/program.py keeps the same value)
+
+
+def align_up(offset: int) -> int:
+    """``offset`` rounded up to ``ALIGN`` bytes."""
+    return -(-offset // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class StagingSizes:
+    """Bytes of one send buffer, one receive buffer and one relay half."""
+
+    send: int
+    recv: int
+    relay_half: int
+
+
+def staging_sizes(messages: Sequence[Message], group_rank: int, num_rounds: int) -> StagingSizes:
+    """The staging a rank's program lays out for ``messages`` (its own, in round order):
+    per round, outgoing messages back to back (identical contents once), incoming ones
+    back to back, relay arrivals in this round's half; each buffer the largest round."""
+    by_round: dict[int, list[Message]] = {}
+    for m in messages:
+        by_round.setdefault(m.round, []).append(m)
+    send = recv = relay = 0
+    for r in range(num_rounds):
+        shared: set[tuple] = set()
+        send_end = recv_end = 0
+        relay_end: int | None = None
+        for m in by_round.get(r, ()):
+            nbytes = sum(t.nbytes for t in m.transfers)
+            if m.src == group_rank:
+                key = tuple((t.src_tensor, t.src_box, t.dtype) for t in m.transfers)
+                if key in shared:
+                    continue
+                shared.add(key)
+                send_end = align_up(send_end) + nbytes
+                continue
+            recv_end = align_up(recv_end) + nbytes
+            for t in m.transfers:
+                if is_relay(t.dst_tensor):
+                    relay_end = align_up(relay_end or 0) + t.nbytes
+        send, recv = max(send, send_end), max(recv, recv_end)
+        if relay_end is not None:
+            relay = max(relay, align_up(relay_end))
+    return StagingSizes(send, recv, relay)
+
+
+@dataclass(frozen=True)
+class TwinSlot:
+    """A twin's bytes in the receiver's scratch, from round ``first`` (its first write)
+    to ``last_use``; quantized at the end of round ``last_recv``."""
+
+    step: QuantizeStep
+    first: int
+    last_recv: int
+    last_use: int
+    offset: int
+    nbytes: int
+
+
+def twin_slots(
+    messages: Sequence[Message], steps: Sequence[QuantizeStep], group_rank: int
+) -> tuple[tuple[TwinSlot, ...], int]:
+    """The scratch slots of a receiver's twins (``steps`` without ``source``), and the
+    scratch's bytes: first fit in order of first round, a slot reusing bytes only of
+    slots whose last use came in an earlier round."""
+    twins = {q.weight: q for q in steps if q.source is None}
+    if not twins:
+        return (), 0
+    first: dict[str, int] = {}
+    last_recv: dict[str, int] = {}
+    last_use: dict[str, int] = {}
+    for m in messages:
+        for t in m.transfers:
+            if m.dst == group_rank and t.dst_tensor in twins:
+                name = t.dst_tensor
+                first[name] = min(first.get(name, m.round), m.round)
+                last_recv[name] = max(last_recv.get(name, m.round), m.round)
+            elif m.src == group_rank and t.src_tensor in twins:  # forwarded on (a chain)
+                name = t.src_tensor
+            else:
+                continue
+            last_use[name] = max(last_use.get(name, m.round), m.round)
+    missing = sorted(twins.keys() - first.keys())
+    if missing:
+        raise ValueError(
+            f"refit rank {group_rank} quantizes {missing[0]} but receives none of it: the "
+            "plan is inconsistent, rebuild it"
+        )
+    live: list[tuple[int, int, int]] = []  # (offset, end, last use)
+    slots: list[TwinSlot] = []
+    size = 0
+    for name in sorted(twins, key=lambda n: (first[n], n)):
+        q = twins[name]
+        nbytes = align_up(prod(q.shape) * DTYPE_BYTES[q.dtype])
+        live = sorted(a for a in live if a[2] >= first[name])
+        offset = 0
+        for start, end, _ in live:
+            if offset + nbytes <= start:
+                break
+            offset = max(offset, end)
+        live.append((offset, offset + nbytes, last_use[name]))
+        slots.append(TwinSlot(q, first[name], last_recv[name], last_use[name], offset, nbytes))
+        size = max(size, offset + nbytes)
+    return tuple(slots), size
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """What one refit-group rank allocates beyond its live weights (module docstring)."""
+
+    staging: int  # send and receive buffers
+    relay: int
+    fp8_scratch: int
+
+    @property
+    def peak_extra_bytes(self) -> int:
+        return self.staging + self.relay + self.fp8_scratch
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "peak_extra_bytes": self.peak_extra_bytes,
+            "staging": self.staging,
+            "relay": self.relay,
+            "fp8_scratch": self.fp8_scratch,
+        }
+
+
+def rank_memory(plan: RefitPlan | RankPlan, group_rank: int, overlap: bool = False) -> RankMemory:
+    """One rank's extra bytes as its program allocates them; a colocated plan's as the
+    training rank (its own staging and its guest's receive staging) and the vLLM worker
+    (its scratch) allocate them. ``overlap``: two staging sets (separate pools only)."""
+    sets = 2 if overlap else 1
+    messages = plan.messages_of(group_rank)
+    own = staging_sizes(messages, group_rank, plan.num_rounds)
+    _, scratch = twin_slots(messages, plan.quantize_steps_of(group_rank), group_rank)
+    hosts = plan.colocated_hosts
+    if not hosts:
+        return RankMemory(sets * (own.send + own.recv), 2 * own.relay_half, scratch)
+    if overlap:
+        raise ValueError("a colocated refit replays serially: no overlap")
+    s = plan.num_sources
+    if group_rank >= s:  # the guest: its receive staging is the host's
+        return RankMemory(own.send, 2 * own.relay_half, scratch)
+    staging = own.send + own.recv
+    if group_rank in hosts:
+        guest = s + hosts.index(group_rank)
+        staging += staging_sizes(plan.messages_of(guest), guest, plan.num_rounds).recv
+    return RankMemory(staging, 2 * own.relay_half, scratch)
+
+
+def memory_report(plan: RefitPlan, overlap: bool = False) -> dict[str, Any]:
+    """``plan --json``'s ``memory``: per refit-group rank its extra bytes, the largest,
+    and the bound the staging keeps (two buffers of a bucket each, ×2 with overlap)."""
+    ranks = [rank_memory(plan, r, overlap) for r in range(plan.num_sources + plan.num_destinations)]
+    sets = 2 if overlap else 1
+    return {
+        "overlap": overlap,
+        "peak_extra_bytes": [m.peak_extra_bytes for m in ranks],
+        "max_peak_extra_bytes": max((m.peak_extra_bytes for m in ranks), default=0),
+        "max_fp8_scratch": max((m.fp8_scratch for m in ranks), default=0),
+        "staging_bound": 2 * sets * plan.bucket_bytes,
+        "ranks": [m.to_json() for m in ranks],
+    }
+
+
+__all__ = [
+    "ALIGN",
+    "RankMemory",
+    "StagingSizes",
+    "TwinSlot",
+    "align_up",
+    "memory_report",
+    "rank_memory",
+    "staging_sizes",
+    "twin_slots",
+]
