@@ -17,6 +17,7 @@ from ..layouts.base import paused_gc
 from ..plan import (
     BroadcastPrediction,
     Cluster,
+    Colocation,
     Floor,
     Placement,
     Prediction,
@@ -28,6 +29,7 @@ from ..plan import (
     predict_refit,
     predict_timeline,
 )
+from ..plan.result.memory import memory_report
 from ..runner import RunConfig, build_layouts
 from ..spec import ModelSpec, load_model_spec
 from .plot import plot_simulation, require_matplotlib
@@ -40,13 +42,39 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = run_config(args)
     timed = timed_plan(cfg)
     summary = plan_summary(timed.plan, timed.seconds)
+    # Not in plan_summary (a run's report): computing it walks every rank's messages.
+    summary["memory"] = memory_report(timed.plan, overlap=bool(cfg.overlap))
+    if cfg.colocated:  # the colocated plan of the same run, beside the separate one
+        colocation = Colocation.same_index(len(timed.sources), len(timed.destinations))
+        colocated = plan_refit(
+            timed.spec, timed.sources, timed.destinations, cfg.bucket_mb, colocation=colocation
+        )
+        summary["colocated"] = {
+            "fingerprint": colocated.fingerprint,
+            "memory": memory_report(colocated),
+        }
     if args.out:
         write_plan_file(args.out, timed.plan.to_json())
     if args.json:
         print(json.dumps(summary))
     else:
-        print_plan(plan_title(cfg, timed), plan_rows(summary), args.out)
+        print_plan(plan_title(cfg, timed), plan_rows(summary) + memory_rows(summary), args.out)
     return 0
+
+
+def memory_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """``plan``'s rows on memory beyond the live weights (``plan/result/memory.py``)."""
+    rows = [("max extra bytes of one rank", mem_row(summary["memory"]))]
+    if "colocated" in summary:
+        rows.append(("colocated: max extra bytes", mem_row(summary["colocated"]["memory"])))
+    return rows
+
+
+def mem_row(memory: dict[str, Any]) -> str:
+    text = f"{mib(memory['max_peak_extra_bytes'])} (staging bound {mib(memory['staging_bound'])}"
+    if memory["max_fp8_scratch"]:
+        text += f"; FP8 twin scratch up to {mib(memory['max_fp8_scratch'])}"
+    return text + ")"
 
 
 @paused_gc  # millions of acyclic boxes and transfers stay alive: nothing to collect
