@@ -98,21 +98,28 @@ def _separate_plans(fp8_model: str) -> dict[str, RefitPlan]:
     return {"dense": _plan(dense), "fp8": _plan(fp8)}
 
 
-def test_fp8_sender_holds_only_its_staging(fp8_model: str) -> None:
-    """Every training rank of the FP8 refit holds at most its two staging buffers (a
-    bucket each, each message aligned to 16 bytes) after compiling: no quantized copy of
-    what it sends. Before: each held derived e4m3 + scale tensors beyond the bucket."""
+def test_fp8_ranks_hold_no_quantized_copies_and_no_whole_twins(fp8_model: str) -> None:
+    """Beyond their staging, the FP8 refit's training ranks hold nothing after compiling
+    (no quantized copy of what they send: it would not even fit the staging bound), and
+    its inference ranks 2/3 of their twins' bytes (block rows wait in scratch only until
+    whole). Before: each training rank held derived e4m3 + scale tensors, each inference
+    rank whole twins."""
     plan = _separate_plans(fp8_model)["fp8"]
     assert plan.fp8_block is not None and plan.num_rounds > 2
-    for rank in range(plan.num_sources):
+    for rank in range(plan.num_sources + plan.num_destinations):
         live = _live(plan, rank)
-        sent = sum(
-            prod(q.shape) for q in plan.quantize_steps_of(rank) if q.source is not None
-        )  # e4m3 bytes a derived copy would hold
-        assert sent > 2 * plan.bucket_bytes  # a copy would not fit the bound
+        steps = plan.quantize_steps_of(rank)
         program, held = held_bytes(partial(RankProgram, plan, rank, live), list(live.values()))
+        staging = program.staging_bytes  # type: ignore[attr-defined]
         messages = len(plan.messages_of(rank))
-        assert held <= 2 * plan.bucket_bytes + 16 * messages, (rank, held)
+        assert staging <= 2 * plan.bucket_bytes + 16 * messages
+        if rank < plan.num_sources:
+            copies = sum(prod(q.shape) for q in steps)  # e4m3 bytes a derived copy holds
+            assert copies > 2 * plan.bucket_bytes
+            assert held - staging == 0, (rank, held, staging)
+        else:
+            twins = sum(prod(q.shape) * 2 for q in steps)  # BF16
+            assert (held - staging) * 3 == twins * 2, (rank, held, staging, twins)
         del program
 
 
@@ -141,20 +148,22 @@ def test_reported_extra_bytes_are_what_each_rank_allocates(
 
 
 def test_twin_slots_never_overlap_while_live(fp8_model: str) -> None:
-    """A receiver's twins (the dense MLP's gate_up and down, in BF16) take slots from
-    their first to their last round: the scratch is at most the twins' bytes, and no two
-    slots live in a common round share a byte. (Here both twins arrive over rounds 8-30,
-    so the scratch is both twins: the slot is a whole twin, not a block row.)"""
+    """A receiver's twins (the dense MLP's gate_up and down, in BF16) take slots of
+    whole block rows from their first to their last round; no two slots live in a
+    common round share a byte, and here the scratch is 2/3 of the twins' bytes: the
+    block rows of gate_up that one training rank sends whole are quantized in the round
+    they arrive, while those its tp=2 cut at row 192 splits (and every block row of
+    down_proj, cut at column 192) wait for both halves."""
     from nemo_refit_reshard.plan.result.memory import twin_slots
 
     plan = _separate_plans(fp8_model)["fp8"]
     for d in range(plan.num_destinations):
         rank = plan.num_sources + d
         steps = plan.quantize_steps_of(rank)
-        slots, size = twin_slots(plan.messages_of(rank), steps, rank)
+        slots, size = twin_slots(plan.messages_of(rank), steps, rank, plan.fp8_block)
         twins = sum(prod(q.shape) * 2 for q in steps)
-        assert sorted(s.step.weight for s in slots) == sorted(q.weight for q in steps)
-        assert 0 < size <= twins
+        assert {s.step.weight for s in slots} == {q.weight for q in steps}
+        assert size * 3 == twins * 2
         for a in slots:
             for b in slots:
                 together = a.first <= b.last_use and b.first <= a.last_use

@@ -10,11 +10,12 @@ blocks give their scales. Block FP8 is a function of each block alone
 those of quantizing the whole piece (and the whole canonical weight). The price: a block
 whose e4m3 and scale runs travel apart has its ``amax`` computed twice.
 
-Receiving: the trained-dtype twins live in one scratch buffer, each in the slot
-``plan/result/memory.twin_slots`` gives it (the bytes the plan reports); a slot is
-filled with NaN as its first round starts (bytes the plan fails to write show after
-the step) and quantized into the live e4m3 weight and scales, in place, once its last
-round is unpacked; a 3-D twin (fused experts) expert by expert.
+Receiving: the trained-dtype twins live in one scratch buffer, in bands of whole block
+rows (per expert of fused experts) at the slots ``plan/result/memory.twin_slots`` gives
+them (the bytes the plan reports); a run is unpacked into the bands it touches. A slot
+is filled with NaN as its first round starts (bytes the plan fails to write show after
+the step) and quantized into its rows of the live e4m3 weight and scales, in place,
+once its last round is unpacked: every block in it is whole then.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 from ..layouts.base import Box
 from ..plan.result.fp8_steps import QuantizeStep
-from ..plan.result.memory import twin_slots
+from ..plan.result.memory import TwinSlot, twin_slots
 from .quantize import block_scales, quantize_block_fp8, quantize_into
 
 Job = Callable[[], None]
@@ -105,25 +106,51 @@ class Fp8Receiver:
     ) -> None:
         self.block = block
         steps = plan.quantize_steps_of(group_rank)
-        self.slots, size = twin_slots(plan.messages_of(group_rank), steps, group_rank)
+        self.slots, size = twin_slots(plan.messages_of(group_rank), steps, group_rank, block)
         self.scratch = torch.empty(size, dtype=torch.uint8, device=device)
-        self.tensors: dict[str, torch.Tensor] = {}
+        self._views: dict[str, list[tuple[TwinSlot, torch.Tensor]]] = {}
         self._starts: dict[int, list[Job]] = {}
         self._ends: dict[int, list[Job]] = {}
+        bm = block[0]
         for slot in self.slots:
             q = slot.step
-            nbytes = slot.nbytes
             dtype = getattr(torch, q.dtype)
-            numel = 1
-            for n in q.shape:
-                numel *= n
-            raw = self.scratch[slot.offset : slot.offset + nbytes]
-            twin = raw[: numel * dtype.itemsize].view(dtype).view(q.shape)
-            self.tensors[q.weight] = twin
-            self._starts.setdefault(slot.first, []).append(_nan_fill(twin))
-            self._ends.setdefault(slot.last_recv, []).append(
-                _quantize(twin, live[q.weight], live[q.scale], block)
-            )
+            rows, cols = slot.shape
+            raw = self.scratch[slot.offset : slot.offset + rows * cols * dtype.itemsize]
+            band = raw.view(dtype).view(rows, cols)
+            self._views.setdefault(q.weight, []).append((slot, band))
+            weight, scale = live[q.weight], live[q.scale]
+            if slot.expert is not None:
+                weight, scale = weight[slot.expert], scale[slot.expert]
+            r0, r1 = slot.rows
+            weight, scale = weight[r0:r1], scale[r0 // bm : -(-r1 // bm)]
+            self._starts.setdefault(slot.first, []).append(_nan_fill(band))
+            self._ends.setdefault(slot.last_recv, []).append(_quantize(band, weight, scale, block))
+
+    def binds(self, name: str) -> bool:
+        return name in self._views
+
+    def copies(self, name: str, box: Box, staged: torch.Tensor):
+        """``(band part, staged part)`` for each slot of twin ``name`` that run ``box``
+        (staged as ``staged``, of ``box``'s shape) touches."""
+        pairs = []
+        three_d = len(box.sizes) == 3
+        r0, nr = box.offsets[-2], box.sizes[-2]
+        c0, nc = box.offsets[-1], box.sizes[-1]
+        for slot, band in self._views[name]:
+            lo, hi = max(r0, slot.rows[0]), min(r0 + nr, slot.rows[1])
+            if lo >= hi:
+                continue
+            part = band[lo - slot.rows[0] : hi - slot.rows[0], c0 : c0 + nc]
+            if three_d:
+                e = slot.expert
+                assert e is not None
+                if not box.offsets[0] <= e < box.offsets[0] + box.sizes[0]:
+                    continue
+                pairs.append((part, staged[e - box.offsets[0], lo - r0 : hi - r0]))
+            else:
+                pairs.append((part, staged[lo - r0 : hi - r0]))
+        return pairs
 
     def before_unpack(self, round_index: int) -> list[Job]:
         return self._starts.get(round_index, [])
@@ -143,13 +170,9 @@ def _nan_fill(twin: torch.Tensor) -> Job:
     return fill
 
 
-def _quantize(twin: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block) -> Job:
+def _quantize(band: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block) -> Job:
     def run() -> None:
-        if twin.dim() == 2:
-            quantize_into(twin, weight, scale, block)
-        else:
-            for e in range(twin.shape[0]):
-                quantize_into(twin[e], weight[e], scale[e], block)
+        quantize_into(band, weight, scale, block)
 
     return run
 

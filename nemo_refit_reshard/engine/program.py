@@ -191,7 +191,6 @@ class RankProgram:
                 self.fp8_receiver = Fp8Receiver(
                     plan, group_rank, plan.fp8_block, tensors, self.device
                 )
-                tensors = {**tensors, **self.fp8_receiver.tensors}
         messages = plan.messages_of(group_rank)
         by_round: dict[int, list[Message]] = {}
         for m in messages:
@@ -307,6 +306,14 @@ class RankProgram:
                 if r.relay is None and self.fp8_sender and self.fp8_sender.binds(r.name):
                     staged = byte_view(buf, r.offset, r.nbytes, r.dtype, tuple(r.box.sizes))
                     phase.quantize_out.append(self.fp8_sender.job(r.name, r.box, staged))
+                    continue
+                if r.relay is None and self.fp8_receiver and self.fp8_receiver.binds(r.name):
+                    staged = byte_view(buf, r.offset, r.nbytes, r.dtype, tuple(r.box.sizes))
+                    pairs = self.fp8_receiver.copies(r.name, r.box, staged)
+                    if outgoing:  # forwarded on from a twin (an inference chain)
+                        phase.copies_out += [(s, band) for band, s in pairs]
+                    else:
+                        phase.copies_in += pairs
                     continue
                 if r.relay is None:
                     live = tensors[r.name][r.box.slices()]

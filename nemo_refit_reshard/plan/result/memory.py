@@ -9,10 +9,13 @@ A rank's compiled program (``engine/program.py``) allocates, once, and keeps:
   within the bucket, so each buffer holds at most ``bucket_bytes`` plus alignment.
 * **relay**: two halves, each the largest round's bytes carried for another rank.
 * **fp8_scratch** (a block-FP8 receiver): the trained-dtype *twins* of the e4m3 tensors
-  it receives unquantized (``layouts/fp8_wire.py``) live in one scratch buffer, each in
-  a slot from the first round that writes it to the last round that reads it
-  (quantized into the live e4m3 weight and scales at the end of its last receiving
-  round); slots whose rounds do not overlap share bytes (first fit, in round order).
+  it receives unquantized (``layouts/fp8_wire.py``) live in one scratch buffer, in
+  bands of whole block rows, each band in a slot from the first round that writes it to
+  the last round that reads it (quantized into the live e4m3 weight and scales at the
+  end of its last receiving round: its blocks are whole then); slots whose rounds do
+  not overlap share bytes (first fit, in round order). A band's pieces arrive within a
+  round or two unless the plan spreads one block row over many rounds, so the scratch
+  is about the twin bytes a rank receives in a round or two, not the whole twins.
 
 A block-FP8 *sender* holds nothing more: it quantizes each e4m3 piece and its scales
 per round straight into that round's send staging (``engine/fp8_rounds.py``).
@@ -30,7 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from math import prod
 from typing import TYPE_CHECKING, Any
 
 from ..base import DTYPE_BYTES, is_relay
@@ -91,60 +93,108 @@ def staging_sizes(messages: Sequence[Message], group_rank: int, num_rounds: int)
 
 @dataclass(frozen=True)
 class TwinSlot:
-    """A twin's bytes in the receiver's scratch, from round ``first`` (its first write)
-    to ``last_use``; quantized at the end of round ``last_recv``."""
+    """Rows ``rows`` (whole block rows) of a twin — of expert ``expert`` for fused
+    experts ``[E, rows, cols]`` — in the receiver's scratch, from round ``first`` (its
+    first write) to ``last_use``; quantized at the end of round ``last_recv``."""
 
     step: QuantizeStep
+    expert: int | None
+    rows: tuple[int, int]
     first: int
     last_recv: int
     last_use: int
     offset: int
     nbytes: int
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows[1] - self.rows[0], self.step.shape[-1])
+
+
+def _bands(box_offsets: tuple[int, ...], box_sizes: tuple[int, ...], three_d: bool, bm: int):
+    """``(expert, block row)`` of every band a box of a twin touches."""
+    experts: Sequence[int | None] = [None]
+    if three_d:
+        experts = range(box_offsets[0], box_offsets[0] + box_sizes[0])
+    r0, nr = box_offsets[-2], box_sizes[-2]
+    return [(e, i) for e in experts for i in range(r0 // bm, (r0 + nr - 1) // bm + 1)]
+
 
 def twin_slots(
-    messages: Sequence[Message], steps: Sequence[QuantizeStep], group_rank: int
+    messages: Sequence[Message],
+    steps: Sequence[QuantizeStep],
+    group_rank: int,
+    block: tuple[int, int] | None,
 ) -> tuple[tuple[TwinSlot, ...], int]:
     """The scratch slots of a receiver's twins (``steps`` without ``source``), and the
-    scratch's bytes: first fit in order of first round, a slot reusing bytes only of
-    slots whose last use came in an earlier round."""
+    scratch's bytes. A twin is cut into bands of whole block rows (per expert of fused
+    experts); each band lives from the first round that writes it to the last that reads
+    it — a block is quantized as soon as all of it has arrived. Consecutive bands of one
+    twin (one expert) with the same rounds form one slot. Slots are placed first fit in
+    order of first round, reusing bytes only of slots whose last use came earlier."""
     twins = {q.weight: q for q in steps if q.source is None}
     if not twins:
         return (), 0
-    first: dict[str, int] = {}
-    last_recv: dict[str, int] = {}
-    last_use: dict[str, int] = {}
+    assert block is not None, "a plan with twins names its FP8 block"
+    bm = block[0]
+    first: dict[tuple, int] = {}
+    last_recv: dict[tuple, int] = {}
+    last_use: dict[tuple, int] = {}
     for m in messages:
         for t in m.transfers:
             if m.dst == group_rank and t.dst_tensor in twins:
-                name = t.dst_tensor
-                first[name] = min(first.get(name, m.round), m.round)
-                last_recv[name] = max(last_recv.get(name, m.round), m.round)
+                name, box, received = t.dst_tensor, t.dst_box, True
             elif m.src == group_rank and t.src_tensor in twins:  # forwarded on (a chain)
-                name = t.src_tensor
+                name, box, received = t.src_tensor, t.src_box, False
             else:
                 continue
-            last_use[name] = max(last_use.get(name, m.round), m.round)
-    missing = sorted(twins.keys() - first.keys())
-    if missing:
-        raise ValueError(
-            f"refit rank {group_rank} quantizes {missing[0]} but receives none of it: the "
-            "plan is inconsistent, rebuild it"
-        )
+            three_d = len(twins[name].shape) == 3
+            for e, i in _bands(box.offsets, box.sizes, three_d, bm):
+                key = (name, -1 if e is None else e, i)
+                if received:
+                    first[key] = min(first.get(key, m.round), m.round)
+                    last_recv[key] = max(last_recv.get(key, m.round), m.round)
+                last_use[key] = max(last_use.get(key, m.round), m.round)
+    bands: list[tuple[tuple, int, int, int]] = []  # (key, first, last recv, last use)
+    for name, q in sorted(twins.items()):
+        experts = range(q.shape[0]) if len(q.shape) == 3 else [-1]
+        for e in experts:
+            for i in range(-(-q.shape[-2] // bm)):
+                key = (name, e, i)
+                if key not in first:
+                    raise ValueError(
+                        f"refit rank {group_rank} quantizes {name} but receives none of rows "
+                        f"{i * bm}+{bm}{'' if e < 0 else f' of expert {e}'}: the plan is "
+                        "inconsistent, rebuild it"
+                    )
+                bands.append((key, first[key], last_recv[key], last_use[key]))
+    units: list[tuple[str, int, int, int, int, int, int]] = []  # name, e, i0, i1, rounds
+    for (name, e, i), f, lr, lu in bands:
+        if (
+            units
+            and units[-1][:2] == (name, e)
+            and units[-1][3] == i
+            and units[-1][4:] == (f, lr, lu)
+        ):
+            units[-1] = (*units[-1][:3], i + 1, f, lr, lu)
+        else:
+            units.append((name, e, i, i + 1, f, lr, lu))
     live: list[tuple[int, int, int]] = []  # (offset, end, last use)
     slots: list[TwinSlot] = []
     size = 0
-    for name in sorted(twins, key=lambda n: (first[n], n)):
+    for name, e, i0, i1, f, lr, lu in sorted(units, key=lambda u: (u[4], u[:3])):
         q = twins[name]
-        nbytes = align_up(prod(q.shape) * DTYPE_BYTES[q.dtype])
-        live = sorted(a for a in live if a[2] >= first[name])
+        rows = (i0 * bm, min(i1 * bm, q.shape[-2]))
+        nbytes = align_up((rows[1] - rows[0]) * q.shape[-1] * DTYPE_BYTES[q.dtype])
+        live = sorted(a for a in live if a[2] >= f)
         offset = 0
         for start, end, _ in live:
             if offset + nbytes <= start:
                 break
             offset = max(offset, end)
-        live.append((offset, offset + nbytes, last_use[name]))
-        slots.append(TwinSlot(q, first[name], last_recv[name], last_use[name], offset, nbytes))
+        live.append((offset, offset + nbytes, lu))
+        expert = None if e < 0 else e
+        slots.append(TwinSlot(q, expert, rows, f, lr, lu, offset, nbytes))
         size = max(size, offset + nbytes)
     return tuple(slots), size
 
@@ -177,7 +227,8 @@ def rank_memory(plan: RefitPlan | RankPlan, group_rank: int, overlap: bool = Fal
     sets = 2 if overlap else 1
     messages = plan.messages_of(group_rank)
     own = staging_sizes(messages, group_rank, plan.num_rounds)
-    _, scratch = twin_slots(messages, plan.quantize_steps_of(group_rank), group_rank)
+    steps = plan.quantize_steps_of(group_rank)
+    _, scratch = twin_slots(messages, steps, group_rank, plan.fp8_block)
     hosts = plan.colocated_hosts
     if not hosts:
         return RankMemory(sets * (own.send + own.recv), 2 * own.relay_half, scratch)
