@@ -40,9 +40,18 @@ def new_secret() -> str:
 def free_address(host: str = "127.0.0.1") -> tuple[str, int]:
     """``(host, port)`` with a port free on ``host`` now: where a refit group's rank 0 can
     host its store (another process may take the port before it binds; rendezvous then
-    fails with the address named)."""
+    fails with the address named). Only the process that will host the store may call
+    it: ``host`` must be an address of its own node, and no other node can bind it."""
     with socket.socket() as s:
-        s.bind((host, 0))
+        try:
+            s.bind((host, 0))
+        except OSError as err:
+            raise OSError(
+                err.errno,
+                f"cannot pick a port on {host} ({err.strerror}): it is not an address of this "
+                "node. Only the process hosting the refit group's store (refit rank 0) picks "
+                "the port, on its own node's address; the others receive it",
+            ) from err
         return host, int(s.getsockname()[1])
 
 
@@ -92,29 +101,72 @@ def refit_store(
         store.set(AUTH_NONCE, nonce)
         store.set(AUTH_PROOF, _mac(secret, nonce) if secret else NO_SECRET)
     else:
-        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-        nonce = store.get(AUTH_NONCE).decode()
-        proof = store.get(AUTH_PROOF).decode()
-        where = f"the refit group at {host}:{port}"
-        if proof == NO_SECRET and secret:
-            raise RendezvousError(
-                f"refit rank {rank}: {where} has no secret but this endpoint carries one; "
-                "the endpoint belongs to another run"
-            )
-        if proof != NO_SECRET and not secret:
-            raise RendezvousError(
-                f"refit rank {rank}: {where} requires the run's secret and this endpoint has "
-                "none; use the endpoint the driver shipped (RefitEndpoint.secret)"
-            )
-        if secret and not hmac.compare_digest(proof, _mac(secret, nonce)):
-            raise RendezvousError(
-                f"refit rank {rank}: {where} rejected this process: its secret differs from "
-                "the run's (the endpoint belongs to another run, or was altered)"
-            )
+        store = _client(host, port, world_size, timeout, secret, f"refit rank {rank}")
+    return _private(store, secret)
+
+
+def _client(
+    host: str,
+    port: int,
+    world_size: int | None,
+    timeout: datetime.timedelta,
+    secret: str | None,
+    who: str,
+) -> dist.TCPStore:
+    """A client of rank 0's store, after checking that both hold the same secret."""
+    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    nonce = store.get(AUTH_NONCE).decode()
+    proof = store.get(AUTH_PROOF).decode()
+    where = f"the refit group at {host}:{port}"
+    if proof == NO_SECRET and secret:
+        raise RendezvousError(
+            f"{who}: {where} has no secret but this endpoint carries one; "
+            "the endpoint belongs to another run"
+        )
+    if proof != NO_SECRET and not secret:
+        raise RendezvousError(
+            f"{who}: {where} requires the run's secret and this endpoint has "
+            "none; use the endpoint the driver shipped (RefitEndpoint.secret)"
+        )
+    if secret and not hmac.compare_digest(proof, _mac(secret, nonce)):
+        raise RendezvousError(
+            f"{who}: {where} rejected this process: its secret differs from "
+            "the run's (the endpoint belongs to another run, or was altered)"
+        )
+    return store
+
+
+def _private(store: dist.Store, secret: str | None) -> dist.Store:
     if not secret:
         return store
     # The group's own keys: names only secret holders can compute.
     return dist.PrefixStore(_mac(secret, "keys")[:32], store)
+
+
+def store_client(
+    host: str, port: int, timeout_s: float, secret: str | None, who: str
+) -> dist.Store:
+    """A connection to the store refit rank 0 hosts at ``host:port``, for a process that
+    reads or writes keys outside the group's own traffic (rank 0 publishing each worker's
+    plan slice, a worker reading its own): authenticated as :func:`refit_store`'s joiners
+    are, and seeing the same secret-derived key names. ``who`` names the caller in
+    errors. Waits up to ``timeout_s`` for the store to exist."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return _private(_client(host, port, None, timeout, secret, who), secret)
+
+
+def publish_texts(store: dist.Store, key: str, texts: dict[int, str]) -> None:
+    """``texts[r]`` under ``key/r``: one value per reader, each read by its reader only."""
+    for rank, text in texts.items():
+        store.set(f"{key}/{rank}", text.encode())
+
+
+def take_text(store: dist.Store, key: str, rank: int) -> str:
+    """Rank ``rank``'s value under ``key`` (waiting for it, up to the store's timeout),
+    removed from the store once read: the host keeps no copy it no longer needs."""
+    text = store.get(f"{key}/{rank}").decode()
+    store.delete_key(f"{key}/{rank}")
+    return text
 
 
 def tcp_port(store: dist.Store, fallback: int) -> int:

@@ -17,10 +17,13 @@ rank's fingerprint agrees (checked when the group loads it) with no exchange.
 
 Phases (rank 0 drives the client; every RPC blocks until all workers answer):
 
-* ``trainer_init``: plan; rank 0 ships each worker its plan slice, the endpoint and the
-  fingerprint (``client.init_weight_transfer_engine``) *in a thread* while it joins the
-  group and compiles its own program — joining and loading are collective over the
-  whole group, so the RPC returns only once every trainer rank has joined too;
+* ``trainer_init``: plan; rank 0 ships the workers the endpoint and the fingerprint
+  (``client.init_weight_transfer_engine``: vLLM's ``collective_rpc`` hands every worker
+  the same arguments) *in a thread* while it joins the group, puts each worker's plan
+  slice in the group's store (``PLAN_KEY``/refit rank: each worker reads its own, and
+  only that, after joining) and compiles its own program — joining and loading are
+  collective over the whole group, so the RPC returns only once every trainer rank has
+  joined too;
 * ``send_weights()``: ``start_weight_update``; ``update_weights`` in a thread while
   this rank replays its own program (the workers' replay is the other half of the
   same exchange); then ``finish_weight_update(weight_version)``.
@@ -44,7 +47,14 @@ from vllm.distributed.weight_transfer.base import (
     VLLMWeightSyncClient,
 )
 
-from ...engine.rendezvous import broadcast_text, free_address, gather_texts, new_secret
+from ...engine.rendezvous import (
+    broadcast_text,
+    free_address,
+    gather_texts,
+    new_secret,
+    publish_texts,
+    store_client,
+)
 from ...engine.transport import DEFAULT_TIMEOUT_S
 from ...layouts import VllmOptions
 from ...plan import RefitPlan, rank_plan
@@ -100,11 +110,19 @@ def _installed_vllm() -> str:
     return vllm.__version__
 
 
+PLAN_KEY = "reshard-plan"  # the store key of the workers' plan slices (``PLAN_KEY/rank``)
+
+
 def _shared_address(info: ReshardTrainerInitInfo, world: int) -> tuple[str, int, str]:
-    """``(host, port, secret)``, the same on every trainer rank."""
+    """``(host, port, secret)``, the same on every trainer rank. ``info.host`` is rank 0's
+    node's address: only rank 0 picks a port there (the others may be on other nodes,
+    where it is no address of theirs) and shares it."""
     if info.port is not None and info.secret is not None:
         return info.host, info.port, info.secret
-    mine = [free_address(info.host)[1] if info.port is None else info.port, new_secret()]
+    mine = ""
+    if info.rank == 0:
+        port = free_address(info.host)[1] if info.port is None else info.port
+        mine = f"{port}:{new_secret()}"
     if world > 1:
         import torch.distributed as dist
 
@@ -113,9 +131,18 @@ def _shared_address(info: ReshardTrainerInitInfo, world: int) -> tuple[str, int,
                 "several trainer ranks with port=None or secret=None: set both in the init "
                 "info, or initialise torch.distributed so rank 0 can share them"
             )
-        mine = broadcast_text(f"{mine[0]}:{mine[1]}").split(":")
-    port, secret = mine
-    return info.host, int(port), info.secret or str(secret)
+        mine = broadcast_text(mine)
+    port, secret = mine.split(":")
+    return info.host, int(port), info.secret or secret
+
+
+def _publish_slices(endpoint: RefitEndpoint, plan: RefitPlan, ranks: range) -> None:
+    """Rank 0: each worker's plan slice in the group's store, under ``PLAN_KEY/rank``."""
+    e = endpoint
+    store = store_client(
+        e.host, e.port, e.connect_timeout_s or e.timeout_s, e.secret, "refit rank 0"
+    )
+    publish_texts(store, PLAN_KEY, {r: rank_plan(plan, r).to_json() for r in ranks})
 
 
 def build_plan(info: ReshardTrainerInitInfo, source: ReshardSource) -> RefitPlan:
@@ -199,12 +226,20 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         payload = {
             "endpoint": replace(endpoint, group_rank=s).to_json(),
             "first_rank": s,
-            "plan": {str(r): rank_plan(plan, r).to_json() for r in range(s, s + d)},
+            "plan": None,  # each worker reads its own slice from the group's store
+            "plan_key": PLAN_KEY,
             "fingerprint": plan.fingerprint,
         }
+
+        def join_and_load() -> None:
+            refit.join()
+            if init_info.rank == 0:  # the store is up once rank 0 has joined
+                _publish_slices(endpoint, plan, range(s, s + d))
+            refit.load_plan(rank_plan(plan, init_info.rank))
+
         engine.concurrently(
             (lambda: client.init_weight_transfer_engine(payload)) if engine.is_sender else None,
-            lambda: (refit.join(), refit.load_plan(rank_plan(plan, init_info.rank))),
+            join_and_load,
         )
         return engine
 
@@ -234,13 +269,21 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         payload = {
             "endpoint": endpoint.to_json(),
             "first_rank": s,
-            "plan": {str(r): rank_plan(plan, r).to_json() for r in range(s, s + d)},
+            "plan": None,  # each worker reads its own slice from the group's store
+            "plan_key": PLAN_KEY,
             "fingerprint": plan.fingerprint,
             "colocated": [addresses[h] for h in plan.colocated_hosts],
         }
+
+        def join_and_accept() -> None:
+            trainer.join()
+            if info.rank == 0:  # the store is up once rank 0 has joined
+                _publish_slices(endpoint, plan, range(s, s + d))
+            trainer.accept_worker()
+
         engine.concurrently(
             (lambda: client.init_weight_transfer_engine(payload)) if engine.is_sender else None,
-            lambda: (trainer.join(), trainer.accept_worker()),
+            join_and_accept,
         )
         return engine
 

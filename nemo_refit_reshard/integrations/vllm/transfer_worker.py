@@ -34,9 +34,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ..worker import StaleWeightsError
+from ...engine.rendezvous import store_client, take_text
+from ..worker import RefitEndpoint, StaleWeightsError
 from .config import engine_layout
 from .worker import (
+    _state,
     check_moe_backends,
     refit_close,
     refit_connect_colocated,
@@ -57,7 +59,10 @@ class ReshardInitInfo(WeightTransferInitInfo):
     transport, timeouts; its ``group_rank`` is ignored). ``first_rank``: the refit rank
     of this engine's rank 0 (the S training ranks come first). ``plan``: refit rank (as
     a string) -> that rank's plan slice JSON, or one JSON text / path template as
-    ``refit_load_plan`` takes. ``fingerprint``: the full plan the trainer built.
+    ``refit_load_plan`` takes; None with ``plan_key``: this worker reads its own slice
+    from the refit group's store, under ``plan_key/<refit rank>`` (vLLM hands every
+    worker the same arguments: shipping every slice to each would send each worker
+    all D slices). ``fingerprint``: the full plan the trainer built.
     ``colocated``: for a colocated refit (each worker on a training rank's GPU), the
     address of the training rank hosting each engine rank, in engine-rank order; the
     worker connects there instead of joining the group (``endpoint``: the training
@@ -66,9 +71,10 @@ class ReshardInitInfo(WeightTransferInitInfo):
 
     endpoint: str
     first_rank: int
-    plan: str | dict[str, str]
+    plan: str | dict[str, str] | None
     fingerprint: str
     colocated: list[str] | None = None
+    plan_key: str | None = None
 
 
 @dataclass
@@ -116,13 +122,27 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         """Join the refit group and compile this rank's program. Collective with every
         trainer rank and every other worker (they all load the plan together)."""
         if init_info.colocated is not None:
+            rank = init_info.first_rank + _state(self).engine_rank
             self.refit_rank = refit_connect_colocated(
                 self, init_info.endpoint, init_info.first_rank, init_info.colocated,
-                init_info.plan, init_info.fingerprint,
+                self._plan_of(init_info, rank), init_info.fingerprint,
             )  # fmt: skip
             return
         self.refit_rank = refit_join(self, init_info.endpoint, init_info.first_rank)
-        refit_load_plan(self, init_info.plan, init_info.fingerprint)
+        refit_load_plan(self, self._plan_of(init_info, self.refit_rank), init_info.fingerprint)
+
+    @staticmethod
+    def _plan_of(init_info: ReshardInitInfo, rank: int) -> str | dict[str, str]:
+        """The plan as shipped, or (``plan=None``) this rank's own slice, read from the
+        refit group's store: the only plan bytes this worker receives."""
+        if init_info.plan is not None:
+            return init_info.plan
+        if init_info.plan_key is None:
+            raise ValueError("ReshardInitInfo has neither plan nor plan_key: nothing to load")
+        e = RefitEndpoint.from_json(init_info.endpoint)
+        who = f"vLLM worker (refit rank {rank})"
+        store = store_client(e.host, e.port, e.connect_timeout_s or e.timeout_s, e.secret, who)
+        return {str(rank): take_text(store, init_info.plan_key, rank)}
 
     def start_weight_update(self) -> None:
         if self.refit_rank is None:
