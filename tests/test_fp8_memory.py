@@ -171,13 +171,19 @@ def test_twin_slots_never_overlap_while_live(fp8_model: str) -> None:
                 assert a is b or not together or apart
 
 
-def test_colocated_extra_bytes_are_what_each_side_allocates(fp8_model: str) -> None:
-    """Colocated FP8 refit: a training rank holds its own staging and its guest's receive
-    staging (shared memory, counted once, there); the vLLM worker only its twin scratch
-    (its receive staging is the host's)."""
-    from nemo_refit_reshard.plan.result.memory import rank_memory
+@pytest.mark.parametrize("mode", ["dense", "fp8"])
+def test_colocated_extra_bytes_are_what_each_side_allocates(fp8_model: str, mode: str) -> None:
+    """Colocated refit: a training rank holds its own send staging (less what it packs
+    straight into its own guest's) and its guest's receive staging (shared memory,
+    counted once, there); the vLLM worker only its FP8 twin scratch (its receive staging
+    is the host's). Dense: one round, so a host's send staging holds only the other
+    guest's message."""
+    from nemo_refit_reshard.plan.result.memory import rank_memory, staging_sizes
 
-    cfg = RunConfig(model=fp8_model, train="tp=2", infer="engine_dp=2,ep=2", bucket_mb=BUCKET_MB)
+    if mode == "fp8":
+        cfg = RunConfig(fp8_model, "tp=2", "engine_dp=2,ep=2", bucket_mb=BUCKET_MB)
+    else:
+        cfg = RunConfig("small-qwen3", "tp=2", "dp=2", bucket_mb=512)
     plan = _plan(cfg, colocated=True)
     s = plan.num_sources
     for rank in range(s):
@@ -195,11 +201,13 @@ def test_colocated_extra_bytes_are_what_each_side_allocates(fp8_model: str) -> N
     for d in range(plan.num_destinations):
         rank = s + d
         live = _live(plan, rank)
-        opened = torch.empty(1 << 22, dtype=torch.uint8)  # the host's staging, opened
+        recv = staging_sizes(plan.messages_of(rank), rank, plan.num_rounds).recv
+        opened = torch.empty(recv, dtype=torch.uint8)  # the host's staging, opened
         guest = partial(RankProgram, plan, rank, live, make_recv_buffer=partial(_first, opened))
         program, held = held_bytes(guest, [*live.values(), opened])
         reported = rank_memory(plan, rank)
-        assert held == reported.peak_extra_bytes == reported.fp8_scratch > 0
+        assert held == reported.peak_extra_bytes == reported.fp8_scratch
+        assert (held > 0) == (mode == "fp8")
         del program
 
 

@@ -22,7 +22,8 @@ per round straight into that round's send staging (``engine/fp8_rounds.py``).
 
 A colocated plan (``plan/colocation.py``): the training rank allocates its guest's
 receive staging (shared with the vLLM worker by a same-device handle), so it is counted
-once, at the training rank; the guest adds only its scratch.
+once, at the training rank, and packs what it sends its own guest straight into it (no
+send staging for those messages); the guest adds only its scratch.
 
 These are the exact byte counts the engine allocates (``tests/test_fp8_memory.py``
 compiles every rank and compares). Not counted: the quantizer's transient working set
@@ -237,11 +238,14 @@ def rank_memory(plan: RefitPlan | RankPlan, group_rank: int, overlap: bool = Fal
     s = plan.num_sources
     if group_rank >= s:  # the guest: its receive staging is the host's
         return RankMemory(own.send, 2 * own.relay_half, scratch)
-    staging = own.send + own.recv
-    if group_rank in hosts:
-        guest = s + hosts.index(group_rank)
-        staging += staging_sizes(plan.messages_of(guest), guest, plan.num_rounds).recv
-    return RankMemory(staging, 2 * own.relay_half, scratch)
+    if group_rank not in hosts:
+        return RankMemory(own.send + own.recv, 2 * own.relay_half, scratch)
+    guest = s + hosts.index(group_rank)
+    # what it sends its own guest is packed straight into the guest's receive staging
+    sent = [m for m in messages if m.dst != guest]
+    own = staging_sizes(sent, group_rank, plan.num_rounds)
+    received = staging_sizes(plan.messages_of(guest), guest, plan.num_rounds).recv
+    return RankMemory(own.send + own.recv + received, 2 * own.relay_half, scratch)
 
 
 def memory_report(plan: RefitPlan, overlap: bool = False) -> dict[str, Any]:
