@@ -30,10 +30,10 @@ from nemo_refit_reshard.spec import InferParallel, TrainParallel, load_model_spe
 
 
 class NullTransport:
-    def start_exchange(self, sends, recvs) -> NullTransport:
+    def start_exchange(self, sends, recvs, round_index=0) -> NullTransport:
         return self
 
-    def exchange(self, sends, recvs) -> None:
+    def exchange(self, sends, recvs, round_index=0) -> None:
         pass
 
     def wait(self) -> None:

@@ -22,7 +22,7 @@ class Recorder:
     def __init__(self) -> None:
         self.seen: list[tuple[str, int]] = []
 
-    def start_exchange(self, sends, recvs):
+    def start_exchange(self, sends, recvs, round_index=0):
         self.seen += [("send", b.data_ptr()) for _, b in sends]
         self.seen += [("recv", b.data_ptr()) for _, b in recvs]
         by_peer = dict(sends)

@@ -49,7 +49,8 @@ class LoggedTransport:
     def __init__(self, log: list[str]) -> None:
         self.log, self.started = log, 0
 
-    def start_exchange(self, sends, recvs):
+    def start_exchange(self, sends, recvs, round_index=0):
+        assert round_index == self.started  # each exchange names its round
         k = self.started
         self.started += 1
         self.log.append(f"start{k}")
@@ -89,8 +90,8 @@ def test_a_failed_wait_stops_the_step() -> None:
     log: list[str] = []
 
     class Failing(LoggedTransport):
-        def start_exchange(self, sends, recvs):
-            pending = super().start_exchange(sends, recvs)
+        def start_exchange(self, sends, recvs, round_index=0):
+            pending = super().start_exchange(sends, recvs, round_index)
             if self.started == 2:
 
                 class Dead:
@@ -160,7 +161,7 @@ class _HubTransport:
     def __init__(self, hub: ThreadedHub, rank: int) -> None:
         self.hub, self.rank = hub, rank
 
-    def start_exchange(self, sends, recvs):
+    def start_exchange(self, sends, recvs, round_index=0):
         entries = [((self.rank, p), self.hub._post((self.rank, p), 0, b)) for p, b in sends]
         entries += [((p, self.rank), self.hub._post((p, self.rank), 1, b)) for p, b in recvs]
         hub = self.hub
@@ -171,8 +172,8 @@ class _HubTransport:
 
         return Pending()
 
-    def exchange(self, sends, recvs) -> None:
-        self.start_exchange(sends, recvs).wait()
+    def exchange(self, sends, recvs, round_index=0) -> None:
+        self.start_exchange(sends, recvs, round_index).wait()
 
 
 def _run_threads(programs: list[RankProgram], hub: ThreadedHub) -> None:

@@ -46,11 +46,11 @@ def _die_after_rounds(transport: Any, rounds: int) -> None:
     """Fault injection: the process exits when it starts exchange ``rounds + 1``."""
     start, started = transport.start_exchange, [0]
 
-    def start_then_die(sends, recvs):
+    def start_then_die(sends, recvs, *round_index):
         if started[0] == rounds:
             os._exit(3)
         started[0] += 1
-        return start(sends, recvs)
+        return start(sends, recvs, *round_index)
 
     transport.start_exchange = start_then_die
 

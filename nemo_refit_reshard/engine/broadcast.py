@@ -152,7 +152,7 @@ class BroadcastProgram:
 
     def replay(self, transport: Transport) -> None:
         with torch.no_grad():
-            for phase in self.phases:
-                phase.run(transport)
+            for k, phase in enumerate(self.phases):  # the same phases on every rank
+                phase.run(transport, k)
             if self.fp8 is not None:
                 self.fp8.run()

@@ -6,13 +6,22 @@ The refit group is the training ranks alone. Each training rank ``s`` (the *host
   a worker on another GPU goes over the network to that worker's host, one for its own
   co-located worker (the *guest*) never leaves the device;
 * the receiving half of its guest's share: the guest's incoming messages land in the
-  guest's staging — the other hosts' messages straight from the network, its own by a
-  device-local copy.
+  guest's staging — the other hosts' messages straight from the network, its own
+  packed straight into their staging spans by its pack (``RankProgram``'s
+  ``outgoing_into``): one device copy per byte, as a separate-pools sender's pack.
 
 The guest (the vLLM worker process) runs only its unpack: per round, once the host says
 the staging holds round ``k``, it copies the staged spans into its live parameters and
 says so; the host then reuses the staging for a later round. Both sides compile the
-guest's share with the same code (``RankProgram``), so they agree on every offset.
+guest's share with the same code (``RankProgram``), so they agree on every offset; the
+attach handshake compares their plans' fingerprints.
+
+Step identity: both sides count the steps they began since attach (the connection's
+sequence, equal on both while no step failed) and every signal names it with the round
+(``F<sequence>:<round>``), so a signal left over from a failed step is an error naming
+both steps, never a hand-over. After a failed step either side refuses every later one
+(``GroupUnusableError``) and tells the other: the pair is re-made (a new trainer and
+worker connection) before the next refit.
 
 Why the staging belongs to the host (decided for the GPU path, and the CPU twin does
 the same): the training process allocates it once with its ordinary allocator and
@@ -28,6 +37,7 @@ the whole job; it is bounded by the plan's bucket (``bucket_mb``).
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Mapping
 from multiprocessing.connection import Connection
@@ -37,7 +47,7 @@ import torch
 from ..plan import Colocation, PlanError, RankPlan, RefitPlan
 from .program import TORCH_DTYPES, RankProgram
 from .staging import SharedBuffer, create_shared_buffer, open_shared_buffer
-from .transport import Transport, TransportError
+from .transport import GroupUnusableError, Transport, TransportError, first_line
 
 
 def _meta_tensors(plan: RefitPlan | RankPlan, group_rank: int) -> dict[str, torch.Tensor]:
@@ -50,30 +60,44 @@ def _meta_tensors(plan: RefitPlan | RankPlan, group_rank: int) -> dict[str, torc
 
 
 ABORT = "abort:"  # a failed step, with the error that failed it
+REFUSED = "refused: "  # the guest refuses the attach, with why
 
 
 class Signals:
     """Round-by-round hand-over between a host and its guest over a local connection:
-    raw bytes (``F<round>``: staged; ``C<round>``: consumed), never pickled objects. Every
-    wait is bounded."""
+    raw bytes (``F<sequence>:<round>``: staged; ``C<sequence>:<round>``: consumed, where
+    ``sequence`` counts the steps since attach), never pickled objects. Every wait is
+    bounded."""
 
     def __init__(self, conn: Connection, timeout_s: float, peer: str) -> None:
         self.conn, self.timeout_s, self.peer = conn, timeout_s, peer
 
-    def send(self, kind: str, round_index: int) -> None:
-        self.conn.send_bytes(f"{kind}{round_index}".encode())
+    def send(self, kind: str, sequence: int, round_index: int) -> None:
+        self.conn.send_bytes(f"{kind}{sequence}:{round_index}".encode())
 
-    def wait(self, kind: str, round_index: int) -> None:
+    def wait(self, kind: str, sequence: int, round_index: int, step: int | None = None) -> None:
+        """Wait for ``<kind><sequence>:<round>``; ``step``: the caller's number of this
+        step (named in errors)."""
         got = self._next(f"did not signal round {round_index}")
         if got.startswith(ABORT):
             raise TransportError(
                 f"colocated refit: the {self.peer} failed in round {round_index}: "
                 f"{got[len(ABORT) :]}"
             )
-        if got != f"{kind}{round_index}":
+        want = f"{kind}{sequence}:{round_index}"
+        if got == want:
+            return
+        seen = re.fullmatch(r"([FC])(\d+):(\d+)", got)
+        this = f"step {step if step is not None else sequence} (refit #{sequence} here)"
+        if seen is not None and int(seen[2]) != sequence:
             raise TransportError(
-                f"colocated refit: expected {kind}{round_index} from the {self.peer}, got {got!r}"
+                f"colocated refit {this}: the {self.peer} sent {got}, a signal of refit "
+                f"#{seen[2]} on this connection: a stale signal of a failed step; re-connect "
+                "the worker"
             )
+        raise TransportError(
+            f"colocated refit {this}: expected {want} from the {self.peer}, got {got!r}"
+        )
 
     def abort(self, err: BaseException) -> None:
         """Tell the other side this step failed (so it stops waiting now); best effort."""
@@ -126,9 +150,9 @@ class ColocatedHost:
                 f"training rank {rank}: the plan puts {planned} inference rank on its GPU, "
                 f"the caller gave {given} guest share"
             )
-        self.own = RankProgram(own, rank, tensors, self.device)
         self.staging: SharedBuffer | None = None
         self.guest: RankProgram | None = None
+        self.fingerprint = own.fingerprint
         if guest is not None:
             assert self.guest_rank is not None
 
@@ -136,62 +160,111 @@ class ColocatedHost:
                 self.staging = create_shared_buffer(nbytes, self.device)
                 return self.staging.tensor
 
-            self.guest = RankProgram(
-                guest, self.guest_rank, _meta_tensors(guest, self.guest_rank), "meta",
-                make_recv_buffer=make,
-            )  # fmt: skip
+            try:
+                self.guest = RankProgram(
+                    guest, self.guest_rank, _meta_tensors(guest, self.guest_rank), "meta",
+                    make_recv_buffer=make,
+                )  # fmt: skip
+            except BaseException:
+                self.close()  # the staging may exist already: never leave it behind
+                raise
+        # The message for its own guest is packed straight into the guest's staging
+        # span (a device copy per byte, as for a message that leaves the GPU), never into
+        # the send buffer and then copied over.
+        into = {}
+        if self.guest is not None:
+            for k, phase in enumerate(self.guest.rounds):
+                for peer, span in phase.recvs:
+                    if peer == rank:
+                        into[(k, self.guest_rank)] = span
+        try:
+            self.own = RankProgram(own, rank, tensors, self.device, outgoing_into=into)
+        except BaseException:
+            self.close()
+            raise
         self.signals: Signals | None = None
         self.waited = 0.0  # the last step's seconds waiting for the guest
+        self.exchange_seconds = 0.0  # the last step's seconds on the network and the guest
+        self.sequence = 0  # steps begun since attach (the guest counts the same)
+        self.failed: str | None = None  # why the pair is unusable, after a failed step
+        self.closed = False
 
     def attach(self, conn: Connection, timeout_s: float) -> None:
         """Hand the guest its staging (a handle it opens once) over ``conn``."""
         self.signals = Signals(conn, timeout_s, f"vLLM worker on training rank {self.rank}'s GPU")
         assert self.staging is not None
-        self.signals.send_text(json.dumps({"staging": self.staging.handle}))
-        if self.signals.recv_text() != "opened":
+        hello = {"staging": self.staging.handle, "fingerprint": self.fingerprint}
+        self.signals.send_text(json.dumps(hello))
+        reply = self.signals.recv_text()
+        if reply.startswith(REFUSED):
+            raise PlanError(reply[len(REFUSED) :])
+        if reply != "opened":
             raise TransportError("colocated refit: the worker could not open the staging")
 
-    def replay(self, network: Transport) -> float:
-        """One refit step; returns seconds spent waiting for the guest."""
+    def replay(self, network: Transport, step: int | None = None) -> float:
+        """One refit step (the caller's ``step``, named in errors; the network group's
+        and the guest's step identity are their sequences); returns seconds spent
+        waiting for the guest. Any failure makes the pair and the network group
+        unusable: every later step raises ``GroupUnusableError`` naming this one."""
+        if self.closed:
+            raise RuntimeError("colocated refit: this host is closed (its staging released)")
         try:
-            return self._replay(network)
+            if self.failed is not None:
+                raise GroupUnusableError(self.failed)
+            self.sequence += 1
+            network.begin_step(step)
+            return self._replay(network, step)
         except BaseException as err:
+            network.fail_step(err)
+            if self.failed is None and not isinstance(err, GroupUnusableError):
+                self.failed = (
+                    f"colocated refit unusable: step {step if step is not None else self.sequence}"
+                    f" failed on training rank {self.rank} ({type(err).__name__}: "
+                    f"{first_line(err)}); re-join (a new trainer, its worker re-connected)"
+                )
             if self.signals is not None:
                 self.signals.abort(err)
             raise
 
-    def _replay(self, network: Transport) -> float:
-        s, hosts, waited = self.num_sources, self.hosts, 0.0
+    def _replay(self, network: Transport, step: int | None) -> float:
+        s, hosts, waited, exchanged = self.num_sources, self.hosts, 0.0, 0.0
         with torch.no_grad():
             self.own.prepare()
             for k, mine in enumerate(self.own.rounds):
                 incoming = self.guest.rounds[k].recvs if self.guest is not None else []
-                mine.pack()
-                sends, local = [], []
-                for peer, buf in mine.sends:
-                    host = hosts[peer - s]
-                    (local if host == self.rank else sends).append((host, buf))
+                mine.pack()  # the bytes for its own guest land in the staging here
+                sends = [(hosts[peer - s], buf) for peer, buf in mine.sends]
+                assert all(host != self.rank for host, _ in sends), "own guest on the wire"
                 recvs = [(peer, buf) for peer, buf in incoming if peer != self.rank]
+                t0 = time.perf_counter()
                 if sends or recvs:
-                    network.exchange(sends, recvs)
-                own_spans = [buf for peer, buf in incoming if peer == self.rank]
-                for (_, src), dst in zip(local, own_spans, strict=True):
-                    dst.copy_(src)  # device-local: never on the interconnect
+                    network.exchange(sends, recvs, k)
+                exchanged += time.perf_counter() - t0
                 if incoming:
                     assert self.signals is not None, "attach() the guest first"
                     if self.device.type == "cuda":
                         torch.cuda.current_stream(self.device).synchronize()
                     t0 = time.perf_counter()
-                    self.signals.send("F", k)
-                    self.signals.wait("C", k)
+                    self.signals.send("F", self.sequence, k)
+                    self.signals.wait("C", self.sequence, k, step)
                     waited += time.perf_counter() - t0
         self.waited = waited
+        self.exchange_seconds = exchanged + waited
         return waited
 
     @property
     def staging_bytes(self) -> int:
         extra = self.staging.tensor.numel() if self.staging is not None else 0
         return self.own.staging_bytes + extra
+
+    def close(self) -> None:
+        """Release the guest's staging: the OS segment is removed now (CPU), the CUDA
+        buffer goes back to this process's allocator once the guest's program, whose
+        views hold it, is dropped too. Idempotent; the host cannot replay afterwards."""
+        self.closed, self.guest = True, None  # the guest program: views into the staging
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
 
 
 class ColocatedGuest:
@@ -210,11 +283,22 @@ class ColocatedGuest:
         self.signals: Signals | None = None
         self.staging: SharedBuffer | None = None
         self.waited = 0.0  # the last step's seconds waiting for the host
+        self.sequence = 0  # steps begun since attach (the host counts the same)
+        self.failed: str | None = None  # why the pair is unusable, after a failed step
 
     def attach(self, conn: Connection, timeout_s: float) -> None:
         """Open the host's staging (once) and compile the unpack over it."""
         self.signals = Signals(conn, timeout_s, "training rank on this GPU")
-        handle = json.loads(self.signals.recv_text())["staging"]
+        hello = json.loads(self.signals.recv_text())
+        handle = hello["staging"]
+        if hello.get("fingerprint") != self.plan.fingerprint:
+            why = (
+                f"colocated refit: the training rank on this GPU holds plan "
+                f"{str(hello.get('fingerprint'))[:16]}, generation rank {self.group_rank} "
+                f"plan {self.plan.fingerprint[:16]}; ship both from one plan"
+            )
+            self.signals.send_text(REFUSED + why)
+            raise PlanError(why)
 
         def opened(nbytes: int) -> torch.Tensor:
             self.staging = open_shared_buffer(handle, self.device)
@@ -231,18 +315,30 @@ class ColocatedGuest:
         )
         self.signals.send_text("opened")
 
-    def replay(self) -> float:
-        """One refit step: per round with messages for this worker, wait, unpack, answer.
-        Returns the seconds spent waiting for the host."""
+    def replay(self, step: int | None = None) -> float:
+        """One refit step (the caller's ``step``, named in errors): per round with
+        messages for this worker, wait, unpack, answer. Returns the seconds spent waiting
+        for the host. Any failure makes the pair unusable: every later step raises
+        ``GroupUnusableError`` naming this one (and tells the host)."""
         assert self.program is not None and self.signals is not None, "attach() first"
         try:
-            return self._replay()
+            if self.failed is not None:
+                raise GroupUnusableError(self.failed)
+            self.sequence += 1
+            return self._replay(step)
         except BaseException as err:
-            if not isinstance(err, TransportError):  # a failed unpack: the host must know
-                self.signals.abort(err)
+            if self.failed is None and not isinstance(err, GroupUnusableError):
+                self.failed = (
+                    f"colocated refit unusable: step {step if step is not None else self.sequence}"
+                    f" failed on generation rank {self.group_rank} ({type(err).__name__}: "
+                    f"{first_line(err)}); re-connect the worker to a new trainer"
+                )
+            # The host must know now (a failed unpack, a timeout, a refusal), not at its
+            # own timeout: it may be about to hand over a round of this step.
+            self.signals.abort(err)
             raise
 
-    def _replay(self) -> float:
+    def _replay(self, step: int | None) -> float:
         assert self.program is not None and self.signals is not None
         waited = 0.0
         with torch.no_grad():
@@ -250,19 +346,22 @@ class ColocatedGuest:
                 if not phase.recvs:
                     continue
                 t0 = time.perf_counter()
-                self.signals.wait("F", k)
+                self.signals.wait("F", self.sequence, k, step)
                 waited += time.perf_counter() - t0
                 phase.unpack()
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()
-                self.signals.send("C", k)
+                self.signals.send("C", self.sequence, k)
             self.program.finish()
         self.waited = waited
         return waited
 
     def close(self) -> None:
+        """Unmap the host's staging (the host removes it). Idempotent."""
+        self.program = None  # its compiled views into the staging
         if self.staging is not None:
             self.staging.close()
+            self.staging = None
 
 
 __all__ = ["ColocatedGuest", "ColocatedHost", "Signals"]

@@ -13,6 +13,18 @@ after the group; ``wait`` polls that event against ``timeout_s`` (on timeout the
 communicator is aborted and :class:`TransportError` raised, so a dead peer cannot
 hang a rank) and makes torch's stream wait on it before the unpacks are queued.
 
+Step identity without tags. NCCL matches a pair's point-to-point messages in the
+order they were issued on the communicator, and has no tags; the bytes on the wire are
+exactly the staging spans (no header). What keeps a message of a failed step from
+pairing with a later step is the communicator itself: any failure on a rank — a
+timeout here, or an error of the step reported with ``fail_step`` (a pack that raised,
+a check that failed) — aborts this rank's communicator, so nothing it issued can still
+land, and every later step, barrier and gather is refused with ``GroupUnusableError``
+naming the failed step (``engine/transport.py``'s ``StepGuard``). Its peers, waiting
+for it, time out and abort theirs within ``timeout_s``. The group is thus poisoned on
+every rank after any failure, and is re-joined (a new communicator) before the next
+refit.
+
 CuPy is imported lazily: importing this module never needs a GPU.
 """
 
@@ -26,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .rendezvous import refit_store
-from .transport import DEFAULT_TIMEOUT_S, TransportError, first_line
+from .transport import DEFAULT_TIMEOUT_S, StepGuard, TransportError, first_line
 
 
 def cupy_available() -> bool:
@@ -39,11 +51,11 @@ def cupy_available() -> bool:
 
 
 class _PendingNccl:
-    def __init__(self, transport: CupyNcclTransport, done: torch.cuda.Event) -> None:
-        self.transport, self.done = transport, done
+    def __init__(self, transport: CupyNcclTransport, done: torch.cuda.Event, round_index: int):
+        self.transport, self.done, self.round_index = transport, done, round_index
 
     def wait(self) -> None:
-        self.transport._poll(self.done)
+        self.transport._poll(self.done, self.round_index)
 
 
 class CupyNcclTransport:
@@ -75,6 +87,8 @@ class CupyNcclTransport:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self._gathers = 0
+        self.guard = StepGuard(rank)
+        self._aborted = False
         self.device = torch.device(
             "cuda", device if device is not None else torch.cuda.current_device()
         )
@@ -97,9 +111,27 @@ class CupyNcclTransport:
                     f"refit rank {rank}: NCCL init failed ({first_line(err)})"
                 ) from err
 
+    def begin_step(self, step: int | None = None) -> int:
+        return self.guard.begin(step)
+
+    def fail_step(self, err: BaseException) -> None:
+        """Poison the group on this rank: abort the communicator (what this rank issued
+        in the failed step can no longer land anywhere) and refuse every later step."""
+        self.guard.fail(err)
+        self._abort()
+
+    def _abort(self) -> None:
+        if not self._aborted:
+            self._aborted = True
+            self.comm.abort()
+
     def start_exchange(
-        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        round_index: int = 0,
     ) -> _PendingNccl:
+        self.guard.check()
         nccl = self._nccl
         # The staging buffers were written (and the receive buffers last read) on torch's
         # current stream: the NCCL stream waits for that work on the GPU, the host does not.
@@ -115,39 +147,48 @@ class CupyNcclTransport:
                 self.comm.send(buf.data_ptr(), buf.numel(), nccl.NCCL_UINT8, peer, ptr)
             nccl.groupEnd()
         except Exception as err:  # noqa: BLE001
-            raise TransportError(
-                f"refit rank {self.rank}: NCCL launch failed ({first_line(err)})"
-            ) from err
+            error = TransportError(
+                f"refit rank {self.rank}: {self.guard.where(round_index)}NCCL launch failed "
+                f"({first_line(err)})"
+            )
+            self.fail_step(error)
+            raise error from err
         done = torch.cuda.Event()
         done.record(self._torch_stream)
-        return _PendingNccl(self, done)
+        return _PendingNccl(self, done, round_index)
 
     def exchange(
-        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        round_index: int = 0,
     ) -> None:
-        self.start_exchange(sends, recvs).wait()
+        self.start_exchange(sends, recvs, round_index).wait()
 
-    def _poll(self, done: torch.cuda.Event) -> None:
+    def _poll(self, done: torch.cuda.Event, round_index: int = 0) -> None:
         deadline = time.monotonic() + self.timeout_s
         while not done.query():
             if time.monotonic() > deadline:
-                self.comm.abort()
-                raise TransportError(
-                    f"refit rank {self.rank}: NCCL exchange did not finish within "
-                    f"{self.timeout_s}s; a peer has died or stopped responding "
-                    "(communicator aborted)"
+                error = TransportError(
+                    f"refit rank {self.rank}: {self.guard.where(round_index)}NCCL exchange did "
+                    f"not finish within {self.timeout_s}s; a peer has died or stopped "
+                    "responding (communicator aborted)"
                 )
+                self.fail_step(error)
+                raise error
             time.sleep(0.0005)
         # Unpacks queued after this read what NCCL wrote: order them on the GPU.
         torch.cuda.current_stream(self.device).wait_event(done)
 
     def all_gather_object_str(self, value: str) -> list[str]:
+        self.guard.check()
         self._gathers += 1  # a fresh key space per call: earlier values must not be read
         key = f"gather/{self._gathers}"
         self.store.set(f"{key}/{self.rank}", value)
         return [self.store.get(f"{key}/{r}").decode() for r in range(self.world_size)]
 
     def barrier(self) -> None:
+        self.guard.check()
         flag = torch.zeros(1, dtype=torch.uint8, device=self.device)
         peers = [(p, flag) for p in range(self.world_size) if p != self.rank]
         # A ring of 1-byte messages: everyone must reach the barrier before anyone leaves.
@@ -155,4 +196,5 @@ class CupyNcclTransport:
         self.exchange(peers, bufs)
 
     def close(self) -> None:
-        self.comm.destroy()
+        if not self._aborted:  # an aborted communicator is already freed
+            self.comm.destroy()

@@ -48,8 +48,17 @@ class HostStagedTransport:
             self.staged_bytes += host.numel()
         return host
 
+    def begin_step(self, step: int | None = None) -> int:
+        return self.inner.begin_step(step)
+
+    def fail_step(self, err: BaseException) -> None:
+        self.inner.fail_step(err)
+
     def start_exchange(
-        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        round_index: int = 0,
     ) -> PendingExchange:
         host_sends = [(peer, self.twin(buf)) for peer, buf in sends]
         for (_, buf), (_, host) in zip(sends, host_sends):
@@ -60,13 +69,16 @@ class HostStagedTransport:
             # still queued, must be done.
             torch.cuda.current_stream().synchronize()
         host_recvs = [(peer, self.twin(buf)) for peer, buf in recvs]
-        pending = self.inner.start_exchange(host_sends, host_recvs)
+        pending = self.inner.start_exchange(host_sends, host_recvs, round_index)
         return _StagedPending(pending, recvs, host_recvs)
 
     def exchange(
-        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        round_index: int = 0,
     ) -> None:
-        self.start_exchange(sends, recvs).wait()
+        self.start_exchange(sends, recvs, round_index).wait()
 
     def all_gather_object_str(self, value: str) -> list[str]:
         return self.inner.all_gather_object_str(value)

@@ -39,7 +39,10 @@ class LoopbackTransport:
         self.rounds = 0
 
     def start_exchange(
-        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        round_index: int = 0,
     ) -> _Pending:
         shift = self.rounds % 4096
         self.rounds += 1
@@ -62,8 +65,8 @@ class LoopbackTransport:
             at = (shift + 7 * peer) % 4096
             buf.copy_(self.pattern[at : at + buf.numel()])
 
-    def exchange(self, sends, recvs) -> None:
-        self.start_exchange(sends, recvs).wait()
+    def exchange(self, sends, recvs, round_index: int = 0) -> None:
+        self.start_exchange(sends, recvs, round_index).wait()
 
     def all_gather_object_str(self, value: str) -> list[str]:
         return [value]

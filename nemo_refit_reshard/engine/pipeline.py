@@ -13,10 +13,11 @@ uses set ``k mod 2``), the host issues::
         unpack(k)           # overlaps wire k+1
 
 One exchange is in flight at a time, so messages between two ranks never overtake each
-other and a transport needs no tags. A round whose pack reads what the previous round's
-unpack writes — bytes carried in the relay buffer (``plan/pass4_routes/carry.py``) or
-relayed on from the rank's own tensors along an inference chain
-(``plan/pass4_routes/chain.py``) — waits for that unpack:
+other; each exchange still names its round (``start_exchange(..., round_index=k)``), so
+that a transport tags it with the step and the round (``engine/transport.py``). A
+round whose pack reads what the previous round's unpack writes — bytes carried in the
+relay buffer (``plan/pass4_routes/carry.py``) or relayed on from the rank's own tensors
+along an inference chain (``plan/pass4_routes/chain.py``) — waits for that unpack:
 ``wait(k); unpack(k); pack(k+1); start(k+1)``.
 
 Staging memory is two sets instead of one: at most ``2 x bucket`` per direction (the
@@ -54,10 +55,10 @@ class _Done:
         pass
 
 
-def _start(phase: Phase, transport: Transport):
+def _start(phase: Phase, transport: Transport, round_index: int):
     if not (phase.sends or phase.recvs):
         return _Done()
-    return transport.start_exchange(phase.sends, phase.recvs)
+    return transport.start_exchange(phase.sends, phase.recvs, round_index)
 
 
 def replay_overlapped(phases: Sequence[Phase], transport: Transport) -> None:
@@ -67,7 +68,7 @@ def replay_overlapped(phases: Sequence[Phase], transport: Transport) -> None:
     if n == 0:
         return
     phases[0].pack()
-    pending = _start(phases[0], transport)
+    pending = _start(phases[0], transport, 0)
     for k in range(n):
         nxt = phases[k + 1] if k + 1 < n else None
         early = nxt is not None and not nxt.reads_previous
@@ -77,17 +78,17 @@ def replay_overlapped(phases: Sequence[Phase], transport: Transport) -> None:
         if nxt is None:
             phases[k].unpack()
         elif early:
-            pending = _start(nxt, transport)
+            pending = _start(nxt, transport, k + 1)
             phases[k].unpack()
         else:  # nxt sends bytes that round k delivers into the relay buffer
             phases[k].unpack()
             nxt.pack()
-            pending = _start(nxt, transport)
+            pending = _start(nxt, transport, k + 1)
 
 
 def replay_serial(phases: Sequence[Phase], transport: Transport) -> None:
     """Round by round: pack, exchange, unpack (one staging set is enough)."""
-    for phase in phases:
+    for k, phase in enumerate(phases):
         phase.pack()
-        _start(phase, transport).wait()
+        _start(phase, transport, k).wait()
         phase.unpack()

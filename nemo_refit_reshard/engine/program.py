@@ -121,7 +121,7 @@ def _touched(entries, outgoing: bool) -> set[str]:
     """Live tensors (or ``@relay``) a round's pack reads (``outgoing``) or unpack writes."""
     return {
         "@relay" if r.relay is not None else r.name
-        for out, _peer, _start, _end, runs in entries
+        for out, _peer, _start, _end, runs, _into in entries
         if out == outgoing
         for r in runs
     }
@@ -161,12 +161,17 @@ class RankProgram:
         device: torch.device | str = "cpu",
         overlap: bool = False,
         make_recv_buffer: Callable[[int], torch.Tensor] | None = None,
+        outgoing_into: Mapping[tuple[int, int], torch.Tensor] | None = None,
     ) -> None:
         """``make_recv_buffer(nbytes)``: where incoming messages land, in place of a
         buffer of this program's own (the colocated refit's shared staging,
-        ``engine/colocated.py``); without ``overlap`` only."""
-        if make_recv_buffer is not None and overlap:
+        ``engine/colocated.py``); without ``overlap`` only. ``outgoing_into[(round,
+        dst)]``: the byte span that message is packed straight into, in place of the
+        send buffer — its receiver's staging, when the receiver shares the device (the
+        colocated host's own worker): it goes on no wire, so it is in no ``sends``."""
+        if (make_recv_buffer is not None or outgoing_into) and overlap:
             raise ValueError("an outside receive buffer serves serial replay only")
+        self._into = dict(outgoing_into or {})
         self.plan = plan
         self.group_rank = group_rank
         self.device = torch.device(device)
@@ -274,24 +279,35 @@ class RankProgram:
         order, as when several inference replicas need the same slice) share one
         staged copy: packed once, sent to each peer.
         """
-        entries: list[tuple[bool, int, int, int, list[_Run]]] = []  # outgoing, peer, start, end
+        # outgoing, peer, start, end, runs, the outside span it is packed into (or None)
+        entries: list[tuple[bool, int, int, int, list[_Run], torch.Tensor | None]] = []
         shared: dict[tuple, tuple[int, int]] = {}
         send_end = recv_end = 0
         arriving: dict = {}
         for m in messages:
-            if m.src == self.group_rank:
+            into = self._into.get((round_index, m.dst)) if m.src == self.group_rank else None
+            if into is not None:  # packed straight into its receiver's staging
+                runs, end = self._runs(m, True, 0, self._carried, arriving, who)
+                if end != into.numel():
+                    raise PlanError(
+                        f"{who}: round {round_index}'s message to rank {m.dst} is {end} bytes, "
+                        f"its receiver's staging span {into.numel()}: the two sides compiled "
+                        "different plans"
+                    )
+                entries.append((True, m.dst, 0, end, runs, into))
+            elif m.src == self.group_rank:
                 key = tuple((t.src_tensor, t.src_box, t.dtype) for t in m.transfers)
                 if key in shared:
                     start, end = shared[key]
-                    entries.append((True, m.dst, start, end, []))
+                    entries.append((True, m.dst, start, end, [], None))
                     continue
                 runs, end = self._runs(m, True, align_up(send_end), self._carried, arriving, who)
                 shared[key] = (align_up(send_end), end)
-                entries.append((True, m.dst, align_up(send_end), end, runs))
+                entries.append((True, m.dst, align_up(send_end), end, runs, None))
                 send_end = end
             else:
                 runs, end = self._runs(m, False, align_up(recv_end), self._carried, arriving, who)
-                entries.append((False, m.src, align_up(recv_end), end, runs))
+                entries.append((False, m.src, align_up(recv_end), end, runs, None))
                 recv_end = end
         if "@end" in arriving:
             self._relay_size = max(self._relay_size, align_up(arriving.pop("@end")[1]))
@@ -300,8 +316,10 @@ class RankProgram:
 
     def _bind(self, layout, tensors: Mapping[str, torch.Tensor], staging: int) -> CopyPhase:
         phase = CopyPhase()
-        for outgoing, peer, start, end, runs in layout:
+        for outgoing, peer, start, end, runs, into in layout:
             buf = (self.send_buffers if outgoing else self.recv_buffers)[staging]
+            if into is not None:
+                buf = into
             for r in runs:
                 if r.relay is None and self.fp8_sender and self.fp8_sender.binds(r.name):
                     staged = byte_view(buf, r.offset, r.nbytes, r.dtype, tuple(r.box.sizes))
@@ -326,7 +344,8 @@ class RankProgram:
                     phase.copies_out.append((staged, live))
                 else:
                     phase.copies_in.append((live, staged))
-            (phase.sends if outgoing else phase.recvs).append((peer, buf[start:end]))
+            if into is None:  # a span packed into its receiver's staging crosses no wire
+                (phase.sends if outgoing else phase.recvs).append((peer, buf[start:end]))
         return phase
 
     def replay(self, transport: Transport) -> None:

@@ -39,14 +39,14 @@ class _TimedTransport:
         self.inner = inner
         self.seconds = 0.0
 
-    def start_exchange(self, sends, recvs) -> _TimedPending:
+    def start_exchange(self, sends, recvs, round_index: int = 0) -> _TimedPending:
         t0 = time.perf_counter()
-        pending = self.inner.start_exchange(sends, recvs)
+        pending = self.inner.start_exchange(sends, recvs, round_index)
         self.seconds += time.perf_counter() - t0
         return _TimedPending(self, pending)
 
-    def exchange(self, sends, recvs) -> None:
-        self.start_exchange(sends, recvs).wait()
+    def exchange(self, sends, recvs, round_index: int = 0) -> None:
+        self.start_exchange(sends, recvs, round_index).wait()
 
 
 class _TimedPending:
@@ -106,9 +106,17 @@ class Refitter:
                 raise ValueError("backend 'broadcast' needs the broadcast plan")
             self.program = BroadcastProgram(broadcast_plan, group_rank, tensors, device)
 
-    def refit(self) -> StepTiming:
-        """Run one refit step; returns this rank's timing."""
+    def refit(self, step: int | None = None) -> StepTiming:
+        """Run one refit step (the caller's ``step``, named in errors); returns this
+        rank's timing. Any failure makes the group unusable on this rank: every later
+        step raises ``GroupUnusableError`` naming this one, until the group is re-joined
+        (``engine/transport.py``)."""
         timed = _TimedTransport(self.transport)
         t0 = time.perf_counter()
-        self.program.replay(timed)  # type: ignore[arg-type]
+        self.transport.begin_step(step)
+        try:
+            self.program.replay(timed)  # type: ignore[arg-type]
+        except BaseException as err:
+            self.transport.fail_step(err)
+            raise
         return StepTiming(time.perf_counter() - t0, timed.seconds)

@@ -126,7 +126,9 @@ def _run(
         for step in range(cfg.steps + 1):  # the first: warm-up (gloo connects lazily)
             seconds = trainer.refit()
             if step:
-                timings.append([seconds, trainer.host.waited])
+                # like a separate-pools rank's [step, exchange]: its time on the
+                # network and waiting for its worker is not its own work
+                timings.append([seconds, trainer.host.exchange_seconds])
                 progress.write_text(str(step))
         staging = trainer.host.staging_bytes
         trainer.close()

@@ -144,7 +144,7 @@ class ColocatedTrainer:
         self.weights.begin(step, self.plan.fingerprint)
         t0 = time.perf_counter()
         try:
-            self.host.replay(self.net.transport)
+            self.host.replay(self.net.transport, step)
         except BaseException as err:
             self.weights.failed(step, err)
             raise
@@ -224,7 +224,7 @@ class ColocatedWorker:
         self.weights.begin(step, self.fingerprint)
         t0 = time.perf_counter()
         try:
-            self.guest.replay()
+            self.guest.replay(step)
         except BaseException as err:
             self.weights.failed(step, err)
             raise

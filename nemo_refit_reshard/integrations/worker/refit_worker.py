@@ -126,7 +126,11 @@ class RefitWorker:
         """One refit step (collective over the refit group), versioned: the weights are
         stale from here until it completes, and stay stale if it fails (the error is
         raised). ``step`` defaults to the last complete one plus one; ``refitter`` to the
-        last loaded plan's."""
+        last loaded plan's. After a failed step the group is unusable: every later
+        refit, barrier or plan load raises ``GroupUnusableError`` naming the failed step
+        until :meth:`rejoin` (the messages of that step may still be in flight; the
+        transport tags each message with the group's step and round, so none can pair
+        with a later step's)."""
         refitter = refitter or self.refitter
         if refitter is None:
             raise RuntimeError("call load_plan() before refit()")
@@ -134,7 +138,7 @@ class RefitWorker:
         fingerprint = refitter.plan.fingerprint
         self.weights.begin(step, fingerprint)
         try:
-            timing = refitter.refit()
+            timing = refitter.refit(step)
         except BaseException as err:
             self.weights.failed(step, err)
             raise
