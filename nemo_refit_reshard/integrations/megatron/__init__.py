@@ -9,6 +9,7 @@ as ``nemo_refit_reshard.integrations.megatron.cpu``.
 """
 
 from .live import (
+    UNKNOWABLE_OPTIONS,
     live_megatron_options,
     live_megatron_position,
     load_canonical,
@@ -18,6 +19,7 @@ from .live import (
 )
 
 __all__ = [
+    "UNKNOWABLE_OPTIONS",
     "live_megatron_options",
     "live_megatron_position",
     "load_canonical",

@@ -71,19 +71,61 @@ _TE_FUSED_NORMS = (
 )
 
 
+# Options a rank may be unable to tell from its own parameters; None then (it abstains).
+UNKNOWABLE_OPTIONS = ("layer_spec", "moe_grouped_gemm")
+
+
+def _layer_spec(names: Sequence[str]) -> str | None:
+    """``"te"`` if a decoder layer has a norm fused into a linear, else ``"local"``; None
+    for a rank without decoder layers (a pipeline stage of embedding or head only): every
+    TE decoder layer fuses one (``linear_qkv``, MLA's up projections, or a dense
+    ``linear_fc1``), but a rank with none has nothing to tell."""
+    if not any(".layers." in n for n in names):
+        return None
+    return "te" if any(n.endswith(_TE_FUSED_NORMS) for n in names) else "local"
+
+
+def _moe_grouped_gemm(names: Sequence[str], config: Any) -> bool | None:
+    """Grouped GEMM is a property of the model's ``TransformerConfig``
+    (``moe_grouped_gemm``, from which Megatron's block spec builds every MoE layer),
+    the same on every rank — not of one rank's names: a pipeline stage of dense layers
+    only (DeepSeek-V3's first three) holds no experts. A rank that holds experts must be
+    named as its config says; without a config, those names decide and a rank without
+    experts abstains (None)."""
+    grouped = any(".mlp.experts.linear_fc1.weight" in n for n in names)
+    sequential = any(".mlp.experts.local_experts." in n for n in names)
+    named = True if grouped else (False if sequential else None)
+    if not hasattr(config, "moe_grouped_gemm"):
+        return named
+    configured = bool(config.moe_grouped_gemm and getattr(config, "num_moe_experts", None))
+    if named is not None and named != configured:
+        grouped_names = "TEGroupedMLP's (experts.linear_fc1.weight{i})"
+        kind = grouped_names if named else "SequentialMLP's (experts.local_experts.{i})"
+        raise PlanError(
+            f"Megatron model: its TransformerConfig says moe_grouped_gemm={configured} but "
+            f"its experts are named as {kind}; build the layer spec from the config "
+            "(get_gpt_decoder_block_spec) or set moe_grouped_gemm to match it"
+        )
+    return configured
+
+
 def live_megatron_options(model: torch.nn.Module | Sequence[torch.nn.Module]) -> dict[str, Any]:
-    """The ``MegatronOptions`` fields a live model decides, read off the model itself:
-    the layer spec and grouped GEMM from its parameter names, the uneven pipeline split
-    from its ``TransformerConfig``, the parameter dtype from its weights. (The vocabulary
-    padding is not recoverable from one rank's shapes; the caller supplies it.)"""
+    """The ``MegatronOptions`` fields a live model decides, the same on every rank of one
+    model: grouped GEMM and the uneven pipeline split from its ``TransformerConfig``
+    (which every rank shares), the layer spec from its parameter names, the parameter
+    dtype from its weights. A field in :data:`UNKNOWABLE_OPTIONS` is None where this
+    rank cannot tell it (see :func:`_layer_spec`, :func:`_moe_grouped_gemm`): such a
+    rank abstains when the ranks' reports are settled (``nemo_rl.plans``). (The
+    vocabulary padding is not recoverable from one rank's shapes; the caller supplies
+    it.)"""
     chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
     names = list(megatron_live_tensors(chunks))
     first = unwrap(chunks[0])
     config = getattr(first, "config", None)
     dtype = next(first.parameters()).dtype
     return {
-        "layer_spec": "te" if any(n.endswith(_TE_FUSED_NORMS) for n in names) else "local",
-        "moe_grouped_gemm": any(".mlp.experts.linear_fc1.weight" in n for n in names),
+        "layer_spec": _layer_spec(names),
+        "moe_grouped_gemm": _moe_grouped_gemm(names, config),
         "num_layers_in_first_pipeline_stage": getattr(
             config, "num_layers_in_first_pipeline_stage", None
         ),

@@ -27,6 +27,7 @@ from ...layouts.fp8_wire import live_tensors
 from ...plan import Colocation, PlanError, RefitPlan, plan_refit, rank_plan
 from ...spec.parallel import InferParallel, TrainParallel
 from ..checkpoint_engine import engine_spec
+from ..megatron.live import UNKNOWABLE_OPTIONS
 from .config import RefitConfig, colocated, infer_parallel, precision, train_parallel
 from .fp8 import fp8_spec
 
@@ -117,8 +118,40 @@ def megatron_options(
             f"policy workers report ranks {ranks}; the config gives {train} = "
             f"{train.world_size} ranks 0..{train.world_size - 1}"
         )
-    live = _same(reports, "options", "policy workers")
+    live = settle_options(reports)
     return MegatronOptions(make_vocab_size_divisible_by=refit.make_vocab_size_divisible_by, **live)
+
+
+def settle_options(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The layout options of the model, settled once from every policy rank's report
+    (``live_megatron_options``): a rank that cannot tell an option (None for one in
+    ``UNKNOWABLE_OPTIONS``: a pipeline stage without experts, without decoder layers)
+    abstains; every other rank must report the same value. An option no rank can tell
+    keeps ``MegatronOptions``' default (the model has no such layers). A disagreement
+    is one line per option naming the ranks of each value."""
+    keys = sorted({k for r in reports for k in r["options"]})
+    settled: dict[str, Any] = {}
+    problems = []
+    for key in keys:
+        ranks: dict[str, list[int]] = {}
+        values: dict[str, Any] = {}
+        for r in reports:
+            value = r["options"].get(key)
+            if value is None and key in UNKNOWABLE_OPTIONS:
+                continue
+            ranks.setdefault(repr(value), []).append(int(r["rank"]))
+            values[repr(value)] = value
+        if len(values) > 1:
+            detail = "; ".join(f"ranks {rs}: {v}" for v, rs in sorted(ranks.items()))
+            problems.append(f"policy workers disagree on {key} ({detail})")
+        elif values:
+            settled[key] = next(iter(values.values()))
+    if problems:
+        raise PlanError(
+            "; ".join(problems) + ": every rank must run one model and training config "
+            "(policy.megatron_cfg)"
+        )
+    return settled
 
 
 def check_megatron_sources(

@@ -33,7 +33,12 @@ from ...layouts import (
 from ...layouts.dtensor import PlacementFn
 from ...plan import PlanError
 from ...spec import ModelSpec, TrainParallel
-from ..megatron import live_megatron_options, match_layout, megatron_live_tensors
+from ..megatron import (
+    UNKNOWABLE_OPTIONS,
+    live_megatron_options,
+    match_layout,
+    megatron_live_tensors,
+)
 
 
 class ReshardSource(ABC):
@@ -56,6 +61,30 @@ class ReshardSource(ABC):
         """This rank's live tensors by layout name (the storage the refit reads)."""
 
 
+def check_same_plan(fingerprint: str, world_size: int) -> None:
+    """Every trainer rank plans alone from its own source; compare the fingerprints over
+    ``torch.distributed`` (when there are several ranks and it is initialised) before
+    rank 0 ships its plan's slices to the workers. A ``PlanError`` on every rank, in one
+    line naming the ranks of each fingerprint, when they differ. (Without
+    ``torch.distributed`` the refit group compares them when it loads the plan.)"""
+    import torch.distributed as dist
+
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return
+    from ...engine.rendezvous import gather_texts
+
+    prints = gather_texts(fingerprint)
+    if len(set(prints)) > 1:
+        ranks: dict[str, list[int]] = {}
+        for r, fp in enumerate(prints):
+            ranks.setdefault(fp, []).append(r)
+        detail = "; ".join(f"ranks {rs}: {fp}" for fp, rs in sorted(ranks.items()))
+        raise PlanError(
+            f"trainer ranks planned different refits ({detail}): every rank's source must "
+            "give the same layouts (MegatronSource: pass the same options on every rank)"
+        )
+
+
 class MegatronSource(ReshardSource):
     """A live Megatron-core model (or its virtual-pipeline chunks) on trainer rank
     ``rank`` of ``parallel``. ``options``: the layout options; default: what the model
@@ -72,9 +101,17 @@ class MegatronSource(ReshardSource):
         **option_overrides: Any,
     ) -> None:
         self.model, self.spec, self.parallel, self.rank = model, spec, parallel, rank
-        self.options = options or MegatronOptions(
-            **{**live_megatron_options(model), **option_overrides}
-        )
+        if options is None:
+            live = {**live_megatron_options(model), **option_overrides}
+            unknown = [k for k in UNKNOWABLE_OPTIONS if live.get(k) is None]
+            if unknown:
+                raise ValueError(
+                    f"Megatron trainer rank {rank} cannot tell {', '.join(unknown)} from its "
+                    "own parameters (it holds no such layers and its model has no config "
+                    "saying): pass them to MegatronSource, the same on every rank"
+                )
+            options = MegatronOptions(**live)
+        self.options = options
 
     @property
     def world_size(self) -> int:

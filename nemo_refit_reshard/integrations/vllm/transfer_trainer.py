@@ -12,8 +12,10 @@ Who plans: every trainer rank, alone and identically. The training layouts come 
 the source (the same on every rank); the vLLM layout from the init info, which states
 the engine's parallelism and release — the client protocol has no way to ask the
 engine, and each worker checks its slice against its live parameters at init, so a
-wrong statement fails there, naming the tensors. The plan is deterministic, so every
-rank's fingerprint agrees (checked when the group loads it) with no exchange.
+wrong statement fails there, naming the tensors. The plan is deterministic, but a
+rank's source may still differ (its options), so the trainer ranks compare fingerprints
+over ``torch.distributed`` before rank 0 ships its slices (``check_same_plan``), and the
+group compares them again when it loads the plan.
 
 Phases (rank 0 drives the client; every RPC blocks until all workers answer):
 
@@ -62,7 +64,7 @@ from ...spec import InferParallel
 from ..worker import ColocatedTrainer, RefitEndpoint, RefitWorker
 from .engine_plan import plan_for_engine
 from .plugin import BACKEND
-from .transfer_sources import ReshardSource
+from .transfer_sources import ReshardSource, check_same_plan
 
 
 @dataclass
@@ -206,6 +208,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         if source.rank != init_info.rank:
             raise ValueError(f"source is rank {source.rank}, init info rank {init_info.rank}")
         plan = build_plan(init_info, source)
+        check_same_plan(plan.fingerprint, source.world_size)  # before rank 0 ships its slices
         if plan.colocated_hosts:
             return cls._colocated(init_info, client, source, plan)
         s, d = plan.num_sources, plan.num_destinations

@@ -35,6 +35,7 @@ from multiprocessing.connection import (
 import torch
 
 from ...engine.colocated import ColocatedGuest, ColocatedHost
+from ...engine.refit import check_same_fingerprint
 from ...plan import Colocation, PlanError, RankPlan, RefitPlan, load_plan_json, rank_plan
 from .endpoint import RefitEndpoint
 from .refit_worker import RefitWorker
@@ -107,8 +108,17 @@ class ColocatedTrainer:
         return f"{host}:{self._listener.getsockname()[1]}"
 
     def join(self) -> None:
-        """Rendezvous with the other training ranks (collective)."""
+        """Rendezvous with the other training ranks, then check that every one holds this
+        plan (collective): each packs for its guest from its own plan, so a rank that
+        planned otherwise would tear the weights; it is refused on every rank, in one line
+        naming the ranks and fingerprints, before any step."""
         self.net.join()
+        assert self.net.transport is not None
+        try:
+            check_same_fingerprint(self.net.transport, self.plan.fingerprint)
+        except PlanError:
+            self.net.close()
+            raise
 
     def accept_worker(self) -> None:
         """Wait for the worker on this GPU and hand it its staging (once)."""
