@@ -171,6 +171,8 @@ class WorkersClient:
 
         def slice_of(rank: int) -> str:
             # As our vLLM worker engine gets it: shipped, or read from the group's store.
+            if isinstance(info.plan, dict):
+                return info.plan[str(rank)]
             plan = ReshardWeightTransferEngine._plan_of(info, rank)
             return plan[str(rank)] if isinstance(plan, dict) else plan
 
