@@ -37,6 +37,7 @@ from vllm.distributed.weight_transfer.base import (
 from ...engine.rendezvous import store_client, take_text
 from ..worker import RefitEndpoint, StaleWeightsError
 from .config import engine_layout
+from .derived import check_derived
 from .worker import (
     _state,
     check_moe_backends,
@@ -114,6 +115,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
 
         engine_layout(vllm_config, vllm.__version__)
         check_moe_backends(model)
+        check_derived(model)  # derived tensors a refit cannot recompute in place
         self.weight_version: str | None = None  # the last committed update's
         self.refit_rank: int | None = None
         self._session: _Session | None = None
