@@ -254,6 +254,9 @@ class WorkerGroup:
     def run_all_workers_single_data(self, method: str, run_rank_0_only_axes=None, **kwargs):
         return [getattr(a, method).remote(**kwargs) for a in self.actors]
 
+    def run_single_worker_single_data(self, method: str, worker_idx: int, **kwargs):
+        return getattr(self.actors[worker_idx], method).remote(**kwargs)
+
     def run_all_workers_multiple_data(
         self, method: str, run_rank_0_only_axes=None, common_kwargs=None, **kwargs
     ):

@@ -132,6 +132,9 @@ class MegatronPolicyProcess:
     def reshard_describe(self) -> dict[str, Any]:
         return self.worker.reshard_describe()
 
+    def reshard_address(self, host: str | None = None) -> tuple[str, int]:
+        return self.worker.reshard_address(host)
+
     def reshard_join(self, endpoint_json: str) -> int:
         return self.worker.reshard_join(endpoint_json)
 

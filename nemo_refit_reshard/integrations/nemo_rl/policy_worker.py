@@ -8,6 +8,7 @@ gather: no Megatron-Bridge export, no collective inside Megatron's groups. The d
 (:class:`~.synchronizer.ReshardWeightSynchronizer`) calls, on every policy worker::
 
     reshard_describe()            -> parallel position, model options, live tensors
+    reshard_address(host)         -> (policy rank 0 only) where it hosts the group's store
     reshard_join(endpoint_json)   -> joins the refit group as refit rank self.rank
     reshard_load_plan(slice_json) -> checks the slice against the live tensors, compiles
     reshard_step()                -> one refit (collective); timing
@@ -39,6 +40,7 @@ import torch
 
 from ...engine.program import live_tensor_problems
 from ...plan import PlanError, RankPlan, load_plan_json
+from ..checkpoint_engine.address import group_address
 from ..megatron import live_megatron_options, live_megatron_position, megatron_live_tensors
 from ..worker import ColocatedTrainer, RefitEndpoint, RefitWorker, describe_tensors, device_name
 
@@ -97,6 +99,12 @@ class ReshardPolicyWorkerMixin:
             "gpu": device_name(next(iter(live.values())).device),
             "parameters": sorted(n for n, t in live.items() if isinstance(t, torch.nn.Parameter)),
         }
+
+    def reshard_address(self, host: str | None = None) -> tuple[str, int]:
+        """Where this rank, refit rank 0, hosts the refit group's store: a port free now on
+        ``host`` (an address of this node), or on this node's address. Only the hosting
+        rank picks it: no other node can bind its address."""
+        return group_address(host)
 
     def reshard_join(self, endpoint_json: str) -> int:
         """Join the refit group as refit rank ``self.rank`` (collective rendezvous)."""

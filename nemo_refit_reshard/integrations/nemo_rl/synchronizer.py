@@ -38,7 +38,6 @@ import ray
 from nemo_rl.weight_sync.interfaces import WeightSynchronizer
 
 from ...engine.rendezvous import new_secret
-from ..checkpoint_engine import group_address
 from ..vllm import (
     refit_close,
     refit_connect_colocated,
@@ -146,7 +145,13 @@ class ReshardWeightSynchronizer(WeightSynchronizer):
         )
 
     def _endpoint(self, world_size: int) -> str:
-        host, port = group_address(self._refit.host)
+        # Policy rank 0 (refit rank 0) hosts the group's store, so it picks the port, on
+        # its own node: this driver may run on another node, whose address rank 0
+        # cannot bind (engine/rendezvous.py).
+        ref = self._policy.worker_group.run_single_worker_single_data(
+            "reshard_address", worker_idx=0, host=self._refit.host
+        )
+        host, port = gather([("policy rank 0", ref)], "picking the refit group's address")[0]
         return RefitEndpoint(
             host,
             port,

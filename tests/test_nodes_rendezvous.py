@@ -1,0 +1,108 @@
+"""Every route's rendezvous with its parties on distinct nodes (#40 items 4 and 9).
+
+Each party is a process on its own loopback address (127.0.0.2, 127.0.0.3, ...), binding
+only that address (``tests/helpers/nodes.py``: the refusal a real node gives when it binds
+another node's address). Only the process that hosts the refit group's store picks a port,
+on its own address; the others receive it.
+
+And the vLLM-native backend's plan payload: vLLM's ``init_weight_transfer_engine`` hands
+every worker the same arguments, so they carry no plan slice; each worker reads its own
+from the group's store, exactly its slice's bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import vllm_env
+from tests.helpers.nodes import node
+from tests.test_vllm_truth import MODELS
+
+_SKIP = vllm_env.skip_reason()
+
+
+def _vllm_native(tmp_path: Path, colocated: bool, **address: Any) -> dict[str, Any]:
+    spec = {"config": MODELS["qwen3"], "trainers": 2, "tp": 2, "colocated": colocated}
+    spec.update(address)
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    proc = vllm_env.start(
+        "vllm_nodes_refit", str(tmp_path / "spec.json"), str(tmp_path / "out.json")
+    )
+    vllm_env.finish(proc, "the vLLM-native refit across nodes")
+    return json.loads((tmp_path / "out.json").read_text())
+
+
+def _own_slice_bytes(fingerprint: str, colocated: bool) -> list[int]:
+    """The bytes of each worker's own plan slice, planned here as every trainer rank does."""
+    from nemo_refit_reshard.integrations.vllm.engine_plan import plan_for_engine
+    from nemo_refit_reshard.integrations.vllm.transfer_sources import FullModuleSource
+    from nemo_refit_reshard.layouts import VllmOptions
+    from nemo_refit_reshard.plan import rank_plan
+    from nemo_refit_reshard.spec import InferParallel, spec_from_hf_config
+
+    spec = spec_from_hf_config(MODELS["qwen3"], name="nodes")
+    source = FullModuleSource({}, spec, world_size=2, rank=0)
+    options = VllmOptions(vllm_version="0.33.0")
+    hosts = () if colocated else None
+    plan = plan_for_engine(source, InferParallel(tp=2), options, colocated_hosts=hosts)
+    assert plan.fingerprint == fingerprint
+    return [len(rank_plan(plan, 2 + d).to_json().encode()) for d in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+@pytest.mark.parametrize("colocated", [False, True], ids=["separate", "colocated"])
+def test_vllm_native_trainer_ranks_on_two_nodes_each_worker_gets_only_its_slice(
+    tmp_path: Path, colocated: bool
+) -> None:
+    """Trainer ranks on nodes 0 and 1 (``host`` = node 0, ``port=None``), workers on nodes
+    2 and 3 (colocated: on their hosts' nodes 0 and 1): rank 1 never binds node 0's
+    address; one refit commits v1 and writes every element but the vocabulary padding.
+    Each worker's plan bytes are exactly its own slice, none in the RPC arguments."""
+    r = _vllm_native(tmp_path, colocated)
+    assert r["ok"], r["traceback"]
+    _check_workers(r, colocated)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+def test_vllm_native_each_worker_receives_only_its_own_plan_slice(tmp_path: Path) -> None:
+    """The driver set the port and secret (no port to pick): each worker's plan bytes are
+    exactly its own slice, read from the group's store; the RPC arguments carry none."""
+    with socket.socket() as sock:
+        sock.bind((node(0), 0))
+        port = sock.getsockname()[1]
+    r = _vllm_native(tmp_path, False, port=port, secret="ab" * 32)
+    assert r["ok"], r["traceback"]
+    _check_workers(r, False)
+
+
+def _check_workers(r: dict[str, Any], colocated: bool) -> None:
+    own = _own_slice_bytes(r["fingerprint"], colocated)
+    for d, w in enumerate(r["workers"]):
+        assert w["status"]["weight_version"] == "v1" and w["status"]["stale"] is None, w
+        assert w["zeros"] == w["padding"], w
+        assert (w["rpc_plan_bytes"], w["store_plan_bytes"]) == (0, own[d]), (w, own)
+        assert w["rpc_bytes"] < 1024, w  # endpoint, fingerprint, store key
+
+
+_NEMO_RL_SKIP = vllm_env.nemo_rl_skip_reason()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_NEMO_RL_SKIP is not None, reason=_NEMO_RL_SKIP or "")
+def test_nemo_rl_synchronizer_address_is_picked_by_policy_rank_0(tmp_path: Path) -> None:
+    """The driver on node 5, policy ranks on nodes 0-2, ``refit.host`` = node 0: policy
+    rank 0 picks the port (the driver cannot bind node 0's address), all three join."""
+    proc = vllm_env.start(
+        "nemo_rl_nodes_address", str(tmp_path / "out.json"), python=vllm_env.nemo_rl_python()
+    )
+    vllm_env.finish(proc, "NeMo RL's synchronizer across nodes")
+    r = json.loads((tmp_path / "out.json").read_text())
+    assert r["ok"], r["traceback"]
+    assert (r["host"], r["joined"]) == (node(0), [0, 1, 2])
