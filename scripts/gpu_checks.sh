@@ -7,13 +7,16 @@
 #
 # Each check runs under its own wall-clock limit (`timeout`, seconds below; override
 # with the variable named), its whole output in OUTDIR/<check>.log; a failure never
-# stops the run. Limits on one GPU add up to TOTAL_S (570 s), which also caps the
-# run: a check gets at most what is left of it, and is skipped when under 10 s is left.
+# stops the run. TOTAL_S (570 s) caps the run (the limits on one GPU add up to 600 s):
+# a check gets at most what is left of it, and is skipped when under 10 s is left.
 #
 #   gpu-check        nemo-refit-reshard gpu-check (NCCL, pack/unpack, overlapped replay)  GPU_CHECK_S=180
 #   pytest-gpu       the tests marked gpu (pytest -m gpu)                                  PYTEST_GPU_S=60
 #   colocated-demo   demo --colocated --device cuda: every training/inference pair on the
 #                    one GPU, staging shared by CUDA IPC, bit-exact                        COLOCATED_DEMO_S=90
+#   ipc-devices      cli/ipc_check.py: a staging exported by one process, opened by a second
+#                    with the same and (>= 2 GPUs) reversed CUDA_VISIBLE_DEVICES: same GPU
+#                    by UUID, same bytes, nothing left in /dev/shm                         IPC_DEVICES_S=30
 #   vllm-check       benchmarks/gpu_vllm_check.py: a real vllm.LLM refit, vs HF            VLLM_CHECK_S=180
 #   colocated-check  benchmarks/gpu_colocated_check.py, once it is written                 COLOCATED_CHECK_S=60
 #   gpu-multi        benchmarks/gpu_multi.sh (>= 2 GPUs)                                   GPU_MULTI_S=120
@@ -199,6 +202,21 @@ head_vllm() {  # per model: tokens equal, max |dlogprob|, pointers, refit second
         }
         END { if (out) print out }' "$1"
 }
+head_ipc() {  # rows ok, and what was skipped (the reversed order on one GPU)
+    awk -F'|' '
+        /^\| / && NF >= 6 && $2 !~ /^ (check|---)/ {
+            rows++
+            gsub(/^ +| +$/, "", $2); gsub(/^ +| +$/, "", $3)
+            if ($5 ~ /yes/) ok++; else bad = bad (bad ? ", " : "") $2
+            if ($3 ~ /^skipped/) skipped = skipped "; SKIP " $2 " (" $3 ")"
+        }
+        END {
+            if (!rows) exit
+            out = ok "/" rows " rows ok" skipped
+            if (bad) out = out "; NO: " bad
+            print out
+        }' "$1"
+}
 head_last() { last_line "$1"; }
 
 # --- The checks ----------------------------------------------------------------------------
@@ -230,6 +248,15 @@ if [ -n "$NO_CUDA" ]; then
 else
     run_check colocated-demo "${COLOCATED_DEMO_S:-90}" head_demo \
         "$PYTHON" -m nemo_refit_reshard.cli demo --colocated --device cuda --timeout 60
+fi
+
+# One GPU: the UUID round trip and an open with the same visible GPUs (the reversed
+# order is a row that says it was skipped); two or more: the reversed order too.
+if [ -n "$NO_CUDA" ]; then
+    skip ipc-devices "$NO_CUDA"
+else
+    run_check ipc-devices "${IPC_DEVICES_S:-30}" head_ipc \
+        "$PYTHON" -m nemo_refit_reshard.cli.ipc_check cuda
 fi
 
 if [ -n "$NO_CUDA" ]; then

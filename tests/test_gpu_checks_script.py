@@ -45,6 +45,7 @@ def test_gpu_checks_script_skips_every_check_without_cuda(tmp_path: Path) -> Non
         f"| gpu-check | SKIP | - | - | {NO_CUDA} |",
         f"| pytest-gpu | SKIP | - | - | {NO_CUDA} |",
         f"| colocated-demo | SKIP | - | - | {NO_CUDA} |",
+        f"| ipc-devices | SKIP | - | - | {NO_CUDA} |",
         f"| vllm-check | SKIP | - | - | {NO_CUDA} |",
         f"| colocated-check | SKIP | - | - | {colocated} |",
         f"| gpu-multi | SKIP | - | - | {NO_CUDA} |",

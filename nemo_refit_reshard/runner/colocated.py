@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 import time
 import traceback
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.rendezvous import free_port, new_secret
+from ..engine.shm_segments import sweep_orphans
 from ..plan import Colocation, RankPlan, RefitPlan, plan_refit
 from .config import RunConfig, build_layouts
 from .spawn import RunResult, collect_reports, wait_ranks, write_plans
@@ -63,6 +65,9 @@ def run_colocated(
         total = world * cfg.steps
         hung = wait_ranks(ctx.processes, tmp, join_timeout_s, total, progress, grace)
         ranks = collect_reports(ctx.processes, tmp, hung, grace)
+    # Every rank has exited: remove what a killed one left (this driver's resource
+    # tracker, which the ranks share, would only do so when the driver exits).
+    sweep_orphans()
     return RunResult(plan, ranks, time.perf_counter() - t0)
 
 
@@ -117,21 +122,26 @@ def _run(
         )  # fmt: skip
         plan = RefitPlan.from_json(plan_path.read_text())
         trainer = ColocatedTrainer(endpoint, tensors, plan, device)
-        listening = trainer.listen()
-        if listening is not None:
-            address.with_suffix(".tmp").write_text(listening)
-            address.with_suffix(".tmp").rename(address)  # whole, or not there
-        trainer.join()
-        trainer.accept_worker()
-        for step in range(cfg.steps + 1):  # the first: warm-up (gloo connects lazily)
-            seconds = trainer.refit()
-            if step:
-                # like a separate-pools rank's [step, exchange]: its time on the
-                # network and waiting for its worker is not its own work
-                timings.append([seconds, trainer.host.exchange_seconds])
-                progress.write_text(str(step))
-        staging = trainer.host.staging_bytes
-        trainer.close()
+        try:  # its staging is released on every way out (a killed rank: shm_segments.py)
+            listening = trainer.listen()
+            if listening is not None:
+                address.with_suffix(".tmp").write_text(listening)
+                address.with_suffix(".tmp").rename(address)  # whole, or not there
+            trainer.join()
+            trainer.accept_worker()
+            for step in range(cfg.steps + 1):  # the first: warm-up (gloo connects lazily)
+                if cfg.kill_rank == rank and step == cfg.kill_step + 1:
+                    # simulated crash mid-step, its guest waiting on the staging: no cleanup
+                    os.kill(os.getpid(), signal.SIGKILL)
+                seconds = trainer.refit()
+                if step:
+                    # like a separate-pools rank's [step, exchange]: its time on the
+                    # network and waiting for its worker is not its own work
+                    timings.append([seconds, trainer.host.exchange_seconds])
+                    progress.write_text(str(step))
+            staging = trainer.host.staging_bytes
+        finally:
+            trainer.close()
         result["backends"][BACKEND] = {"timings": timings, "staging_bytes": staging}
         return
     mine = destination_tensors(cfg, spec, destinations[rank - s], rank - s, weights, device)
@@ -141,18 +151,20 @@ def _run(
         if time.monotonic() > deadline:
             raise TimeoutError(f"training rank {host_rank} never listened for its worker")
         time.sleep(0.1)
-    worker.connect(address.read_text(), secret, share(rank), rank, cfg.timeout_s)
-    for step in range(cfg.steps + 1):
-        mine.poison()
-        seconds = worker.refit()
-        if step:
-            assert worker.guest is not None
-            timings.append([seconds, worker.guest.waited])
-            progress.write_text(str(step))
+    try:
+        worker.connect(address.read_text(), secret, share(rank), rank, cfg.timeout_s)
+        for step in range(cfg.steps + 1):
+            mine.poison()
+            seconds = worker.refit()
+            if step:
+                assert worker.guest is not None
+                timings.append([seconds, worker.guest.waited])
+                progress.write_text(str(step))
+    finally:
+        worker.close()
     entry: dict[str, Any] = {"timings": timings, "staging_bytes": 0}
     if cfg.verify:
         entry["mismatches"] = mine.mismatches()
-    worker.close()
     result["backends"][BACKEND] = entry
 
 

@@ -263,8 +263,12 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
             secret,
         )  # fmt: skip
         trainer = ColocatedTrainer(endpoint, source.tensors(), plan)
-        mine = trainer.listen() or ""  # the worker shares this GPU: loopback reaches it
-        addresses = gather_texts(mine) if s > 1 else [mine]
+        try:  # a failed start releases the staging it took (as every failure below)
+            mine = trainer.listen() or ""  # the worker shares this GPU: loopback reaches it
+            addresses = gather_texts(mine) if s > 1 else [mine]
+        except BaseException:
+            trainer.close()
+            raise
         engine = cls(
             client=client, source=source, refit=trainer, plan=plan,
             is_sender=info.is_sender, rank=info.rank,
@@ -284,10 +288,14 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
                 _publish_slices(endpoint, plan, range(s, s + d))
             trainer.accept_worker()
 
-        engine.concurrently(
-            (lambda: client.init_weight_transfer_engine(payload)) if engine.is_sender else None,
-            join_and_accept,
-        )
+        try:
+            engine.concurrently(
+                (lambda: client.init_weight_transfer_engine(payload)) if engine.is_sender else None,
+                join_and_accept,
+            )
+        except BaseException:
+            trainer.close()
+            raise
         return engine
 
     def concurrently(self, rpc: Any, local: Any) -> None:

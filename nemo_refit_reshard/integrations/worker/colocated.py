@@ -168,12 +168,17 @@ class ColocatedTrainer:
             self.host.signals.abort(err)
 
     def close(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-        if self.host.signals is not None:
-            self.host.signals.conn.close()
-        self.net.close()
+        """Leave the group and release the worker's staging (the shared segment or CUDA
+        buffer). Idempotent; the worker keeps its own mapping until it closes."""
+        try:
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
+            if self.host.signals is not None:
+                self.host.signals.conn.close()
+            self.net.close()
+        finally:
+            self.host.close()
 
 
 class ColocatedWorker:
