@@ -256,3 +256,57 @@ def test_fp8_refit_is_bit_exact_with_per_round_quantization(fp8_model: str) -> N
     assert result.plan.num_rounds > 2
     for r in result.ranks[result.plan.num_sources :]:
         assert r["backends"]["reshard"]["mismatches"] == [], r["rank"]
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
+)
+@pytest.mark.parametrize("bucket_mb", [BUCKET_MB, 0.03])
+def test_per_round_quantization_in_one_process(
+    fp8_model: str, device: str, bucket_mb: float
+) -> None:
+    """Every rank's compiled program in one process (``simulate_plan``), twice: each
+    inference rank's e4m3 weights and scales, NaN before, equal the whole canonical
+    weights' quantization bit for bit — e4m3 runs quantized into the staging by the
+    training ranks, BF16 twins' bands by the inference ranks. A 0.03 MiB bucket cuts
+    e4m3 pieces inside a block row: the sender quantizes the whole block rows a run
+    touches and stages its part (quantizing the run alone would give other scales). On
+    CUDA the staging, scratch and quantization run on the GPU."""
+    from nemo_refit_reshard.engine.materialize import SyntheticWeights, materialize
+    from nemo_refit_reshard.engine.simulate import simulate_plan
+    from nemo_refit_reshard.runner.destination import destination_tensors
+
+    cfg = RunConfig(fp8_model, "tp=2", "engine_dp=2,ep=2", bucket_mb=bucket_mb)
+    spec, sources, destinations = build_layouts(cfg)
+    plan = plan_refit(spec, sources, destinations, cfg.bucket_mb)
+    cut = {
+        t.src_box.offsets[0] % 128 != 0
+        for msgs in plan.rounds
+        for msg in msgs
+        for t in msg.transfers
+        if "@" in t.src_tensor and t.dtype == "float8_e4m3fn"
+    }
+    assert cut == ({False, True} if bucket_mb < BUCKET_MB else {False})
+    trained = SyntheticWeights(spec.unquantized(), seed=3)
+    dev = torch.device(device)
+    live = [materialize(lay, trained, device=dev) for lay in sources]
+    dests = [
+        destination_tensors(cfg, spec, lay, d, trained, dev) for d, lay in enumerate(destinations)
+    ]
+    assert any(plan.quantize_steps_of(plan.num_sources + d) for d in range(len(dests)))
+    for _ in range(2):
+        for d in dests:
+            d.poison()
+        simulate_plan(plan, live, [d.live for d in dests])
+        for d in dests:
+            assert d.mismatches() == []
