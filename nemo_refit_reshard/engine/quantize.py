@@ -97,7 +97,9 @@ class Fp8Steps:
     quantizes each twin into its live weight and scale, in place; a 3-D twin (fused
     experts, ``[E, rows, cols]``) expert by expert. The derived tensors cost ~0.5× the
     trained bytes a rank sends quantized; the twins one trained-dtype copy of what a
-    rank receives unquantized."""
+    rank receives unquantized. Only the gather-broadcast baseline's receivers use it
+    (``engine/broadcast.py``); the reshard program quantizes in bounded memory, per run
+    into its staging and per band of block rows out of scratch (``fp8_rounds.py``)."""
 
     def __init__(
         self,
