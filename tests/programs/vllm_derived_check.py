@@ -18,7 +18,9 @@ parameter's storage on every call after start-up instead of copying into it (wha
 does when the stride differs, and 0.25's ``self.W_UV = ...`` does always).
 
 Stand-ins: vLLM's choice of FP8 kernel (``vllm_cpu.allow_fp8_block_kernel_on_cpu``: the
-Triton block kernel a CUDA GPU without DeepGEMM picks; no FP8 matmul runs), and in
+Triton block kernel a CUDA GPU without DeepGEMM picks; no FP8 matmul runs); a CPU with
+AMX tiles reads as one without, so that vLLM picks its reference CPU MLA backend, whose
+MLA layers derive ``W_UK_T``/``W_UV`` as on a GPU (AMX MLA is refused by name); in
 ``rebind`` mode the rebinding ``replace_parameter``.
 """
 
@@ -89,10 +91,14 @@ def main(spec_path: str, result_path: str) -> None:
     rank = vllm_cpu.EngineRank.from_dict(spec["rank"])
     result: dict[str, object] = {"ok": False}
     try:
+        torch.cpu._is_amx_tile_supported = lambda: False  # the GPU's MLA path, not AMX's
         if spec["mode"] == "skip_rerun":
-            from nemo_refit_reshard.integrations.vllm.derived import DerivedWeights
-
-            DerivedWeights.rerun = lambda self: None  # type: ignore[method-assign]
+            try:
+                from nemo_refit_reshard.integrations.vllm.derived import DerivedWeights
+            except ImportError:  # a worker without the rerun: nothing to skip
+                pass
+            else:
+                DerivedWeights.rerun = lambda self: None  # type: ignore[method-assign]
         model, config = vllm_cpu.build_model(spec["config"], rank, "cpu", spec["dtype"])
         worker = ExtendedWorker(model, config)
 
