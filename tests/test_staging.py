@@ -12,6 +12,7 @@ the code before the fix.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -315,3 +316,17 @@ def test_ipc_check_cpu_twin() -> None:
         ("open, same CUDA_VISIBLE_DEVICES", "POSIX shared memory, bytes equal True", True),
         ("/dev/shm after both exit", "0 new: []", True),
     ]
+
+
+@pytest.mark.slow
+def test_a_failed_vllm_native_colocated_start_releases_its_staging(tmp_path: Path) -> None:
+    """``trainer_init`` of the vLLM-native colocated trainer, its client refusing at once
+    (``tests/programs/colocated_start_fails.py``, a stand-in for VLLMWeightSyncClient):
+    the error reaches the caller and no segment of that start is left behind."""
+    from tests.helpers import vllm_env
+
+    if vllm_env.skip_reason() is not None:
+        pytest.skip(vllm_env.skip_reason() or "")
+    out = tmp_path / "out.json"
+    vllm_env.finish(vllm_env.start("colocated_start_fails", str(out)), "the failed start")
+    assert json.loads(out.read_text()) == {"error": "the workers refused the engine", "left": []}
