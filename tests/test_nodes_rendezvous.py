@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +108,105 @@ def test_nemo_rl_synchronizer_address_is_picked_by_policy_rank_0(tmp_path: Path)
     r = json.loads((tmp_path / "out.json").read_text())
     assert r["ok"], r["traceback"]
     assert (r["host"], r["joined"]) == (node(0), [0, 1, 2])
+
+
+def _engine_nodes(tmp_path: Path, framework: str, python: str | None) -> dict[str, Any]:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(MODELS["qwen3"]))
+    out = tmp_path / "out.json"
+    proc = vllm_env.start(
+        "engine_nodes", framework, str(tmp_path / "model"), str(out), python=python
+    )
+    vllm_env.finish(proc, f"{framework}'s checkpoint engine across nodes")
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_NEMO_RL_SKIP is not None, reason=_NEMO_RL_SKIP or "")
+def test_nemo_rl_checkpoint_engine_host_is_bound_by_its_node_only(tmp_path: Path) -> None:
+    """``host`` = node 0 in the settings, every worker runs ``prepare``: only the worker on
+    node 0 offers an address (the others cannot bind it and offer none); all join it."""
+    r = _engine_nodes(tmp_path, "nemo_rl", vllm_env.nemo_rl_python())
+    assert r["ok"], r["traceback"]
+    assert [a and a[0] for a in r["addresses"]] == [node(0), None, None]
+    assert r["joined"] == [0, 1, 2]
+
+
+_VERL_SKIP = vllm_env.verl_skip_reason()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_VERL_SKIP is not None, reason=_VERL_SKIP or "")
+def test_verl_checkpoint_engine_master_alone_picks_the_address(tmp_path: Path) -> None:
+    """veRL: the master actor rank (node 0) alone picks the address; all three join."""
+    r = _engine_nodes(tmp_path, "verl", vllm_env.verl_python())
+    assert r["ok"], r["traceback"]
+    assert [a and a[0] for a in r["addresses"]] == [node(0), None, None]
+    assert r["joined"] == [0, 1, 2]
+
+
+def _worker_api_rank(rank: int, inbox: Any, out: Any) -> None:
+    """One refit rank of the worker API on node ``rank``: rank 0 picks the group's address
+    on its own node (``free_address``) and reports it; every rank joins the endpoint the
+    driver ships, and the group passes a barrier."""
+    from nemo_refit_reshard.engine.rendezvous import free_address
+    from nemo_refit_reshard.integrations.worker import RefitEndpoint, RefitWorker
+    from tests.helpers.nodes import as_node
+
+    as_node(node(rank))
+    try:
+        if rank == 0:
+            out.put(("address", free_address(node(0))))
+        worker = RefitWorker(RefitEndpoint.from_json(inbox.get(timeout=600)), {})
+        worker.join()
+        worker.barrier()
+        worker.close()
+        out.put(("joined", rank))
+    except BaseException as err:  # reported to the test
+        out.put(("failed", f"rank {rank}: {err!r}"))
+
+
+def test_worker_api_rank_0_picks_its_own_address_and_every_node_joins() -> None:
+    """The driver (this process) is node 5: it cannot pick a port on node 0's address (the
+    error says who picks it); refit rank 0 does, on node 0, and ranks on nodes 1 and 2
+    join it."""
+    import dataclasses
+    import multiprocessing as mp
+
+    from nemo_refit_reshard.integrations.worker import RefitEndpoint
+
+    ctx = mp.get_context("spawn")
+    inboxes, out = [ctx.Queue() for _ in range(3)], ctx.Queue()
+    procs = [ctx.Process(target=_worker_api_rank, args=(r, inboxes[r], out)) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        kind, value = out.get(timeout=600)
+        assert kind == "address", value
+        host, port = value
+        assert host == node(0)
+        endpoint = RefitEndpoint(host, port, 3, 0, secret="cd" * 32)
+        for r in range(3):
+            inboxes[r].put(dataclasses.replace(endpoint, group_rank=r).to_json())
+        done = sorted(out.get(timeout=600) for _ in range(3))
+        assert done == [("joined", 0), ("joined", 1), ("joined", 2)], done
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    # The driver's own process, as node 5, cannot pick the port for node 0.
+    script = (
+        "from tests.helpers.nodes import as_node\n"
+        "from nemo_refit_reshard.engine.rendezvous import free_address\n"
+        "as_node('127.0.0.7')\n"
+        "free_address('127.0.0.2')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "OSError: [Errno 99] cannot pick a port on 127.0.0.2 (Cannot assign requested "
+        "address): it is not an address of this node. Only the process hosting the refit "
+        "group's store (refit rank 0) picks the port, on its own node's address; the "
+        "others receive it"
+    )

@@ -9,7 +9,7 @@ full-shape tensors. ``address.py``: the refit group's rendezvous address (one
 node-address helper). Framework-neutral: neither veRL nor NeMo RL is imported.
 """
 
-from .address import group_address, node_address
+from .address import group_address, node_address, offered_address
 from .config import (
     MODES,
     ReshardEngineConfig,
@@ -46,6 +46,7 @@ __all__ = [
     "engine_spec",
     "group_address",
     "node_address",
+    "offered_address",
     "plan_full_tensors",
     "planning_settings",
     "replicated_layout",

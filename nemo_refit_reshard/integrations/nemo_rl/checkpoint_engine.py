@@ -30,7 +30,7 @@ from ..checkpoint_engine import (
     ReshardEngineConfig,
     cached_plan,
     check_same_settings,
-    group_address,
+    offered_address,
     planning_settings,
     worker_metadata,
 )
@@ -58,13 +58,15 @@ class ReshardCheckpointEngine(CheckpointEngine):
         self.last_metrics: dict[str, Any] = {}
 
     def prepare(self) -> dict[str, Any]:
-        # Every worker offers an address; policy rank 0's is used (metadata[0]).
+        # Every worker offers an address; policy rank 0's is used (metadata[0]). A worker
+        # cannot bind another node's configured host: it offers none.
         if self.address is None:
-            self.address = group_address(self.config.host)
+            self.address = offered_address(self.config.host)
             self.secret = new_secret()
         # NeMo RL's synchronizer hands every worker all workers' metadata; policy rank 0's
         # address and secret are used.
-        return worker_metadata(self.rank, address=list(self.address), secret=self.secret)
+        address = list(self.address) if self.address else None
+        return worker_metadata(self.rank, address=address, secret=self.secret)
 
     def _join(self, group_rank: int, train: int, rollout: int, metadata: list[Any]) -> None:
         if len(metadata) != train + rollout:
@@ -74,6 +76,12 @@ class ReshardCheckpointEngine(CheckpointEngine):
             )
         text = planning_settings(check_same_settings(metadata, WHERE), metadata[train:])
         plan = cached_plan(text, train, rollout)  # per process: built once
+        if metadata[0]["address"] is None:
+            raise ValueError(
+                f"{WHERE}.host={self.config.host!r} is not an address of policy rank 0's "
+                "node, which hosts the refit group: set it to that node's address, or leave "
+                "it unset (each node's own)"
+            )
         host, port = metadata[0]["address"]
         endpoint = RefitEndpoint(
             host, port, train + rollout, group_rank, self.config.transport, self.config.timeout_s,
