@@ -44,7 +44,7 @@ def test_ours_splits_the_floor_into_interconnect_and_local(case):
     bucket = int(case.cfg.bucket_mb * 2**20)
     for g, share in enumerate(shares):
         assert share["unpack"] == loaded_bytes(case.destinations[g])  # each element once
-        assert share["move"] == share["local"]  # its own bytes: packed, then moved
+        assert share["move"] == 0 < share["local"]  # its own bytes: packed into the staging
         assert share["send_buffer"] <= bucket and share["staging"] <= bucket
     f = ours_figures(case)
     assert (f.net_total, f.materialized_max) == (split.network, 0)

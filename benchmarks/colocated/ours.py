@@ -2,13 +2,13 @@
 
 ``nemo_refit_reshard/engine/colocated.py``: per GPU, the training rank (the host) packs
 its outgoing messages (``RankProgram`` ``copies_out``: one device copy per staged span,
-identical messages to several peers packed once), sends the ones for other GPUs' workers,
-copies the one for its own worker from its send buffer into the worker's staging (a
-second copy: ``ColocatedHost.replay``), receives the rest of its worker's messages into
-that staging; the worker unpacks everything into its parameters (``copies_in``). Both
-programs are compiled here on the meta device, with the code the engine runs, so the
-copies and buffer sizes are the engine's own (serial replay: one send buffer, one
-staging, each sized to the largest round: ``engine/program.py``).
+identical messages to several peers packed once) — the one for its own worker straight
+into that worker's staging (``outgoing_into``, as ``ColocatedHost`` compiles it), the
+others into its send buffer — sends the latter, receives the rest of its worker's
+messages into the staging; the worker unpacks everything into its parameters
+(``copies_in``). Both programs are compiled here on the meta device, with the code the
+engine runs, so the copies and buffer sizes are the engine's own (serial replay: one
+send buffer, one staging, each sized to the largest round: ``engine/program.py``).
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ from benchmarks.colocated.common import Case, Figures
 from nemo_refit_reshard.engine.program import TORCH_DTYPES, RankProgram
 
 
-def _program(case: Case, group_rank: int) -> RankProgram:
-    """One refit-group rank's compiled share, bound to meta tensors of its layout."""
+def _program(case: Case, group_rank: int, into: dict | None = None) -> RankProgram:
+    """One refit-group rank's compiled share, bound to meta tensors of its layout
+    (``into``: its own worker's staging spans, as ``ColocatedHost`` passes them)."""
     tensors = {
         name: torch.empty(shape, dtype=TORCH_DTYPES[dtype], device="meta")
         for name, (shape, dtype) in case.plan.expected_tensors(group_rank).items()
     }
-    return RankProgram(case.plan, group_rank, tensors, "meta")
+    return RankProgram(case.plan, group_rank, tensors, "meta", outgoing_into=into)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -35,9 +36,10 @@ def _nbytes(t: torch.Tensor) -> int:
 def gpu_shares(case: Case) -> list[dict[str, int]]:
     """Per GPU ``g`` (training rank ``g``, inference rank ``g``): ``net_in`` (bytes its
     worker receives over the interconnect), ``pack`` / ``move`` / ``unpack`` (device
-    copies: the host's packing, the host's copy of its own bytes into the staging, the
-    worker's unpacking), ``local`` (plan bytes that never leave the GPU), ``send_buffer``
-    and ``staging`` (bytes of the two buffers)."""
+    copies: the host's packing, any copy of its own bytes from its send buffer into the
+    staging — none: they are packed there —, the worker's unpacking), ``local`` (plan
+    bytes that never leave the GPU), ``send_buffer`` and ``staging`` (bytes of the two
+    buffers)."""
     plan, s = case.plan, case.num_gpus
     hosts = plan.colocated_hosts
     net_in = [0] * s
@@ -52,7 +54,14 @@ def gpu_shares(case: Case) -> list[dict[str, int]]:
     shares = []
     guest_of = {h: d for d, h in enumerate(hosts)}
     for g in range(s):
-        own = _program(case, g)
+        guest = _program(case, s + guest_of[g]) if g in guest_of else None
+        into = {
+            (k, s + guest_of[g]): span
+            for k, phase in enumerate(guest.rounds if guest is not None else [])
+            for peer, span in phase.recvs
+            if peer == g
+        }
+        own = _program(case, g, into)
         pack = sum(_nbytes(staged) for phase in own.rounds for staged, _ in phase.copies_out)
         move = sum(
             _nbytes(buf)
@@ -61,8 +70,7 @@ def gpu_shares(case: Case) -> list[dict[str, int]]:
             if hosts[peer - s] == g
         )
         unpack = staging = 0
-        if g in guest_of:
-            guest = _program(case, s + guest_of[g])
+        if guest is not None:
             unpack = sum(_nbytes(staged) for ph in guest.rounds for _, staged in ph.copies_in)
             staging = guest.recv_buffers[0].numel()
         shares.append(
