@@ -26,6 +26,7 @@ how many are vocabulary padding (which no refit writes).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -116,7 +117,6 @@ def trainer(r: int, spec_json: str, port0: int, inboxes: list[Any], outbox: Any,
 def worker(d: int, spec_json: str, address: str, inbox: Any, outbox: Any, out: Any) -> None:
     from nemo_refit_reshard.integrations.vllm import transfer_worker as tw
     from nemo_refit_reshard.integrations.vllm.config import EngineLayout
-    from nemo_refit_reshard.integrations.vllm.derived import DerivedWeights
     from nemo_refit_reshard.integrations.vllm.worker import _STATE, _WorkerState
     from nemo_refit_reshard.layouts import VllmOptions, vllm_layouts
     from nemo_refit_reshard.spec import InferParallel
@@ -142,9 +142,14 @@ def worker(d: int, spec_json: str, address: str, inbox: Any, outbox: Any, out: A
         engine = tw.ReshardWeightTransferEngine.__new__(tw.ReshardWeightTransferEngine)
         engine.device = torch.device("cpu")
         engine.weight_version, engine.refit_rank, engine._session = None, None, None
+        extra: dict[str, Any] = {}
+        if "derived" in {f.name for f in dataclasses.fields(_WorkerState)}:
+            from nemo_refit_reshard.integrations.vllm.derived import DerivedWeights
+
+            extra["derived"] = DerivedWeights((), torch.float32, None)  # none to rerun
         state = _WorkerState(
             layout=EngineLayout(infer, options, "0.33.0"), engine_rank=d, params=params,
-            derived=DerivedWeights((), torch.float32, None),
+            **extra,
         )  # fmt: skip
         setattr(engine, _STATE, state)
     except BaseException:
