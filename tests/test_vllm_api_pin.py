@@ -14,10 +14,10 @@ import json
 import subprocess
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from nemo_refit_reshard.integrations.vllm.api_check import SUPPORTED_RANGE, SUPPORTED_VLLM
 from nemo_refit_reshard.layouts.vllm import VLLM_RELEASES
@@ -25,7 +25,7 @@ from tests.helpers import vllm_env
 
 REPO = Path(__file__).resolve().parents[1]
 
-_BASE_033 = '''
+_BASE_033 = """
 class WeightTransferEngine:
     def __init__(self, config, vllm_config, device, model): ...
     def init_transfer_engine(self, init_info): ...
@@ -46,14 +46,14 @@ class VLLMWeightSyncClient:
     def start_weight_update(self): ...
     def update_weights(self, update_info): ...
     def finish_weight_update(self, weight_version=None): ...
-'''
+"""
 
 _NEWER = _BASE_033.replace(
     "def trainer_init(cls, init_info, *, client, source=None)",
     "def trainer_init(cls, init_info, *, client, source=None, group)",
 ).replace("def send_weights(self)", "def send_weights(self, weights)")
 
-_FACTORY = '''
+_FACTORY = """
 class _Factory:
     def __init_subclass__(cls):
         cls._registry = {}
@@ -72,7 +72,7 @@ class WeightTransferTrainerFactory(_Factory):
     @classmethod
     def trainer_init(cls, init_info, *, client, source=None):
         return cls._registry[init_info.backend].trainer_init(init_info, client=client)
-'''
+"""
 
 _PROBE = """
 import json, logging, types
@@ -143,9 +143,7 @@ def test_the_tested_api_registers_our_engines(tmp_path: Path) -> None:
     """Control: the stand-in with 0.33's signatures gets the real (lazy) engines."""
     out, log = _probe(_stand_in_vllm(tmp_path, "0.33.0", _BASE_033))
     assert "differs" not in log, log
-    assert out["registered"] == {
-        "reshard": "nemo_refit_reshard.integrations.vllm.transfer_worker"
-    }
+    assert out["registered"] == {"reshard": "nemo_refit_reshard.integrations.vllm.transfer_worker"}
 
 
 _SKIP = vllm_env.skip_reason()
