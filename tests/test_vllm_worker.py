@@ -245,6 +245,8 @@ def test_refit_into_fp8_engine(tmp_path: Path) -> None:
             "model.layers.0.mlp.experts.routed_experts: MoE backend FLASHINFER_CUTLASS"
             in (r["deepgemm"])
         )
+        # the same refusal when vLLM creates the weight-transfer engine (start-up)
+        assert r["deepgemm_at_creation"] == r["deepgemm"]
 
 
 def test_refit_deepseek_sequence_parallel_moe(tmp_path: Path) -> None:

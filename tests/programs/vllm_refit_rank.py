@@ -81,6 +81,24 @@ def refused_kernels(model: torch.nn.Module, config: object) -> str:
     return "not refused"
 
 
+def refused_at_creation(model: torch.nn.Module, config: object) -> str:
+    """The error vLLM's engine factory meets when it creates our weight-transfer engine
+    on the model ``refused_kernels`` left with re-laying kernels (vLLM start-up)."""
+    from vllm.config import WeightTransferConfig
+
+    from nemo_refit_reshard.integrations.vllm.transfer_worker import (
+        ReshardWeightTransferEngine,
+    )
+
+    try:
+        ReshardWeightTransferEngine(
+            WeightTransferConfig(backend="reshard"), config, torch.device("cpu"), model
+        )
+    except Exception as err:  # noqa: BLE001 - the test asserts on its text
+        return f"{type(err).__name__}: {err}"
+    return "not refused"
+
+
 def main(spec_path: str, result_path: str) -> None:
     from vllm.v1.serial_utils import run_method
 
@@ -131,6 +149,7 @@ def main(spec_path: str, result_path: str) -> None:
         call("refit_close")
         if config.model_config.quantization:  # type: ignore[attr-defined]
             result["deepgemm"] = refused_kernels(model, config)
+            result["deepgemm_at_creation"] = refused_at_creation(model, config)
         result.update(
             ok=True,
             group_rank=group_rank,

@@ -18,8 +18,10 @@ through the four phases its trainer engine sends over a ``VLLMWeightSyncClient``
 
 Everything is the vLLM worker-side code of ``worker.py`` (this engine stands in for
 vLLM's ``Worker`` there: it holds ``vllm_config`` and the model); nothing is forked.
-Refused at creation, as there: quantization, EPLB, context parallel, MoE backends that
-re-lay weights after loading.
+Refused at creation (vLLM start-up, before any trainer connects) by the same
+``check_engine`` as there: quantization other than block FP8, an FP8 KV cache, EPLB,
+context parallel, MoE and block-FP8 kernels that re-lay weights after loading, and
+derived tensors a refit cannot recompute in place (``derived.py``).
 """
 
 from __future__ import annotations
@@ -36,11 +38,9 @@ from vllm.distributed.weight_transfer.base import (
 
 from ...engine.rendezvous import store_client, take_text
 from ..worker import RefitEndpoint, StaleWeightsError
-from .config import engine_layout
-from .derived import check_derived
 from .worker import (
     _state,
-    check_moe_backends,
+    check_engine,
     refit_close,
     refit_connect_colocated,
     refit_join,
@@ -113,9 +113,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         # Refuse at engine creation (vLLM start-up), before any trainer connects.
         import vllm
 
-        engine_layout(vllm_config, vllm.__version__)
-        check_moe_backends(model)
-        check_derived(model)  # derived tensors a refit cannot recompute in place
+        check_engine(model, vllm_config, vllm.__version__)
         self.weight_version: str | None = None  # the last committed update's
         self.refit_rank: int | None = None
         self._session: _Session | None = None

@@ -46,7 +46,7 @@ from .config import (
     UnsupportedVllmOption,
     engine_layout,
 )
-from .derived import DerivedWeights, derived_parameter_names
+from .derived import DerivedWeights, check_derived, derived_parameter_names
 
 _STATE = "_nemo_refit_reshard"
 
@@ -55,7 +55,7 @@ _STATE = "_nemo_refit_reshard"
 class _WorkerState:
     layout: EngineLayout
     engine_rank: int
-    params: dict[str, torch.Tensor]  # what a refit writes (an FP8 engine: BF16 twins)
+    params: dict[str, torch.Tensor]  # written in place (FP8: its e4m3 weights and scales)
     derived: DerivedWeights  # what vLLM derives from them, rerun after every refit
     refit: RefitWorker | None = None
     colocated: ColocatedWorker | None = None  # instead of ``refit`` in a colocated refit
@@ -164,19 +164,29 @@ def refit_parameters(model: torch.nn.Module, vllm_config: Any) -> dict[str, torc
     }
 
 
+def check_engine(model: torch.nn.Module, vllm_config: Any, vllm_version: str) -> EngineLayout:
+    """Every refusal of an engine this refit cannot serve, before any transfer: called
+    when a worker is first used (``worker_extension_cls``) and when vLLM creates our
+    weight-transfer engine (``transfer_worker.py``), so both refuse the same things."""
+    check_moe_backends(model)
+    layout = engine_layout(vllm_config, vllm_version)
+    refit_parameters(model, vllm_config)  # an FP8 KV cache
+    if layout.fp8_block is not None:
+        # e4m3 weights and scales are written in place: quantized by the training ranks,
+        # or by this rank's program from the BF16 pieces the plan sends it
+        # (layouts/fp8_wire.py); only kernels that keep them as loaded compute right.
+        check_fp8_kernels(model)
+    check_derived(model)  # derived tensors a refit cannot recompute in place
+    return layout
+
+
 def _state(worker: Any) -> _WorkerState:
     state = getattr(worker, _STATE, None)
     if state is None:
         model = _model(worker)
-        check_moe_backends(model)
-        layout = engine_layout(worker.vllm_config, _vllm_version())
+        layout = check_engine(model, worker.vllm_config, _vllm_version())
         params = refit_parameters(model, worker.vllm_config)
-        if layout.fp8_block is not None:
-            # e4m3 weights and scales are written in place: quantized by the training
-            # ranks, or by this rank's program from the twins the plan sends it
-            # (layouts/fp8_wire.py); only kernels that keep them as loaded compute right.
-            check_fp8_kernels(model)
-        derived = DerivedWeights.of(model, worker.vllm_config)  # refuses what cannot rerun
+        derived = DerivedWeights.of(model, worker.vllm_config)
         state = _WorkerState(
             layout=layout, engine_rank=engine_rank(worker), params=params, derived=derived
         )
