@@ -107,7 +107,9 @@ class GrpoCluster:
         failures: list[tuple[ActorInfo, BaseException]] = []
         stop_at = deadline
         while pending and time.monotonic() < stop_at:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=stop_at - time.monotonic())
+            # The loop's test and this read are two clock reads: never a negative wait.
+            left = max(0.0, stop_at - time.monotonic())
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
             for ref in ready:
                 info = pending.pop(ref)
                 try:
