@@ -59,14 +59,21 @@ class _TimedPending:
         self.timed.seconds += time.perf_counter() - t0
 
 
+def fingerprint_disagreement(prints: list[str]) -> str | None:
+    """``"ranks [0, 2]: fp; ranks [1]: fp'"`` for each rank's plan fingerprint, or None
+    when every rank holds the same plan."""
+    if len(set(prints)) == 1:
+        return None
+    groups: dict[str, list[int]] = {}
+    for rank, fp in enumerate(prints):
+        groups.setdefault(fp, []).append(rank)
+    return "; ".join(f"ranks {ranks}: {fp}" for fp, ranks in sorted(groups.items()))
+
+
 def check_same_fingerprint(transport: Transport, fingerprint: str) -> None:
     """Raise ``PlanError`` on every rank if any rank's plan fingerprint differs."""
-    prints = transport.all_gather_object_str(fingerprint)
-    if len(set(prints)) != 1:
-        groups: dict[str, list[int]] = {}
-        for rank, fp in enumerate(prints):
-            groups.setdefault(fp, []).append(rank)
-        detail = "; ".join(f"ranks {ranks}: {fp}" for fp, ranks in sorted(groups.items()))
+    detail = fingerprint_disagreement(transport.all_gather_object_str(fingerprint))
+    if detail is not None:
         raise PlanError(
             f"refit ranks hold different plans ({detail}); build the plan once (on the driver "
             "or rank 0) and ship the same plan file to every rank"

@@ -71,14 +71,11 @@ def check_same_plan(fingerprint: str, world_size: int) -> None:
 
     if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
         return
+    from ...engine.refit import fingerprint_disagreement
     from ...engine.rendezvous import gather_texts
 
-    prints = gather_texts(fingerprint)
-    if len(set(prints)) > 1:
-        ranks: dict[str, list[int]] = {}
-        for r, fp in enumerate(prints):
-            ranks.setdefault(fp, []).append(r)
-        detail = "; ".join(f"ranks {rs}: {fp}" for fp, rs in sorted(ranks.items()))
+    detail = fingerprint_disagreement(gather_texts(fingerprint))
+    if detail is not None:
         raise PlanError(
             f"trainer ranks planned different refits ({detail}): every rank's source must "
             "give the same layouts (MegatronSource: pass the same options on every rank)"
