@@ -40,9 +40,9 @@ from ...engine.rendezvous import store_client, take_text
 from ..worker import RefitEndpoint, StaleWeightsError
 from .worker import (
     check_engine,
-    engine_rank,
     refit_close,
     refit_connect_colocated,
+    refit_engine_rank,
     refit_join,
     refit_load_plan,
     refit_status,
@@ -122,7 +122,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         """Join the refit group and compile this rank's program. Collective with every
         trainer rank and every other worker (they all load the plan together)."""
         if init_info.colocated is not None:
-            rank = init_info.first_rank + engine_rank(self)
+            rank = init_info.first_rank + refit_engine_rank(self)
             self.refit_rank = refit_connect_colocated(
                 self, init_info.endpoint, init_info.first_rank, init_info.colocated,
                 self._plan_of(init_info, rank), init_info.fingerprint,

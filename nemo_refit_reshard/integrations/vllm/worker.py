@@ -373,6 +373,11 @@ def _rerun_derived(s: _WorkerState) -> float:
     return time.perf_counter() - start
 
 
+def refit_engine_rank(worker: Any) -> int:
+    """This worker's rank in its engine (tp, pp and engine-dp), as the refit sees it."""
+    return _state(worker).engine_rank
+
+
 def refit_status(worker: Any) -> dict[str, object]:
     """This rank's weights: the last complete refit's step and plan, or why stale."""
     return _state(worker).weights.as_dict()
