@@ -12,10 +12,7 @@ load + processing of that step's checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +32,7 @@ from nemo_refit_reshard.spec import (
     spec_from_hf_config,
 )
 from tests.helpers import vllm_env
+from tests.helpers.train_ranks import start_training_ranks
 from tests.test_vllm_truth import MODELS, rank_fields
 from tests.test_vllm_worker import engine_dtype, fp8_checkpoints, installed_version
 
@@ -91,29 +89,7 @@ def run(work: Path, steps: int = 2) -> dict[str, dict[str, Any]]:
     plan = write_plan(spec, train, infer, work)
     s, world = train.world_size, train.world_size + infer.world_size
     endpoint = RefitEndpoint("127.0.0.1", free_port(), world, 0, "gloo", timeout_s=300)
-    procs = []
-    for r in range(s):
-        path = work / f"train{r}.json"
-        path.write_text(
-            json.dumps(
-                dict(
-                    config=cfg,
-                    train=str(train),
-                    rank=r,
-                    endpoint=dataclasses.replace(endpoint, group_rank=r).to_json(),
-                    plan=plan,
-                    checkpoints=checkpoints,
-                    init_file=str(work / "megatron.init"),
-                )
-            )
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, *vllm_env.program("train_refit_rank"), str(path)],
-                env=vllm_env.vllm_env(),
-                cwd=vllm_env.REPO,
-            )
-        )
+    procs = start_training_ranks(cfg, train, endpoint, plan, checkpoints, work)
     results = []
     for engine in range(infer.dp):
         path, out = work / f"vllm{engine}.json", work / f"vllm{engine}.out.json"

@@ -10,10 +10,8 @@ callables — and after every step compares each parameter with what vLLM's own
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ from nemo_refit_reshard.layouts.fp8_wire import wire_layouts
 from nemo_refit_reshard.plan import plan_refit, rank_plan
 from nemo_refit_reshard.spec import InferParallel, ModelSpec, TrainParallel, spec_from_hf_config
 from tests.helpers import broken_rules, vllm_env
+from tests.helpers.train_ranks import start_training_ranks
 from tests.test_vllm_truth import MODELS, rank_fields
 
 _SKIP = vllm_env.skip_reason()
@@ -116,29 +115,7 @@ def run_refit(
     plan = write_plan(spec, train, infer, work, installed_version())
     s, world = train.world_size, train.world_size + infer.world_size
     endpoint = RefitEndpoint("127.0.0.1", free_port(), world, 0, "gloo", timeout_s=300)
-    procs = []
-    for r in range(s):
-        path = work / f"train{r}.json"
-        path.write_text(
-            json.dumps(
-                dict(
-                    config=cfg,
-                    train=str(train),
-                    rank=r,
-                    endpoint=dataclasses.replace(endpoint, group_rank=r).to_json(),
-                    plan=plan,
-                    checkpoints=checkpoints,
-                    init_file=str(work / "megatron.init"),
-                )
-            )
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, *vllm_env.program("train_refit_rank"), str(path)],
-                env=vllm_env.vllm_env(),
-                cwd=vllm_env.REPO,
-            )
-        )
+    procs = start_training_ranks(cfg, train, endpoint, plan, checkpoints, work)
     results = []
     for engine in range(infer.dp):
         for local in range(infer.engine_world_size):
