@@ -318,9 +318,11 @@ def test_the_host_packs_its_own_guests_bytes_straight_into_the_staging() -> None
     into_staging = sent_to_guest = 0
     for phase in host.own.rounds:
         sent_to_guest += sum(buf.numel() for peer, buf in phase.sends if peer == 2)
-        for staged, _live in phase.copies_out:
-            if lo <= staged.data_ptr() < hi:
-                into_staging += staged.numel() * staged.element_size()
+        for staged, _live in phase.copies_out:  # the send buffer: nothing for the guest
+            assert not lo <= staged.data_ptr() < hi
+        for staged, _live in phase.local_out:
+            assert lo <= staged.data_ptr() < hi
+            into_staging += staged.numel() * staged.element_size()
     local = sum(n for msgs in plan.traffic() for src, dst, n in msgs if (src, dst) == (0, 2))
     try:
         assert local > 0

@@ -62,7 +62,11 @@ def gpu_shares(case: Case) -> list[dict[str, int]]:
             if peer == g
         }
         own = _program(case, g, into)
-        pack = sum(_nbytes(staged) for phase in own.rounds for staged, _ in phase.copies_out)
+        pack = sum(
+            _nbytes(staged)
+            for phase in own.rounds
+            for staged, _ in [*phase.copies_out, *phase.local_out]
+        )
         move = sum(
             _nbytes(buf)
             for phase in own.rounds

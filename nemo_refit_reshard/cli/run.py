@@ -121,10 +121,15 @@ def build_report(
 
 
 def step_stats(result: RunResult, backend: str) -> dict[str, float]:
-    """Per step, the slowest rank's time; then the median over steps."""
-    per_rank = [r["backends"][backend]["timings"] for r in result.ranks]
+    """Per step, the slowest rank's time; then the median over steps. A colocated
+    worker's own clock starts before its host's (``wall_is_host's``): its pair's step is
+    the host's, which ends when the worker has unpacked; its own work still counts in
+    the host column."""
+    entries = [r["backends"][backend] for r in result.ranks]
+    per_rank = [e["timings"] for e in entries]
+    walls = [e["timings"] for e in entries if not e.get("wall_is_host's")]
     steps = len(per_rank[0])
-    wall = [max(t[k][0] for t in per_rank) for k in range(steps)]
+    wall = [max(t[k][0] for t in walls) for k in range(steps)]
     host = [max(t[k][0] - t[k][1] for t in per_rank) for k in range(steps)]
     return {
         "median_s": statistics.median(wall),

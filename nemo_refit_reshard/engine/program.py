@@ -41,6 +41,13 @@ TORCH_DTYPES = {
 TORCH_DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
+def copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for every ``(dst, src)``, in one dispatch (casting where the
+    dtypes differ)."""
+    if pairs:
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+
+
 @dataclass
 class CopyPhase:
     """One exchange with the copies around it: pack, send/receive, unpack.
@@ -51,6 +58,10 @@ class CopyPhase:
 
     copies_out: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     copies_in: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    copies_in_from: list[int] = field(default_factory=list)  # the sender of each copies_in
+    # Packed straight into a co-located receiver's staging (``outgoing_into``): no wire.
+    local_out: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    local_quantize_out: list[Callable[[], None]] = field(default_factory=list)
     sends: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (peer, bytes)
     recvs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     reads_previous: bool = False  # pack reads what the previous round's unpack writes
@@ -61,16 +72,25 @@ class CopyPhase:
     after_in: list[Callable[[], None]] = field(default_factory=list)
 
     def pack(self) -> None:
-        if self.copies_out:
-            torch._foreach_copy_([d for d, _ in self.copies_out], [s for _, s in self.copies_out])
+        self.pack_local()
+        self.pack_wire()
+
+    def pack_local(self) -> None:
+        """What goes to a receiver on this device, into its staging."""
+        copy_pairs(self.local_out)
+        for job in self.local_quantize_out:
+            job()
+
+    def pack_wire(self) -> None:
+        """What goes on the wire, into the send buffer."""
+        copy_pairs(self.copies_out)
         for job in self.quantize_out:
             job()
 
     def unpack(self) -> None:
         for job in self.before_in:
             job()
-        if self.copies_in:
-            torch._foreach_copy_([d for d, _ in self.copies_in], [s for _, s in self.copies_in])
+        copy_pairs(self.copies_in)
         for job in self.after_in:
             job()
 
@@ -230,7 +250,9 @@ class RankProgram:
             )
         self.num_transfers = sum(len(m.transfers) for m in messages)
         self.num_messages = len(messages)
-        self.num_copies = sum(len(r.copies_out) + len(r.copies_in) for r in self.rounds)
+        self.num_copies = sum(
+            len(r.copies_out) + len(r.local_out) + len(r.copies_in) for r in self.rounds
+        )
 
     def _runs(
         self, m: Message, outgoing: bool, start: int, carried: dict, arriving: dict, who: str
@@ -321,17 +343,20 @@ class RankProgram:
             if into is not None:
                 buf = into
             for r in runs:
+                out = phase.copies_out if into is None else phase.local_out
                 if r.relay is None and self.fp8_sender and self.fp8_sender.binds(r.name):
                     staged = byte_view(buf, r.offset, r.nbytes, r.dtype, tuple(r.box.sizes))
-                    phase.quantize_out.append(self.fp8_sender.job(r.name, r.box, staged))
+                    jobs = phase.quantize_out if into is None else phase.local_quantize_out
+                    jobs.append(self.fp8_sender.job(r.name, r.box, staged))
                     continue
                 if r.relay is None and self.fp8_receiver and self.fp8_receiver.binds(r.name):
                     staged = byte_view(buf, r.offset, r.nbytes, r.dtype, tuple(r.box.sizes))
                     pairs = self.fp8_receiver.copies(r.name, r.box, staged)
                     if outgoing:  # forwarded on from a twin (an inference chain)
-                        phase.copies_out += [(s, band) for band, s in pairs]
+                        out += [(s, band) for band, s in pairs]
                     else:
                         phase.copies_in += pairs
+                        phase.copies_in_from += [peer] * len(pairs)
                     continue
                 if r.relay is None:
                     live = tensors[r.name][r.box.slices()]
@@ -341,9 +366,10 @@ class RankProgram:
                     live = byte_view(self.relay_buffer, base, r.nbytes, r.dtype, tuple(r.box.sizes))
                 staged = byte_view(buf, r.offset, r.nbytes, r.dtype, tuple(r.box.sizes))
                 if outgoing:
-                    phase.copies_out.append((staged, live))
+                    out.append((staged, live))
                 else:
                     phase.copies_in.append((live, staged))
+                    phase.copies_in_from.append(peer)
             if into is None:  # a span packed into its receiver's staging crosses no wire
                 (phase.sends if outgoing else phase.recvs).append((peer, buf[start:end]))
         return phase

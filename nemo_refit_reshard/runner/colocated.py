@@ -133,6 +133,11 @@ def _run(
                 if cfg.kill_rank == rank and step == cfg.kill_step + 1:
                     # simulated crash mid-step, its guest waiting on the staging: no cleanup
                     os.kill(os.getpid(), signal.SIGKILL)
+                # As the separate-pools run: every pair starts the step together, its
+                # worker poisoned (not poisoning while the step runs).
+                if trainer.guest_rank is not None:
+                    _wait_ready(plan_path.with_name(f"ready{trainer.guest_rank}"), step, cfg)
+                trainer.net.barrier()
                 seconds = trainer.refit()
                 if step:
                     # like a separate-pools rank's [step, exchange]: its time on the
@@ -153,8 +158,11 @@ def _run(
         time.sleep(0.1)
     try:
         worker.connect(address.read_text(), secret, share(rank), rank, cfg.timeout_s)
+        ready = plan_path.with_name(f"ready{rank}")
         for step in range(cfg.steps + 1):
             mine.poison()
+            ready.with_suffix(".tmp").write_text(str(step))
+            ready.with_suffix(".tmp").rename(ready)
             seconds = worker.refit()
             if step:
                 assert worker.guest is not None
@@ -162,10 +170,26 @@ def _run(
                 progress.write_text(str(step))
     finally:
         worker.close()
-    entry: dict[str, Any] = {"timings": timings, "staging_bytes": 0}
+    # Its step began before its host's (the host starts once it is ready): the pair's
+    # step is the host's, which ends when this worker has unpacked (step_stats).
+    entry: dict[str, Any] = {"timings": timings, "staging_bytes": 0, "wall_is_host's": True}
     if cfg.verify:
         entry["mismatches"] = mine.mismatches()
     result["backends"][BACKEND] = entry
+
+
+def _wait_ready(ready: Path, step: int, cfg: RunConfig) -> None:
+    """Wait until the worker on this GPU says it is ready for ``step`` (poisoned)."""
+    deadline = time.monotonic() + cfg.timeout_s
+    while True:
+        try:
+            if ready.read_text() == str(step):
+                return
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the worker on this GPU was not ready for step {step}")
+        time.sleep(0.0005)
 
 
 __all__ = ["BACKEND", "colocated_plan", "run_colocated"]
