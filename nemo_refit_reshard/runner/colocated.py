@@ -14,19 +14,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..engine.rendezvous import free_port, new_secret
 from ..engine.shm_segments import sweep_orphans
 from ..plan import Colocation, RankPlan, RefitPlan, plan_refit
 from .config import RunConfig, build_layouts
-from .spawn import RunResult, collect_reports, wait_ranks, write_plans
+from .spawn import RunResult, spawn_ranks
 
 BACKEND = "reshard-colocated"
 
@@ -45,29 +43,13 @@ def run_colocated(
     progress: Callable[[int, int], None] | None = None,
 ) -> RunResult:
     """Spawn every training rank and its co-located inference rank; run and check."""
-    import torch.multiprocessing as mp
-
     t0 = time.perf_counter()
     if cfg.connect_timeout_s is None:
         cfg = replace(cfg, connect_timeout_s=join_timeout_s)
     plan = plan or colocated_plan(cfg)
-    world = plan.num_sources + plan.num_destinations
-    with tempfile.TemporaryDirectory() as tmp:
-        plan_path = write_plans(plan, world, tmp)
-        ctx = mp.start_processes(
-            _worker,
-            args=(json.dumps(asdict(cfg)), plan_path, free_port(), tmp, new_secret()),
-            nprocs=world,
-            start_method="spawn",
-            join=False,
-        )
-        grace = cfg.timeout_s + 5  # a failed rank's peers see it within their timeout
-        total = world * cfg.steps
-        hung = wait_ranks(ctx.processes, tmp, join_timeout_s, total, progress, grace)
-        ranks = collect_reports(ctx.processes, tmp, hung, grace)
     # Every rank has exited: remove what a killed one left (this driver's resource
     # tracker, which the ranks share, would only do so when the driver exits).
-    sweep_orphans()
+    ranks = spawn_ranks(_worker, cfg, plan, 1, join_timeout_s, progress, after=sweep_orphans)
     return RunResult(plan, ranks, time.perf_counter() - t0)
 
 

@@ -47,29 +47,48 @@ def run_local(
     progress: Callable[[int, int], None] | None = None,
 ) -> RunResult:
     """Spawn every rank on this machine, run the refit, return every rank's report."""
-    import torch.multiprocessing as mp
-
     t0 = time.perf_counter()
     if cfg.connect_timeout_s is None:  # ranks start as fast as the machine lets them
         cfg = dataclasses.replace(cfg, connect_timeout_s=join_timeout_s)
     if plan is None:
         spec, sources, destinations = build_layouts(cfg)
         plan = plan_refit(spec, sources, destinations, bucket_mb=cfg.bucket_mb, relay=cfg.relay)
+    ranks = spawn_ranks(_worker, cfg, plan, len(cfg.backends), join_timeout_s, progress)
+    return RunResult(plan, ranks, time.perf_counter() - t0)
+
+
+def spawn_ranks(
+    worker: Callable[..., None],
+    cfg: RunConfig,
+    plan: RefitPlan,
+    rounds_of_steps: int,
+    join_timeout_s: float,
+    progress: Callable[[int, int], None] | None,
+    after: Callable[[], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Spawn one ``worker(rank, cfg_json, plan_path, port, out_dir, secret)`` per rank of
+    ``plan``, wait for them (``rounds_of_steps`` x ``cfg.steps`` steps each, for the
+    progress bar) and return every rank's report. ``after``: run once every rank has
+    exited, before the temporary folder goes."""
+    import torch.multiprocessing as mp
+
     world = plan.num_sources + plan.num_destinations
     with tempfile.TemporaryDirectory() as tmp:
         plan_path = write_plans(plan, world, tmp)
         ctx = mp.start_processes(
-            _worker,
+            worker,
             args=(json.dumps(asdict(cfg)), plan_path, free_port(), tmp, new_secret()),
             nprocs=world,
             start_method="spawn",
             join=False,
         )
-        total = world * cfg.steps * len(cfg.backends)
+        total = world * cfg.steps * rounds_of_steps
         grace = cfg.timeout_s + 5  # a failed rank's peers see it within their timeout
         hung = wait_ranks(ctx.processes, tmp, join_timeout_s, total, progress, grace)
         ranks = collect_reports(ctx.processes, tmp, hung, grace)
-    return RunResult(plan, ranks, time.perf_counter() - t0)
+        if after is not None:
+            after()
+    return ranks
 
 
 def write_plans(plan: RefitPlan, world: int, tmp: str) -> str:
