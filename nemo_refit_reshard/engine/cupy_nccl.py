@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .rendezvous import refit_store
-from .transport import DEFAULT_TIMEOUT_S, StepGuard, TransportError, first_line
+from .transport import DEFAULT_TIMEOUT_S, StepGuard, Transport, TransportError, first_line
 
 
 def cupy_available() -> bool:
@@ -58,7 +58,7 @@ class _PendingNccl:
         self.transport._poll(self.done, self.round_index)
 
 
-class CupyNcclTransport:
+class CupyNcclTransport(Transport):
     """NCCL point-to-point over CuPy for CUDA byte tensors."""
 
     def __init__(
@@ -156,14 +156,6 @@ class CupyNcclTransport:
         done = torch.cuda.Event()
         done.record(self._torch_stream)
         return _PendingNccl(self, done, round_index)
-
-    def exchange(
-        self,
-        sends: Sequence[tuple[int, torch.Tensor]],
-        recvs: Sequence[tuple[int, torch.Tensor]],
-        round_index: int = 0,
-    ) -> None:
-        self.start_exchange(sends, recvs, round_index).wait()
 
     def _poll(self, done: torch.cuda.Event, round_index: int = 0) -> None:
         deadline = time.monotonic() + self.timeout_s

@@ -142,8 +142,9 @@ class Transport(Protocol):
         recvs: Sequence[tuple[int, torch.Tensor]],
         round_index: int = 0,
     ) -> None:
-        """Send each ``(peer, buffer)`` in ``sends``, fill each of ``recvs``; wait for all."""
-        ...
+        """Send each ``(peer, buffer)`` in ``sends``, fill each of ``recvs``; wait for all
+        (every transport that subclasses this: start, then wait)."""
+        self.start_exchange(sends, recvs, round_index).wait()
 
     def all_gather_object_str(self, value: str) -> list[str]:
         """Every rank's ``value`` (small strings: fingerprints, status)."""
@@ -197,7 +198,7 @@ def first_line(err: BaseException) -> str:
     return text[0] if text else type(err).__name__
 
 
-class _ProcessGroupTransport:
+class _ProcessGroupTransport(Transport):
     """Shared batching over a ``ProcessGroup``-like object with send/recv."""
 
     def __init__(self, pg: object, rank: int, world_size: int, timeout_s: float) -> None:
@@ -235,14 +236,6 @@ class _ProcessGroupTransport:
             self.guard.fail(error)
             raise error from err
         return _PendingWorks(works, self.timeout_s, self.guard, where)
-
-    def exchange(
-        self,
-        sends: Sequence[tuple[int, torch.Tensor]],
-        recvs: Sequence[tuple[int, torch.Tensor]],
-        round_index: int = 0,
-    ) -> None:
-        self.start_exchange(sends, recvs, round_index).wait()
 
     def _send(self, buf: torch.Tensor, peer: int, tag: int) -> object:
         return self.pg.send([buf], peer, tag)  # type: ignore[attr-defined]
