@@ -1,9 +1,11 @@
 """The refit group's rendezvous: a ``TCPStore`` on the endpoint's interface, guarded by a
 per-run secret.
 
-Refit rank 0 hosts the store, listening on the address the endpoint names only (not
-every interface: the socket is bound first and handed to the store). With a secret —
-the driver makes one per run and ships it with the endpoint — rank 0 publishes a random
+Refit rank 0 hosts the store, listening on the IP the endpoint names only (not every
+interface: the socket is bound first and handed to the store). Where the group meets and
+the secret that admits its members are made one way, :func:`new_rendezvous`, by the
+process that owns the IP (only it can pick a port there); every route ships the result
+with the endpoint. With a secret, rank 0 publishes a random
 nonce and ``HMAC(secret, nonce)``; a joining process checks that proof with its own
 secret and refuses at once, saying why, when they differ (or when one side has a secret
 and the other not). Every key the group then uses lives under a prefix derived from the
@@ -19,6 +21,7 @@ import hashlib
 import hmac
 import secrets
 import socket
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -32,27 +35,46 @@ class RendezvousError(RuntimeError):
     """This process may not join the refit group (wrong or missing secret)."""
 
 
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where a refit group meets, ``ip:port`` (refit rank 0's store), and the secret that
+    admits its members (the endpoint's ``host``, ``port`` and ``secret``)."""
+
+    ip: str
+    port: int
+    secret: str = field(repr=False)
+
+
 def new_secret() -> str:
     """A per-run secret for the driver to ship with the endpoint (hex, 256 bits)."""
     return secrets.token_hex(32)
 
 
-def free_address(host: str = "127.0.0.1") -> tuple[str, int]:
-    """``(host, port)`` with a port free on ``host`` now: where a refit group's rank 0 can
+def new_rendezvous(ip: str = "127.0.0.1", port: int | None = None) -> Rendezvous:
+    """A refit group's rendezvous at ``ip``, with a new secret: at ``port``, or (None) a
+    port free on ``ip`` now (:func:`free_address`: only the process that owns ``ip``, the
+    one that will host the store, may pick it)."""
+    if port is None:
+        ip, port = free_address(ip)
+    return Rendezvous(ip, port, new_secret())
+
+
+def free_address(ip: str = "127.0.0.1") -> tuple[str, int]:
+    """``(ip, port)`` with a port free on ``ip`` now: where a refit group's rank 0 can
     host its store (another process may take the port before it binds; rendezvous then
     fails with the address named). Only the process that will host the store may call
-    it: ``host`` must be an address of its own node, and no other node can bind it."""
+    it: ``ip`` must be an address of its own node, and no other node can bind it."""
     with socket.socket() as s:
         try:
-            s.bind((host, 0))
+            s.bind((ip, 0))
         except OSError as err:
             raise OSError(
                 err.errno,
-                f"cannot pick a port on {host} ({err.strerror}): it is not an address of this "
+                f"cannot pick a port on {ip} ({err.strerror}): it is not an address of this "
                 "node. Only the process hosting the refit group's store (refit rank 0) picks "
                 "the port, on its own node's address; the others receive it",
             ) from err
-        return host, int(s.getsockname()[1])
+        return ip, int(s.getsockname()[1])
 
 
 def free_port() -> int:
@@ -64,9 +86,9 @@ def _mac(secret: str, message: str) -> str:
     return hmac.new(secret.encode(), message.encode(), hashlib.sha256).hexdigest()
 
 
-def _bound_socket(host: str, port: int) -> int:
-    """A listening socket on ``host:port`` only; its descriptor, owned by the caller."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+def _bound_socket(ip: str, port: int) -> int:
+    """A listening socket on ``ip:port`` only; its descriptor, owned by the caller."""
+    infos = socket.getaddrinfo(ip, port, type=socket.SOCK_STREAM)
     family, _, _, _, address = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -76,20 +98,20 @@ def _bound_socket(host: str, port: int) -> int:
 
 
 def refit_store(
-    host: str,
+    ip: str,
     port: int,
     rank: int,
     world_size: int,
     timeout_s: float,
     secret: str | None = None,
 ) -> dist.Store:
-    """The group's store (rank 0 hosts it on ``host``), authenticated when ``secret`` is
+    """The group's store (rank 0 hosts it on ``ip``), authenticated when ``secret`` is
     given; returns a store whose keys are private to holders of the secret."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank == 0:
-        fd = _bound_socket(host, port)
+        fd = _bound_socket(ip, port)
         store = dist.TCPStore(
-            host,
+            ip,
             port,
             world_size,
             is_master=True,
@@ -101,12 +123,12 @@ def refit_store(
         store.set(AUTH_NONCE, nonce)
         store.set(AUTH_PROOF, _mac(secret, nonce) if secret else NO_SECRET)
     else:
-        store = _client(host, port, world_size, timeout, secret, f"refit rank {rank}")
+        store = _client(ip, port, world_size, timeout, secret, f"refit rank {rank}")
     return _private(store, secret)
 
 
 def _client(
-    host: str,
+    ip: str,
     port: int,
     world_size: int | None,
     timeout: datetime.timedelta,
@@ -114,10 +136,10 @@ def _client(
     who: str,
 ) -> dist.TCPStore:
     """A client of rank 0's store, after checking that both hold the same secret."""
-    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    store = dist.TCPStore(ip, port, world_size, is_master=False, timeout=timeout)
     nonce = store.get(AUTH_NONCE).decode()
     proof = store.get(AUTH_PROOF).decode()
-    where = f"the refit group at {host}:{port}"
+    where = f"the refit group at {ip}:{port}"
     if proof == NO_SECRET and secret:
         raise RendezvousError(
             f"{who}: {where} has no secret but this endpoint carries one; "
@@ -143,16 +165,14 @@ def _private(store: dist.Store, secret: str | None) -> dist.Store:
     return dist.PrefixStore(_mac(secret, "keys")[:32], store)
 
 
-def store_client(
-    host: str, port: int, timeout_s: float, secret: str | None, who: str
-) -> dist.Store:
-    """A connection to the store refit rank 0 hosts at ``host:port``, for a process that
+def store_client(ip: str, port: int, timeout_s: float, secret: str | None, who: str) -> dist.Store:
+    """A connection to the store refit rank 0 hosts at ``ip:port``, for a process that
     reads or writes keys outside the group's own traffic (rank 0 publishing each worker's
     plan slice, a worker reading its own): authenticated as :func:`refit_store`'s joiners
     are, and seeing the same secret-derived key names. ``who`` names the caller in
     errors. Waits up to ``timeout_s`` for the store to exist."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    return _private(_client(host, port, None, timeout, secret, who), secret)
+    return _private(_client(ip, port, None, timeout, secret, who), secret)
 
 
 def publish_texts(store: dist.Store, key: str, texts: dict[int, str]) -> None:
@@ -163,7 +183,7 @@ def publish_texts(store: dist.Store, key: str, texts: dict[int, str]) -> None:
 
 def take_text(store: dist.Store, key: str, rank: int) -> str:
     """Rank ``rank``'s value under ``key`` (waiting for it, up to the store's timeout),
-    removed from the store once read: the host keeps no copy it no longer needs."""
+    removed from the store once read: rank 0's store keeps no copy it no longer needs."""
     text = store.get(f"{key}/{rank}").decode()
     store.delete_key(f"{key}/{rank}")
     return text

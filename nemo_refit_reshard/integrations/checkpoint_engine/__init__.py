@@ -5,11 +5,11 @@ name, and the settings every worker must agree on. ``replicated_plans.py``: the
 replicated full-tensor actor layouts and the plan from them to the rollout GPUs' vLLM
 shards. ``plan_cache.py``: the one per-process plan cache. ``engine_rank.py``: one
 rank's engine logic (:class:`CheckpointEngineRank`). ``rebuild.py``: the rollout side's
-full-shape tensors. ``address.py``: the refit group's rendezvous address (one
-node-address helper). Framework-neutral: neither veRL nor NeMo RL is imported.
+full-shape tensors. ``address.py``: the refit group's rendezvous (its address
+and secret, on this node's IP). Framework-neutral: neither veRL nor NeMo RL is imported.
 """
 
-from .address import group_address, node_address, offered_address
+from .address import group_rendezvous, node_address, offered_rendezvous
 from .config import (
     MODES,
     ReshardEngineConfig,
@@ -44,9 +44,9 @@ __all__ = [
     "check_same_settings",
     "engine_layouts",
     "engine_spec",
-    "group_address",
+    "group_rendezvous",
     "node_address",
-    "offered_address",
+    "offered_rendezvous",
     "plan_full_tensors",
     "planning_settings",
     "replicated_layout",

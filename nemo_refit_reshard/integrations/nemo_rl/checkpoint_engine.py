@@ -24,13 +24,13 @@ from typing import Any
 import torch
 from nemo_rl.utils.checkpoint_engines.base import CheckpointEngine
 
-from ...engine.rendezvous import new_secret
+from ...engine.rendezvous import Rendezvous
 from ..checkpoint_engine import (
     CheckpointEngineRank,
     ReshardEngineConfig,
     cached_plan,
     check_same_settings,
-    offered_address,
+    offered_rendezvous,
     planning_settings,
     worker_metadata,
 )
@@ -53,20 +53,19 @@ class ReshardCheckpointEngine(CheckpointEngine):
         )
         self.config = self.rank.config
         self.release_after_refit = release_after_refit
-        self.address: tuple[str, int] | None = None
-        self.secret: str | None = None
+        self.rendezvous: Rendezvous | None = None  # offered; policy rank 0's is used
         self.last_metrics: dict[str, Any] = {}
 
     def prepare(self) -> dict[str, Any]:
-        # Every worker offers an address; policy rank 0's is used (metadata[0]). A worker
-        # cannot bind another node's configured host: it offers none.
-        if self.address is None:
-            self.address = offered_address(self.config.host)
-            self.secret = new_secret()
+        # Every worker offers a rendezvous; policy rank 0's is used (metadata[0]). A worker
+        # cannot bind another node's configured IP: it offers none.
+        if self.rendezvous is None:
+            self.rendezvous = offered_rendezvous(self.config.host)
         # NeMo RL's synchronizer hands every worker all workers' metadata; policy rank 0's
         # address and secret are used.
-        address = list(self.address) if self.address else None
-        return worker_metadata(self.rank, address=address, secret=self.secret)
+        r = self.rendezvous
+        address = [r.ip, r.port] if r else None
+        return worker_metadata(self.rank, address=address, secret=r.secret if r else None)
 
     def _join(self, group_rank: int, train: int, rollout: int, metadata: list[Any]) -> None:
         if len(metadata) != train + rollout:
@@ -82,9 +81,9 @@ class ReshardCheckpointEngine(CheckpointEngine):
                 "node, which hosts the refit group: set it to that node's address, or leave "
                 "it unset (each node's own)"
             )
-        host, port = metadata[0]["address"]
+        ip, port = metadata[0]["address"]
         endpoint = RefitEndpoint(
-            host, port, train + rollout, group_rank, self.config.transport, self.config.timeout_s,
+            ip, port, train + rollout, group_rank, self.config.transport, self.config.timeout_s,
             secret=metadata[0]["secret"],
         )  # fmt: skip
         self.rank.join(endpoint, plan.slices[group_rank], text)
@@ -103,7 +102,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
         """Keeps the group for the next refit, unless ``release_after_refit``."""
         if self.release_after_refit:
             self.rank.close()
-            self.address = None
+            self.rendezvous = None
 
     async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
         self.rank.take(weights)  # in NeMo RL's thread: the export runs collectives

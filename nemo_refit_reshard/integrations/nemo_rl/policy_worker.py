@@ -8,7 +8,8 @@ gather: no Megatron-Bridge export, no collective inside Megatron's groups. The d
 (:class:`~.synchronizer.ReshardWeightSynchronizer`) calls, on every policy worker::
 
     reshard_describe()            -> parallel position, model options, live tensors
-    reshard_address(host)         -> (policy rank 0 only) where it hosts the group's store
+    reshard_address(host)         -> (policy rank 0 only) the group's rendezvous: where it
+                                     hosts the group's store, and the run's secret
     reshard_join(endpoint_json)   -> joins the refit group as refit rank self.rank
     reshard_load_plan(slice_json) -> checks the slice against the live tensors, compiles
     reshard_step()                -> one refit (collective); timing
@@ -39,8 +40,9 @@ from typing import Any
 import torch
 
 from ...engine.program import live_tensor_problems
+from ...engine.rendezvous import Rendezvous
 from ...plan import PlanError, RankPlan, load_plan_json
-from ..checkpoint_engine.address import group_address
+from ..checkpoint_engine.address import group_rendezvous
 from ..megatron import live_megatron_options, live_megatron_position, megatron_live_tensors
 from ..worker import ColocatedTrainer, RefitEndpoint, RefitWorker, describe_tensors, device_name
 
@@ -100,11 +102,12 @@ class ReshardPolicyWorkerMixin:
             "parameters": sorted(n for n, t in live.items() if isinstance(t, torch.nn.Parameter)),
         }
 
-    def reshard_address(self, host: str | None = None) -> tuple[str, int]:
-        """Where this rank, refit rank 0, hosts the refit group's store: a port free now on
-        ``host`` (an address of this node), or on this node's address. Only the hosting
+    def reshard_address(self, host: str | None = None) -> Rendezvous:
+        """The refit group's rendezvous, made by this rank, refit rank 0, which hosts the
+        group's store: a port free now on ``host`` (``refit.host``: an IP of this node), or
+        on this node's IP, and a new secret for this run. Only the hosting
         rank picks it: no other node can bind its address."""
-        return group_address(host)
+        return group_rendezvous(host)
 
     def reshard_join(self, endpoint_json: str) -> int:
         """Join the refit group as refit rank ``self.rank`` (collective rendezvous)."""

@@ -37,7 +37,6 @@ from typing import Any
 import ray
 from nemo_rl.weight_sync.interfaces import WeightSynchronizer
 
-from ...engine.rendezvous import new_secret
 from ..vllm import (
     refit_close,
     refit_connect_colocated,
@@ -146,20 +145,21 @@ class ReshardWeightSynchronizer(WeightSynchronizer):
 
     def _endpoint(self, world_size: int) -> str:
         # Policy rank 0 (refit rank 0) hosts the group's store, so it picks the port, on
-        # its own node: this driver may run on another node, whose address rank 0
-        # cannot bind (engine/rendezvous.py).
+        # its own node: this driver may run on another node, whose IP rank 0 cannot
+        # bind (engine/rendezvous.py). The run's secret comes with it, shipped to the
+        # workers with the endpoint.
         ref = self._policy.worker_group.run_single_worker_single_data(
             "reshard_address", worker_idx=0, host=self._refit.host
         )
-        host, port = gather([("policy rank 0", ref)], "picking the refit group's address")[0]
+        r = gather([("policy rank 0", ref)], "picking the refit group's address")[0]
         return RefitEndpoint(
-            host,
-            port,
+            r.ip,
+            r.port,
             world_size=world_size,
             group_rank=0,
             transport=self._refit.transport,
             timeout_s=self._refit.timeout_s,
-            secret=new_secret(),  # this run's; shipped to the workers with the endpoint
+            secret=r.secret,
         ).to_json()
 
     def _init_colocated(self, plan: NemoRlPlan, engines: int) -> None:

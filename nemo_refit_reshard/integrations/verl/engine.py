@@ -1,6 +1,6 @@
 """``reshard``: a veRL checkpoint engine that moves only each rollout GPU's shard.
 
-veRL (0.9.1) runs one engine object in every actor worker and in every rollout
+veRL (0.9.1) runs one checkpoint-engine object in every actor worker and in every rollout
 GPU's ``CheckpointEngineWorker``; its ``CheckpointEngineManager`` drives them each
 update: ``prepare`` on all, ``build_topology`` on the driver, ``init_process_group``
 on all (concurrently), then ``send_weights`` / ``receive_weights``, ``finalize``.
@@ -22,21 +22,20 @@ from typing import Any
 import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from ...engine.rendezvous import new_secret
+from ...engine.rendezvous import Rendezvous
 from ...plan import RankPlan
 from ..checkpoint_engine import (
     CheckpointEngineRank,
     ReshardEngineConfig,
     cached_plan,
     check_same_settings,
-    group_address,
+    group_rendezvous,
     planning_settings,
     worker_metadata,
 )
 from ..worker import RefitEndpoint
 
 WHERE = "checkpoint_engine.engine_kwargs.reshard"
-_SECRETS: dict[tuple[str, int], str] = {}  # per refit group, on the driver
 
 
 @CheckpointEngineRegistry.register("reshard")
@@ -50,7 +49,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
         )
         self.config = self.rank.config
         self.is_master = is_master
-        self.address: tuple[str, int] | None = None
+        self.rendezvous: Rendezvous | None = None  # the master's, made once per group
 
     @property
     def bytes_received(self) -> int:
@@ -58,12 +57,14 @@ class ReshardCheckpointEngine(CheckpointEngine):
 
     # -- setup (every update; the group and program are made once) -------------------
     def prepare(self) -> dict[str, Any]:
-        if self.is_master and self.address is None:
-            self.address = group_address(self.config.host)
+        if self.is_master and self.rendezvous is None:
+            self.rendezvous = group_rendezvous(self.config.host)
+        r = self.rendezvous
         return worker_metadata(
             self.rank,
             master=self.is_master,
-            address=list(self.address) if self.address else None,
+            address=[r.ip, r.port] if r else None,
+            secret=r.secret if r else None,
         )
 
     @classmethod
@@ -72,21 +73,20 @@ class ReshardCheckpointEngine(CheckpointEngine):
     ) -> tuple[dict[str, list], dict[str, list]]:
         a, r = actor_wg_world_size, rollout_world_size
         text = planning_settings(check_same_settings(metadata, WHERE), metadata[a:])
-        masters = [m["address"] for m in metadata[:a] if m["master"]]
+        masters = [m for m in metadata[:a] if m["master"]]
         if len(masters) != 1:
             raise ValueError(f"expected one master actor rank, found {len(masters)}")
         config = ReshardEngineConfig(**json.loads(text))
         # The first update plans; later ones reuse the plan and its slices' JSON.
         slices = cached_plan(text, a, r).slices_json
-        host, port = masters[0]
-        # Made on veRL's driver once per group (build_topology runs every update; the
-        # group, and so its endpoint, stays), shipped with each rank's endpoint.
-        secret = _SECRETS.setdefault((host, port), new_secret())
+        # The master made the rendezvous once per group (build_topology runs every
+        # update; the group, and so its endpoint, stays); shipped with each endpoint.
+        (ip, port), secret = masters[0]["address"], masters[0]["secret"]
 
         def endpoints(ranks: Iterable[int]) -> list[str]:
             return [
                 RefitEndpoint(
-                    host, port, a + r, g, config.transport, config.timeout_s, secret=secret
+                    ip, port, a + r, g, config.transport, config.timeout_s, secret=secret
                 ).to_json()
                 for g in ranks
             ]

@@ -50,10 +50,10 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ...engine.rendezvous import (
+    Rendezvous,
     broadcast_text,
-    free_address,
     gather_texts,
-    new_secret,
+    new_rendezvous,
     publish_texts,
     store_client,
 )
@@ -115,16 +115,17 @@ def _installed_vllm() -> str:
 PLAN_KEY = "reshard-plan"  # the store key of the workers' plan slices (``PLAN_KEY/rank``)
 
 
-def _shared_address(info: ReshardTrainerInitInfo, world: int) -> tuple[str, int, str]:
-    """``(host, port, secret)``, the same on every trainer rank. ``info.host`` is rank 0's
-    node's address: only rank 0 picks a port there (the others may be on other nodes,
-    where it is no address of theirs) and shares it."""
+def _shared_rendezvous(info: ReshardTrainerInitInfo, world: int) -> Rendezvous:
+    """The refit group's rendezvous, the same on every trainer rank. ``info.host`` is rank
+    0's node's IP: only rank 0 makes the rendezvous there (the others may be on other
+    nodes, where it is no address of theirs) and shares it; a port or secret the init
+    info sets is kept."""
     if info.port is not None and info.secret is not None:
-        return info.host, info.port, info.secret
+        return Rendezvous(info.host, info.port, info.secret)
     mine = ""
     if info.rank == 0:
-        port = free_address(info.host)[1] if info.port is None else info.port
-        mine = f"{port}:{new_secret()}"
+        made = new_rendezvous(info.host, info.port)
+        mine = f"{made.port}:{made.secret}"
     if world > 1:
         import torch.distributed as dist
 
@@ -135,7 +136,32 @@ def _shared_address(info: ReshardTrainerInitInfo, world: int) -> tuple[str, int,
             )
         mine = broadcast_text(mine)
     port, secret = mine.split(":")
-    return info.host, int(port), info.secret or secret
+    return Rendezvous(info.host, int(port), info.secret or secret)
+
+
+def _endpoint(info: ReshardTrainerInitInfo, world_size: int, trainers: int) -> RefitEndpoint:
+    """This trainer rank's endpoint in a refit group of ``world_size`` (rendezvous shared
+    by the ``trainers`` ranks, :func:`_shared_rendezvous`)."""
+    r = _shared_rendezvous(info, trainers)
+    return RefitEndpoint(
+        r.ip, r.port, world_size, info.rank, info.transport, info.timeout_s,
+        info.connect_timeout_s, r.secret,
+    )  # fmt: skip
+
+
+def _payload(endpoint: RefitEndpoint, plan: RefitPlan, **colocated: Any) -> dict[str, Any]:
+    """What rank 0 ships every worker through ``init_weight_transfer_engine`` (the same to
+    each: vLLM's ``collective_rpc``): ``endpoint``, the plan's fingerprint and the store
+    key of the plan slices, never a slice (each worker reads its own from the group's
+    store); the colocated route adds the address each worker's host listens on."""
+    return {
+        "endpoint": endpoint.to_json(),
+        "first_rank": plan.num_sources,
+        "plan": None,  # each worker reads its own slice from the group's store
+        "plan_key": PLAN_KEY,
+        "fingerprint": plan.fingerprint,
+        **colocated,
+    }
 
 
 def _publish_slices(endpoint: RefitEndpoint, plan: RefitPlan, ranks: range) -> None:
@@ -212,11 +238,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         if plan.colocated_hosts:
             return cls._colocated(init_info, client, source, plan)
         s, d = plan.num_sources, plan.num_destinations
-        host, port, secret = _shared_address(init_info, s)
-        endpoint = RefitEndpoint(
-            host, port, s + d, init_info.rank, init_info.transport, init_info.timeout_s,
-            init_info.connect_timeout_s, secret,
-        )  # fmt: skip
+        endpoint = _endpoint(init_info, s + d, s)
         refit = RefitWorker(endpoint, source.tensors())
         engine = cls(
             client=client,
@@ -226,13 +248,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
             is_sender=init_info.is_sender,
             rank=init_info.rank,
         )
-        payload = {
-            "endpoint": replace(endpoint, group_rank=s).to_json(),
-            "first_rank": s,
-            "plan": None,  # each worker reads its own slice from the group's store
-            "plan_key": PLAN_KEY,
-            "fingerprint": plan.fingerprint,
-        }
+        payload = _payload(replace(endpoint, group_rank=s), plan)
 
         def join_and_load() -> None:
             refit.join()
@@ -257,11 +273,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         """``trainer_init`` of a colocated refit: the group is the trainer ranks; each
         hosts the worker on its GPU, which connects to the address rank 0 ships it."""
         s, d = plan.num_sources, plan.num_destinations
-        host, port, secret = _shared_address(info, s)
-        endpoint = RefitEndpoint(
-            host, port, s, info.rank, info.transport, info.timeout_s, info.connect_timeout_s,
-            secret,
-        )  # fmt: skip
+        endpoint = _endpoint(info, s, s)
         trainer = ColocatedTrainer(endpoint, source.tensors(), plan)
         try:  # a failed start releases the staging it took (as every failure below)
             mine = trainer.listen() or ""  # the worker shares this GPU: loopback reaches it
@@ -273,14 +285,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
             client=client, source=source, refit=trainer, plan=plan,
             is_sender=info.is_sender, rank=info.rank,
         )  # fmt: skip
-        payload = {
-            "endpoint": endpoint.to_json(),
-            "first_rank": s,
-            "plan": None,  # each worker reads its own slice from the group's store
-            "plan_key": PLAN_KEY,
-            "fingerprint": plan.fingerprint,
-            "colocated": [addresses[h] for h in plan.colocated_hosts],
-        }
+        payload = _payload(endpoint, plan, colocated=[addresses[h] for h in plan.colocated_hosts])
 
         def join_and_accept() -> None:
             trainer.join()
