@@ -1,4 +1,4 @@
-"""The core shared by the veRL and NeMo RL checkpoint engines (engines handed full tensors).
+"""The core shared by the veRL and NeMo RL checkpoint engines (handed full tensors).
 
 ``config.py``: the engine's settings (:class:`ReshardEngineConfig`), the model they
 name, and the settings every worker must agree on. ``replicated_plans.py``: the

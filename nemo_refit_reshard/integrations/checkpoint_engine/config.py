@@ -42,7 +42,7 @@ class ReshardEngineConfig:
     transport: str = "gloo"
     timeout_s: float = 600.0
     bucket_mb: float | None = None
-    host: str | None = None
+    host: str | None = None  # the IP hosting the refit group's store (None: the node's)
     mode: str = "reshard"  # or "broadcast": the gather-broadcast baseline, for comparison
     quantization: str | None = None
 

@@ -1,6 +1,6 @@
 """One rank of a checkpoint engine that is handed full tensors (veRL's, NeMo RL's).
 
-Framework-neutral: the veRL and NeMo RL engines are thin wrappers that map their
+Framework-neutral: the veRL and NeMo RL checkpoint engines are thin wrappers that map their
 framework's calls onto :class:`CheckpointEngineRank`:
 
 * :meth:`~CheckpointEngineRank.join` — allocate this rank's buffers from its plan

@@ -1,7 +1,7 @@
 """Drop-in NeMo RL checkpoint engine: ``refit_transport: "<this module>:ReshardCheckpointEngine"``.
 
 NeMo RL's checkpoint-engine route (``policy.generation.refit_transport`` naming a
-``module:ClassName``) creates one engine in every policy worker and in every vLLM
+``module:ClassName``) creates one checkpoint engine in every policy worker and in every vLLM
 worker. Its ``CheckpointEngineWeightSynchronizer`` calls ``prepare`` on all, then
 ``init_policy_process_group`` / ``init_rollout_process_group`` with every worker's
 metadata (policy ranks first, sorted), and each refit ``send_weights`` (the policy's

@@ -13,7 +13,7 @@ Our own block sits at the top level of the YAML (``MasterConfig`` keeps extra ke
       transport: cupy-nccl    # cupy-nccl | gloo
       timeout_s: 600
       bucket_mb: 512
-      host: null              # the refit group's rendezvous address (default: node IP)
+      host: null              # the refit group's rendezvous IP (default: node IP)
       make_vocab_size_divisible_by: 128   # Megatron-Bridge's vocabulary padding
 """
 

@@ -70,7 +70,7 @@ class NemoRlPlan:
             f"{self.infer}, {s.total_bytes / 2**20:,.1f} MiB per refit in "
             f"{s.num_rounds} rounds"
         )
-        if s.bytes_by_dtype:  # a block-FP8 engine (layouts/fp8_wire.py)
+        if s.bytes_by_dtype:  # a block-FP8 vLLM engine (layouts/fp8_wire.py)
             wire = ", ".join(f"{n / 2**20:,.1f} MiB {d}" for d, n in s.bytes_by_dtype)
             text += f"; on the wire: {wire}"
         if self.colocated:
@@ -199,7 +199,7 @@ def megatron_sources(
 
 
 def vllm_options(dtype: str, engines: Sequence[Sequence[Mapping[str, Any]]]) -> VllmOptions:
-    """The vLLM layout options the engines' workers report (they must agree), with the
+    """The vLLM layout options the vLLM engines' workers report (they must agree), with the
     parameter dtype from NeMo RL's config."""
     flat = [w for engine in engines for w in engine]
     version = _same(flat, "vllm_version", "vLLM workers")
@@ -213,8 +213,8 @@ def check_vllm_destinations(
     opts: VllmOptions,
     engines: Sequence[Sequence[Mapping[str, Any]]],
 ) -> None:
-    """Every vLLM rank's layout against the reports of each engine's workers
-    (``engines[i]``: NeMo RL's engine ``i``, its workers in vLLM's order)."""
+    """Every vLLM rank's layout against the reports of each vLLM engine's workers
+    (``engines[i]``: NeMo RL's vLLM engine ``i``, its workers in vLLM's order)."""
     engine_par = str(replace(infer, dp=1))
     size = infer.tp * infer.pp
     problems = []
@@ -242,7 +242,7 @@ def colocation(
     engines: Sequence[Sequence[Mapping[str, Any]]],
 ) -> Colocation:
     """Which policy rank shares each vLLM rank's GPU, from the GPUs the workers report
-    (``device_name``: host and GPU UUID). A GPU with two policy ranks or two vLLM
+    (``device_name``: hostname and GPU UUID). A GPU with two policy ranks or two vLLM
     workers, or a vLLM worker with no policy rank on its GPU, is refused with one line."""
     unnamed = [f"policy rank {r['rank']}" for r in policy_reports if not r.get("gpu")]
     train = [str(r.get("gpu")) for r in policy_reports]

@@ -103,7 +103,7 @@ class ReshardWeightSynchronizer(WeightSynchronizer):
         return "checkpoint_engine_rpc_async" if async_engine else "checkpoint_engine_rpc"
 
     def _vllm_each(self, fn: Any, args: list[tuple[Any, ...]]) -> list[tuple[str, ray.ObjectRef]]:
-        """``fn(worker, *args[i])`` in every vLLM worker of engine ``i`` (NeMo RL's
+        """``fn(worker, *args[i])`` in every worker of vLLM engine ``i`` (NeMo RL's
         ``checkpoint_engine_rpc`` forwards a callable to ``llm.collective_rpc``)."""
         refs = self._generation.worker_group.run_all_workers_multiple_data(
             self._rpc(),
@@ -191,7 +191,7 @@ class ReshardWeightSynchronizer(WeightSynchronizer):
         )
 
     def _engine_first_ranks(self, engines: int) -> list[int]:
-        """Refit rank of engine ``i``'s first worker, minus its data-parallel offset
+        """Refit rank of vLLM engine ``i``'s first worker, minus its data-parallel offset
         (``refit_join`` adds the worker's rank inside the vLLM DP group)."""
         assert self.plan is not None
         inf = self.plan.infer
@@ -199,7 +199,7 @@ class ReshardWeightSynchronizer(WeightSynchronizer):
         return [t + (i // inf.engine_dp) * inf.engine_world_size for i in range(engines)]
 
     def _engine_slices(self, i: int) -> dict[str, str]:
-        """The slices of engine ``i``'s workers: its vLLM DP rank's ``tp·pp`` refit ranks
+        """The slices of vLLM engine ``i``'s workers: its vLLM DP rank's ``tp·pp`` refit ranks
         inside its DP group."""
         assert self.plan is not None
         inf = self.plan.infer

@@ -1,5 +1,5 @@
-"""Weight sources for the ``reshard`` trainer engine: one trainer rank's local tensors
-plus every trainer rank's layout.
+"""Weight sources for the ``reshard`` trainer weight-transfer engine: one trainer rank's
+local tensors plus every trainer rank's layout.
 
 vLLM's own ``WeightSource`` describes parameters as full HF tensors chunked along mesh
 axes (``ParamMeta``); Megatron's fused, padded, per-stage tensors are not expressible

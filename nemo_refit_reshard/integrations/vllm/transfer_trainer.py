@@ -4,14 +4,14 @@
 Built on every trainer rank by ``WeightTransferTrainerFactory.trainer_init(
 ReshardTrainerInitInfo(...), client=..., source=...)``. Unlike vLLM's own backends,
 where rank 0 gathers and sends everything, here **every trainer rank sends its own
-shards**: the refit group is the S trainer ranks followed by the engine's D workers
+shards**: the refit group is the S trainer ranks followed by the vLLM engine's D workers
 (refit rank ``S + engine rank``). Rank 0 is still vLLM's "sender" in one sense: it
 alone drives the inference side through the ``VLLMWeightSyncClient``.
 
 Who plans: every trainer rank, alone and identically. The training layouts come from
 the source (the same on every rank); the vLLM layout from the init info, which states
-the engine's parallelism and release — the client protocol has no way to ask the
-engine, and each worker checks its slice against its live parameters at init, so a
+the vLLM engine's parallelism and release — the client protocol has no way to ask the
+vLLM engine, and each worker checks its slice against its live parameters at init, so a
 wrong statement fails there, naming the tensors. The plan is deterministic, but a
 rank's source may still differ (its options), so the trainer ranks compare fingerprints
 over ``torch.distributed`` before rank 0 ships its slices (``check_same_plan``), and the
@@ -71,17 +71,18 @@ from .transfer_sources import ReshardSource, check_same_plan
 class ReshardTrainerInitInfo(TrainerInitInfo):
     """What every trainer rank passes to ``trainer_init`` (the same on each, but ``rank``).
 
-    ``vllm_parallel``: the engine's parallelism (``InferParallel`` fields: tp, pp,
-    engine_dp, ep; one engine per client). ``vllm_version`` / ``params_dtype`` /
-    ``all2all_backend``: the engine's release, parameter dtype and all2all backend
+    ``vllm_parallel``: the vLLM engine's parallelism (``InferParallel`` fields: tp, pp,
+    engine_dp, ep; one vLLM engine per client). ``vllm_version`` / ``params_dtype`` /
+    ``all2all_backend``: the vLLM engine's release, parameter dtype and all2all backend
     (``VllmOptions``; None: the installed vLLM, the source's dtype, the default).
-    ``host`` / ``port`` / ``secret``: the refit group's rendezvous, hosted by trainer
-    rank 0 (reachable from the workers); with ``port=None`` rank 0 picks one and shares
-    it (and a new secret) over ``torch.distributed`` when there are several trainer
-    ranks. ``transport``: ``"gloo"`` or ``"cupy-nccl"``. ``colocated``: every worker
-    shares a GPU with a trainer rank (``colocated_hosts[d]`` for engine rank ``d``;
-    default: rank ``d``); the group is then the trainer ranks, and several of them need
-    ``torch.distributed`` to share their hosts' addresses. ``quantization``: the engine's
+    ``host`` / ``port`` / ``secret``: the refit group's rendezvous (``host``: the IP of
+    trainer rank 0, which hosts the group's store; reachable from the workers); with
+    ``port=None`` rank 0 picks one and shares it (and a new secret) over
+    ``torch.distributed`` when there are several trainer ranks. ``transport``:
+    ``"gloo"`` or ``"cupy-nccl"``. ``colocated``: every worker shares a GPU with a
+    trainer rank (``colocated_hosts[d]`` for engine rank ``d``; default: rank ``d``); the
+    group is then the trainer ranks, and several of them need ``torch.distributed`` to
+    share their hosts' addresses. ``quantization``: the vLLM engine's
     ``quantization_config`` when it quantizes weights the trainer holds unquantized (an
     FP8 checkpoint's, or the ``hf_overrides`` a framework starts vLLM with): a block-FP8
     one makes trainer ranks send e4m3 + scales where they hold whole blocks
@@ -194,8 +195,8 @@ def build_plan(info: ReshardTrainerInitInfo, source: ReshardSource) -> RefitPlan
 
 
 class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
-    """vLLM trainer engine ``reshard``: every trainer rank replays its compiled program,
-    sending its local shards straight to the workers' live parameters."""
+    """vLLM trainer weight-transfer engine ``reshard``: every trainer rank replays its
+    compiled program, sending its local shards straight to the workers' live parameters."""
 
     init_info_cls = ReshardTrainerInitInfo
 
@@ -240,7 +241,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         s, d = plan.num_sources, plan.num_destinations
         endpoint = _endpoint(init_info, s + d, s)
         refit = RefitWorker(endpoint, source.tensors())
-        engine = cls(
+        transfer = cls(
             client=client,
             source=source,
             refit=refit,
@@ -256,11 +257,8 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
                 _publish_slices(endpoint, plan, range(s, s + d))
             refit.load_plan(rank_plan(plan, init_info.rank))
 
-        engine.concurrently(
-            (lambda: client.init_weight_transfer_engine(payload)) if engine.is_sender else None,
-            join_and_load,
-        )
-        return engine
+        transfer.init_with_workers(payload, join_and_load)
+        return transfer
 
     @classmethod
     def _colocated(
@@ -281,7 +279,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         except BaseException:
             trainer.close()
             raise
-        engine = cls(
+        transfer = cls(
             client=client, source=source, refit=trainer, plan=plan,
             is_sender=info.is_sender, rank=info.rank,
         )  # fmt: skip
@@ -294,14 +292,17 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
             trainer.accept_worker()
 
         try:
-            engine.concurrently(
-                (lambda: client.init_weight_transfer_engine(payload)) if engine.is_sender else None,
-                join_and_accept,
-            )
+            transfer.init_with_workers(payload, join_and_accept)
         except BaseException:
             trainer.close()
             raise
-        return engine
+        return transfer
+
+    def init_with_workers(self, payload: dict[str, Any], local: Any) -> None:
+        """Rank 0 ships the workers ``payload`` (``init_weight_transfer_engine``) while
+        this rank runs ``local``, its half of the same collective (:meth:`concurrently`)."""
+        rpc = lambda: self.client.init_weight_transfer_engine(payload)  # noqa: E731
+        self.concurrently(rpc if self.is_sender else None, local)
 
     def concurrently(self, rpc: Any, local: Any) -> None:
         """Run the blocking client ``rpc`` (rank 0 only) and this rank's ``local`` half of

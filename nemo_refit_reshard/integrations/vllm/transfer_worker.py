@@ -1,8 +1,9 @@
 """The worker side of vLLM's weight-transfer API: the ``reshard`` ``WeightTransferEngine``.
 
-vLLM builds one engine per worker from ``WeightTransferConfig(backend="reshard")``
-(``WeightTransferEngineFactory.create_engine``) once the model is loaded, then drives it
-through the four phases its trainer engine sends over a ``VLLMWeightSyncClient``:
+vLLM builds one weight-transfer engine per worker from
+``WeightTransferConfig(backend="reshard")`` (``WeightTransferEngineFactory.create_engine``)
+once the model is loaded, then drives it through the four phases its trainer
+weight-transfer engine sends over a ``VLLMWeightSyncClient``:
 
 * ``init_weight_transfer_engine(ReshardInitInfo)``: join the refit group as rank
   ``first_rank + engine rank``, check this rank's plan slice against the live
@@ -16,8 +17,9 @@ through the four phases its trainer engine sends over a ``VLLMWeightSyncClient``
 * ``finish_weight_update()``: commit the update's version — only if the replay
   completed; a failed update leaves the last committed version in place.
 
-Everything is the vLLM worker-side code of ``worker.py`` (this engine stands in for
-vLLM's ``Worker`` there: it holds ``vllm_config`` and the model); nothing is forked.
+Everything is the vLLM worker-side code of ``worker.py`` (this weight-transfer engine
+stands in for vLLM's ``Worker`` there: it holds ``vllm_config`` and the model); nothing
+is forked.
 Refused at creation (vLLM start-up, before any trainer connects) by the same
 ``check_engine`` as there: quantization other than block FP8, an FP8 KV cache, EPLB,
 context parallel, MoE and block-FP8 kernels that re-lay weights after loading, and
@@ -54,11 +56,11 @@ BACKEND = "reshard"
 
 @dataclass
 class ReshardInitInfo(WeightTransferInitInfo):
-    """What the trainer decided, shipped to every worker of the engine alike.
+    """What the trainer decided, shipped to every worker of the vLLM engine alike.
 
     ``endpoint``: the refit group's :class:`RefitEndpoint` JSON (rendezvous, secret,
     transport, timeouts; its ``group_rank`` is ignored). ``first_rank``: the refit rank
-    of this engine's rank 0 (the S training ranks come first). ``plan``: refit rank (as
+    of this vLLM engine's rank 0 (the S training ranks come first). ``plan``: refit rank (as
     a string) -> that rank's plan slice JSON, or one JSON text / path template as
     ``refit_load_plan`` takes; None with ``plan_key``: this worker reads its own slice
     from the refit group's store, under ``plan_key/<refit rank>`` (vLLM hands every
@@ -94,8 +96,9 @@ class _Session:
 
 
 class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
-    """vLLM worker engine ``reshard``: the trainer's local shards straight into this
-    rank's live parameters (fused ones included), in place, on a plan built once."""
+    """vLLM worker weight-transfer engine ``reshard``: the trainer's local shards straight
+    into this rank's live parameters (fused ones included), in place, on a plan built
+    once."""
 
     init_info_cls = ReshardInitInfo
     update_info_cls = ReshardUpdateInfo
@@ -110,7 +113,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         model: torch.nn.Module,
     ) -> None:
         super().__init__(config, vllm_config, device, model)
-        # Refuse at engine creation (vLLM start-up), before any trainer connects.
+        # Refuse at creation (vLLM start-up), before any trainer connects.
         import vllm
 
         check_engine(model, vllm_config, vllm.__version__)

@@ -99,13 +99,14 @@ class ColocatedTrainer:
         )
         self._listener: socket.socket | None = None
 
-    def listen(self, host: str = "127.0.0.1") -> str | None:
-        """Start listening for the worker on this GPU; its address ``host:port`` (None when
-        no worker shares this GPU)."""
+    def listen(self, ip: str = "127.0.0.1") -> str | None:
+        """Start listening for the worker on this GPU, on ``ip`` (the worker shares the
+        node: the loopback reaches it); its address ``ip:port`` (None when no worker
+        shares this GPU)."""
         if self.guest_rank is None:
             return None
-        self._listener = socket.create_server((host, 0))
-        return f"{host}:{self._listener.getsockname()[1]}"
+        self._listener = socket.create_server((ip, 0))
+        return f"{ip}:{self._listener.getsockname()[1]}"
 
     def join(self) -> None:
         """Rendezvous with the other training ranks, then check that every one holds this
@@ -209,16 +210,16 @@ class ColocatedWorker:
         timeout_s: float,
         connect_timeout_s: float | None = None,
     ) -> None:
-        """Connect to the training rank on this GPU (``host:port``), open its staging and
+        """Connect to the training rank on this GPU (``ip:port``), open its staging and
         compile this rank's unpack of ``plan`` (its slice or the full plan)."""
         if isinstance(plan, str):
             plan = load_plan_json(plan)
         self.close()
-        host, _, port = address.rpartition(":")
+        ip, _, port = address.rpartition(":")
         deadline = time.monotonic() + (connect_timeout_s or timeout_s)
         while True:  # the host listens once it has planned: slow on a loaded machine
             try:
-                self._conn = Client((host, int(port)), authkey=_authkey(secret))
+                self._conn = Client((ip, int(port)), authkey=_authkey(secret))
                 break
             except ConnectionRefusedError:
                 if time.monotonic() > deadline:

@@ -21,15 +21,15 @@ DEVICE_ENV = "NRR_DEVICE"
 
 
 def device_name(device: torch.device | str) -> str | None:
-    """``"<host>:<GPU UUID>"`` for a CUDA device; on CPU ``"<host>:<$NRR_DEVICE>"``, or
-    None when that is unset (a CPU process that stands for no GPU)."""
+    """``"<hostname>:<GPU UUID>"`` for a CUDA device; on CPU ``"<hostname>:<$NRR_DEVICE>"``,
+    or None when that is unset (a CPU process that stands for no GPU)."""
     device = torch.device(device)
-    host = socket.gethostname()
+    hostname = socket.gethostname()
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return f"{host}:{torch.cuda.get_device_properties(index).uuid}"
+        return f"{hostname}:{torch.cuda.get_device_properties(index).uuid}"
     named = os.environ.get(DEVICE_ENV)
-    return f"{host}:{named}" if named else None
+    return f"{hostname}:{named}" if named else None
 
 
 __all__ = ["DEVICE_ENV", "device_name"]

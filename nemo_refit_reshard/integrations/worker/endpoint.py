@@ -14,7 +14,7 @@ TRANSPORTS = ("gloo", "cupy-nccl")  # the refit group's transports (engine/)
 class RefitEndpoint:
     """Where and as whom a worker joins the refit group (JSON-serialisable)."""
 
-    host: str
+    host: str  # refit rank 0's IP, where the group's store listens (the JSON key "host")
     port: int
     world_size: int
     group_rank: int  # training ranks 0..S-1, generation rank d is S + d
