@@ -4,16 +4,18 @@
 #
 #   scripts/setup_verl_cpu.sh [VERSION] [VENV]      # defaults: 0.9.1 .venv-verl
 #
-# The venv sees this machine's packages (--system-site-packages: the CPU torch, ray, this
-# project); veRL pins its own transformers, which therefore stays inside the venv. veRL's
+# The venv sees the packages of the environment that runs the tests (python3 on PATH: a
+# venv, conda or the system Python; see scripts/venv_lib.sh): the CPU torch, ray, this
+# project. veRL pins its own transformers, which therefore stays inside the venv. veRL's
 # extras (vllm, megatron, ...) pin CUDA torch and are not installed. About 2-3 minutes.
 # Idempotent.
 set -euo pipefail
 VERSION="${1:-0.9.1}"
 VENV="${2:-.venv-verl}"
+# shellcheck source=scripts/venv_lib.sh
 source "$(dirname "$0")/venv_lib.sh"
 
-if [ "$(installed "$VENV/bin/python" verl)" = "$VERSION" ] \
+if venv_matches "$VENV" && [ "$(installed "$VENV/bin/python" verl)" = "$VERSION" ] \
     && "$VENV/bin/python" -c "import verl.checkpoint_engine" >/dev/null 2>&1; then
     echo "veRL $VERSION already in $VENV"
     exit 0

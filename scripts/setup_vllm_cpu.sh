@@ -4,14 +4,16 @@
 #
 #   scripts/setup_vllm_cpu.sh [VERSION] [VENV]      # defaults: 0.33.0 .venv-vllm
 #
-# The venv sees this machine's packages (--system-site-packages: the CPU torch, this
-# project, transformers); vLLM's wheel goes in with --no-deps, plus only its pure-Python
+# The venv sees the packages of the environment that runs the tests (python3 on PATH: a
+# venv, conda or the system Python; see scripts/venv_lib.sh): the CPU torch, this project,
+# transformers. vLLM's wheel goes in with --no-deps, plus only its pure-Python
 # requirements. No CUDA torch, flashinfer, triton or other kernel package is installed:
 # vLLM's CUDA kernels do not load, its model classes and weight loaders do.
 # About 1 minute and 1 GB (the wheel is 336 MB). Idempotent.
 set -euo pipefail
 VERSION="${1:-0.33.0}"
 VENV="${2:-.venv-vllm}"
+# shellcheck source=scripts/venv_lib.sh
 source "$(dirname "$0")/venv_lib.sh"
 
 # What vLLM's quantization registry imports (its FP8 classes, built by the FP8 truth
@@ -27,9 +29,13 @@ PYEOF
     quiet "${PIP[@]}" --no-deps "$pin" loguru
 }
 
-if [ "$(installed "$VENV/bin/python" vllm)" = "$VERSION" ]; then
-    make_venv "$VENV"  # sets PY and PIP for the existing venv
-    quantization_deps
+# Reused when it is a venv of the running environment (scripts/venv_lib.sh) with this
+# vLLM; venvs made before the FP8 tests needed them get the quantization packages.
+if venv_matches "$VENV" && [ "$(installed "$VENV/bin/python" vllm)" = "$VERSION" ]; then
+    use_venv "$VENV"
+    if [ -z "$(installed "$PY" compressed-tensors)" ] || [ -z "$(installed "$PY" loguru)" ]; then
+        quantization_deps
+    fi
     echo "vLLM $VERSION already in $VENV"
     exit 0
 fi
