@@ -24,6 +24,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/venv_lib.sh
 source scripts/venv_lib.sh
+# make_venv's switch to an isolated venv, set below for the 3.12 venv only.
+unset VENV_PYTHON
 
 MARKERS=()
 if [ "${1:-}" = "--fast" ]; then
@@ -40,7 +42,8 @@ fi
 bash scripts/setup_vllm_cpu.sh
 bash scripts/setup_verl_cpu.sh
 if [ -n "${NEMO_RL_SOURCE:-}" ]; then
-    bash scripts/setup_nemo_rl_cpu.sh "$NEMO_RL_SOURCE" .venv-nemo-rl
+    # The Python 3.11 one over the running environment: NEMO_RL_PYTHON is for the other.
+    NEMO_RL_PYTHON="" bash scripts/setup_nemo_rl_cpu.sh "$NEMO_RL_SOURCE" .venv-nemo-rl
     # Resolved here so that a machine without Python 3.12 still runs everything else.
     if PY312="$(resolve_python NEMO_RL_PYTHON "${NEMO_RL_PYTHON:-python3.12}" 2>/dev/null)"; then
         NEMO_RL_PYTHON="$PY312" bash scripts/setup_nemo_rl_cpu.sh "$NEMO_RL_SOURCE" .venv-nemo-rl312
