@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-SETUP_HINT = "run scripts/setup_vllm_cpu.sh (about 1 minute) to install vLLM for these tests"
+SETUP_HINT = (
+    "run bash scripts/test.sh, which builds .venv-vllm (about 1 minute; or "
+    "scripts/setup_vllm_cpu.sh alone), to install vLLM for these tests"
+)
 
 
 def _venv_python(env_var: str, venv: str) -> str | None:
@@ -62,7 +65,8 @@ def skip_reason() -> str | None:
 
 
 VERL_SETUP_HINT = (
-    "run scripts/setup_verl_cpu.sh (about 2-3 minutes) to install veRL for these tests"
+    "run bash scripts/test.sh, which builds .venv-verl (about 2-3 minutes; or "
+    "scripts/setup_verl_cpu.sh alone), to install veRL for these tests"
 )
 
 
@@ -76,8 +80,9 @@ def verl_skip_reason() -> str | None:
 
 
 NEMO_RL_SETUP_HINT = (
-    "run scripts/setup_nemo_rl_cpu.sh <NeMo RL clone or git URL> (about 1 minute) to install "
-    "NeMo RL for these tests; NeMo RL is not on the package index"
+    "run NEMO_RL_SOURCE=<NeMo RL clone or git URL> bash scripts/test.sh (or "
+    "scripts/setup_nemo_rl_cpu.sh <clone or URL> alone; about 3 minutes) to install NeMo RL "
+    "for these tests; NeMo RL is not on the package index"
 )
 
 
@@ -102,9 +107,9 @@ def nemo_rl_grpo_skip_reason() -> str | None:
     """NeMo RL's GRPO module (``refit_policy_generation``) imports on Python >= 3.12 only."""
     probe = "import nemo_rl.algorithms.grpo, megatron.core"
     hint = (
-        "NeMo RL's GRPO module needs Python >= 3.12: NEMO_RL_PYTHON=python3.12 "
-        "bash scripts/setup_nemo_rl_cpu.sh <NeMo RL clone or git URL> .venv-nemo-rl312 "
-        "(about 10 minutes, most of it a ~2.6 GB torch download)"
+        "NeMo RL's GRPO module needs Python >= 3.12: NEMO_RL_SOURCE=<NeMo RL clone or git "
+        "URL> bash scripts/test.sh builds .venv-nemo-rl312 on python3.12 (or NEMO_RL_PYTHON; "
+        "about 10 minutes, most of it a ~2.6 GB torch download)"
     )
     return _missing(nemo_rl_grpo_python(), "NeMo RL's GRPO", probe, hint)
 
