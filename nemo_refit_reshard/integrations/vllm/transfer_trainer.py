@@ -150,19 +150,24 @@ def _endpoint(info: ReshardTrainerInitInfo, world_size: int, trainers: int) -> R
     )  # fmt: skip
 
 
-def _payload(endpoint: RefitEndpoint, plan: RefitPlan, **colocated: Any) -> dict[str, Any]:
+def _payload(
+    endpoint: RefitEndpoint, plan: RefitPlan, colocated: list[str] | None = None
+) -> dict[str, Any]:
     """What rank 0 ships every worker through ``init_weight_transfer_engine`` (the same to
     each: vLLM's ``collective_rpc``): ``endpoint``, the plan's fingerprint and the store
     key of the plan slices, never a slice (each worker reads its own from the group's
-    store); the colocated route adds the address each worker's host listens on."""
-    return {
+    store); a colocated refit adds ``colocated``, the address each worker's host listens
+    on (``ReshardInitInfo``)."""
+    payload: dict[str, Any] = {
         "endpoint": endpoint.to_json(),
         "first_rank": plan.num_sources,
         "plan": None,  # each worker reads its own slice from the group's store
         "plan_key": PLAN_KEY,
         "fingerprint": plan.fingerprint,
-        **colocated,
     }
+    if colocated is not None:
+        payload["colocated"] = colocated
+    return payload
 
 
 def _publish_slices(endpoint: RefitEndpoint, plan: RefitPlan, ranks: range) -> None:
@@ -283,7 +288,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
             client=client, source=source, refit=trainer, plan=plan,
             is_sender=info.is_sender, rank=info.rank,
         )  # fmt: skip
-        payload = _payload(endpoint, plan, colocated=[addresses[h] for h in plan.colocated_hosts])
+        payload = _payload(endpoint, plan, [addresses[h] for h in plan.colocated_hosts])
 
         def join_and_accept() -> None:
             trainer.join()
