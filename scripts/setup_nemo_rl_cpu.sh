@@ -42,14 +42,9 @@ if [ -n "${NEMO_RL_PYTHON:-}" ]; then
     export VENV_PYTHON
     echo "NEMO_RL_PYTHON: $VENV_PYTHON"
 fi
-# Reused, without a minute of pip, when it is a venv make_venv would make now (see
-# scripts/venv_lib.sh) holding the pinned commit's checkout and vLLM 0.25.1, in which
-# the module the tests probe first imports (and, isolated, megatron-core is installed).
-if venv_matches "$VENV" \
-    && [ "$(git -C "$VENV/src/nemo-rl" rev-parse HEAD 2>/dev/null)" = "$COMMIT" ] \
-    && [ "$(installed "$VENV/bin/python" vllm)" = 0.25.1 ] \
-    && { [ -z "${VENV_PYTHON:-}" ] || [ -n "$(installed "$VENV/bin/python" megatron-core)" ]; } \
-    && "$VENV/bin/python" -c 'import nemo_rl.utils.checkpoint_engines.base' >/dev/null 2>&1; then
+# Kept as it is when this script finished there last for this commit (is_done,
+# scripts/venv_lib.sh).
+if is_done "$VENV" "nemo_rl-$COMMIT"; then
     echo "NeMo RL ${COMMIT:0:12} already in $VENV"
     exit 0
 fi
@@ -140,3 +135,4 @@ if sys.version_info >= (3, 12):  # pydantic rejects its typing.TypedDict configs
 PYEOF
     echo "megatron-core, nemo_refit_reshard, Ray's dashboard (and on Python >= 3.12 what examples/nemo_rl/run_grpo.py imports) import in $VENV"
 fi
+mark_done "$VENV" "nemo_rl-$COMMIT"

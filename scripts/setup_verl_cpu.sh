@@ -15,8 +15,8 @@ VENV="${2:-.venv-verl}"
 # shellcheck source=scripts/venv_lib.sh
 source "$(dirname "$0")/venv_lib.sh"
 
-if venv_matches "$VENV" && [ "$(installed "$VENV/bin/python" verl)" = "$VERSION" ] \
-    && "$VENV/bin/python" -c "import verl.checkpoint_engine" >/dev/null 2>&1; then
+# Kept as it is when this script finished there last (is_done, scripts/venv_lib.sh).
+if is_done "$VENV" "verl-$VERSION"; then
     echo "veRL $VERSION already in $VENV"
     exit 0
 fi
@@ -27,4 +27,5 @@ quiet "${PIP[@]}" "verl==$VERSION" uvicorn fastapi pyzmq cachetools
 # 5.10 at import); its `kernels` extra puts the matching version inside the venv.
 quiet "${PIP[@]}" "transformers[kernels]==$(installed "$PY" transformers)"
 quiet "$PY" -c "import verl.checkpoint_engine"
+mark_done "$VENV" "verl-$VERSION"
 echo "veRL $VERSION checkpoint engines import on CPU"

@@ -29,13 +29,8 @@ PYEOF
     quiet "${PIP[@]}" --no-deps "$pin" loguru
 }
 
-# Reused when it is a venv of the running environment (scripts/venv_lib.sh) with this
-# vLLM; venvs made before the FP8 tests needed them get the quantization packages.
-if venv_matches "$VENV" && [ "$(installed "$VENV/bin/python" vllm)" = "$VERSION" ]; then
-    use_venv "$VENV"
-    if [ -z "$(installed "$PY" compressed-tensors)" ] || [ -z "$(installed "$PY" loguru)" ]; then
-        quantization_deps
-    fi
+# Kept as it is when this script finished there last (is_done, scripts/venv_lib.sh).
+if is_done "$VENV" "vllm-$VERSION"; then
     echo "vLLM $VERSION already in $VENV"
     exit 0
 fi
@@ -43,9 +38,11 @@ make_venv "$VENV"
 # pip warns that vLLM's declared requirements (CUDA torch, kernels) are not met: that is
 # the point. Its output is shown only when an install fails.
 # Leaf packages and the ones whose own requirements would pull torch or triton: no deps.
+# cloudpickle, py-cpuinfo, orjson: imported by vLLM's modules; a system Python may have
+# them, a fresh venv does not.
 quiet "${PIP[@]}" --no-deps "vllm==$VERSION" "xgrammar==0.2.8" "apache-tvm-ffi==0.1.11" \
     psutil cbor2 pybase64 cachetools msgspec uvloop prometheus_client \
-    partial-json-parser llguidance einops
+    partial-json-parser llguidance einops cloudpickle py-cpuinfo orjson
 # Pure-Python requirements with their own (pure-Python) dependencies.
 quiet "${PIP[@]}" aiohttp openai oss-harmony pillow fastapi pyzmq
 quantization_deps
@@ -53,4 +50,5 @@ VLLM_TARGET_DEVICE=cpu VLLM_LOGGING_LEVEL=ERROR quiet "$PY" - <<'PYEOF'
 import vllm.model_executor.models.deepseek_v2, vllm.model_executor.models.qwen3_moe  # noqa
 import vllm
 PYEOF
+mark_done "$VENV" "vllm-$VERSION"
 echo "vLLM $VERSION model classes import on CPU"

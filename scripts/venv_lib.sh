@@ -12,6 +12,9 @@
 #                                 replacing one made for another; sets PY and PIP
 #   use_venv VENV              -> sets PY and PIP for an existing VENV
 #   quiet CMD...               -> runs CMD, printing its output only if it fails
+#   is_done VENV WHAT          -> true when VENV matches and its last setup of WHAT
+#                                 (e.g. vllm-0.33.0) finished with these scripts
+#   mark_done VENV WHAT        -> records that, after the setup's last check passed
 #
 # The running environment is the one of `python3` on PATH, the interpreter that runs the
 # tests: the user's venv, a conda environment or the system Python, wherever this
@@ -181,5 +184,18 @@ use_venv() {
         quiet "${PIP[@]}" "torch==$torch" numpy
     fi
 }
+
+# A setup that finished leaves a stamp in the venv: what it installed and a hash of the
+# scripts that did it. A venv with a matching stamp is kept as it is (no pip, no import
+# check: a few seconds); a missing or different stamp (a build that stopped half way, a
+# venv of an older script) re-runs the setup over the venv, which pip makes quick for
+# what is already there.
+stamp() {
+    echo "$1 $(cat "$(dirname "${BASH_SOURCE[0]}")/venv_lib.sh" "$0" | sha256sum | cut -c1-16)"
+}
+is_done() {
+    venv_matches "$1" && [ "$(cat "$1/.nrr-setup-${2%%-*}" 2>/dev/null)" = "$(stamp "$2")" ]
+}
+mark_done() { stamp "$2" >"$1/.nrr-setup-${2%%-*}"; }
 
 quiet() { "$@" >"$LOG" 2>&1 || { cat "$LOG"; exit 1; }; }
