@@ -16,9 +16,8 @@ from nemo_refit_reshard.engine.checksum import (
     sender_checksums,
 )
 from nemo_refit_reshard.engine.program import RankProgram
-from nemo_refit_reshard.layouts import MegatronOptions, megatron_layout, vllm_layout
+from nemo_refit_reshard.layouts import megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import (
-    Cluster,
     Placement,
     PlanError,
     Topology,
@@ -29,42 +28,9 @@ from nemo_refit_reshard.plan import (
     relayed_to,
     verify_plan,
 )
-from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
-from tests.helpers.hf_models import TINY_CONFIGS
+from nemo_refit_reshard.spec import InferParallel, TrainParallel
+from tests.helpers.carried_plan import CLUSTER, SPEC, carried_plan
 from tests.helpers.plan_checks import assert_delivers_exactly
-
-# 3 layers over 2 pipeline stages, the first holding 1: stage 0 = embedding + 1 layer,
-# stage 1 = 2 layers + final norm + head, about a third more bytes.
-SPEC = spec_from_hf_config(
-    dict(TINY_CONFIGS["llama"], num_hidden_layers=3, vocab_size=256, torch_dtype="float32")
-)
-# Latencies far below the test model's transfer times, as at real model sizes.
-CLUSTER = Cluster(
-    gpus_per_node=2, nvlink_gbps=450, nic_gbps=50, nvlink_latency_us=0.01, nic_latency_us=0.02
-)
-
-
-def _layouts():
-    tp = TrainParallel(pp=2)
-    opts = MegatronOptions(num_layers_in_first_pipeline_stage=1)
-    sources = [megatron_layout(SPEC, tp, r, opts) for r in range(2)]
-    destinations = [vllm_layout(SPEC, InferParallel(tp=2), r) for r in range(2)]
-    return sources, destinations
-
-
-def _plan(carry: bool = True):
-    sources, destinations = _layouts()
-    placement = Placement.packed(2, 2, CLUSTER)  # training on node 0, inference on node 1
-    plan = plan_refit(
-        SPEC,
-        sources,
-        destinations,
-        bucket_mb=0.02,
-        relay="none",
-        links=Topology(CLUSTER, placement),
-        carry=carry,
-    )
-    return plan, sources, destinations, placement
 
 
 def _nic_bytes(plan) -> list[int]:
@@ -85,8 +51,8 @@ def test_relay_names_round_trip() -> None:
 
 
 def test_the_busier_stage_hands_bytes_to_its_nvlink_neighbour() -> None:
-    plain, *_ = _plan(carry=False)
-    plan, sources, destinations, placement = _plan()
+    plain, *_ = carried_plan(carry=False)
+    plan, sources, destinations, placement = carried_plan()
     before, after = _nic_bytes(plain), _nic_bytes(plan)
     assert before[1] > 1.25 * before[0]  # stage 1 is the busy one
     assert sum(after) == sum(before) == plan.stats.min_bytes
@@ -126,7 +92,7 @@ def test_the_busier_stage_hands_bytes_to_its_nvlink_neighbour() -> None:
 
 
 def test_carried_plan_is_exact_once_and_bit_exact() -> None:
-    plan, sources, destinations, _ = _plan()
+    plan, sources, destinations, _ = carried_plan()
     src, dst, _ = assert_delivers_exactly(plan, SPEC, sources, destinations)
     # Checksums: the first sender counts what it hands over, the routes send it on.
     shapes = {t.name: t.shape for t in SPEC}
@@ -150,7 +116,7 @@ def test_carried_plan_is_exact_once_and_bit_exact() -> None:
 
 
 def test_a_relay_send_without_its_first_leg_is_refused() -> None:
-    plan, sources, destinations, _ = _plan()
+    plan, sources, destinations, _ = carried_plan()
     dropped = tuple(
         tuple(
             dataclasses.replace(

@@ -15,6 +15,7 @@ from nemo_refit_reshard.grpo_cpu.report import require_matplotlib
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_cpu.py"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "override, line",
     [

@@ -18,6 +18,7 @@ from nemo_refit_reshard.engine.rendezvous import free_port
 from nemo_refit_reshard.engine.transport import GlooTransport, TransportError
 
 
+@pytest.mark.slow
 def test_nobody_listening_is_named_within_the_connect_timeout() -> None:
     port = free_port()
     t0 = time.monotonic()

@@ -28,25 +28,10 @@ from nemo_refit_reshard.engine.colocated import ColocatedHost
 from nemo_refit_reshard.engine.program import TORCH_DTYPES, RankProgram
 from nemo_refit_reshard.plan import Colocation, RefitPlan, plan_refit
 from nemo_refit_reshard.runner import RunConfig, build_layouts
+from tests.helpers.model_configs import FP8_MOE
 
-FP8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
-MOE = {
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "hidden_size": 256,
-    "intermediate_size": 384,  # the dense layer's MLP crosses in BF16 (tp=2 cuts a block)
-    "moe_intermediate_size": 256,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [1],
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 128,
-    "vocab_size": 1000,
-    "torch_dtype": "bfloat16",
-    "quantization_config": FP8,
-}
+# The dense layer's MLP crosses in BF16 (tp=2 cuts a block).
+MOE = {**FP8_MOE, "intermediate_size": 384}
 BUCKET_MB = 0.125  # several rounds, so twins' slots come and go
 
 
@@ -98,6 +83,7 @@ def _separate_plans(fp8_model: str) -> dict[str, RefitPlan]:
     return {"dense": _plan(dense), "fp8": _plan(fp8)}
 
 
+@pytest.mark.slow
 def test_fp8_ranks_hold_no_quantized_copies_and_no_whole_twins(fp8_model: str) -> None:
     """Beyond their staging, the FP8 refit's training ranks hold nothing after compiling
     (no quantized copy of what they send: it would not even fit the staging bound), and
@@ -123,6 +109,7 @@ def test_fp8_ranks_hold_no_quantized_copies_and_no_whole_twins(fp8_model: str) -
         del program
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dense", "fp8"])
 @pytest.mark.parametrize("overlap", [False, True])
 def test_reported_extra_bytes_are_what_each_rank_allocates(
@@ -171,6 +158,7 @@ def test_twin_slots_never_overlap_while_live(fp8_model: str) -> None:
                 assert a is b or not together or apart
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dense", "fp8"])
 def test_colocated_extra_bytes_are_what_each_side_allocates(fp8_model: str, mode: str) -> None:
     """Colocated refit: a training rank holds its own send staging (less what it packs
@@ -258,6 +246,7 @@ def test_fp8_refit_is_bit_exact_with_per_round_quantization(fp8_model: str) -> N
         assert r["backends"]["reshard"]["mismatches"] == [], r["rank"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "device",
     [

@@ -32,26 +32,9 @@ from nemo_refit_reshard.plan import (
 from nemo_refit_reshard.runner import RunConfig, build_layouts, run_colocated, run_local
 from nemo_refit_reshard.runner.colocated import BACKEND
 from nemo_refit_reshard.spec import load_model_spec
+from tests.helpers.model_configs import FP8_MOE
 
 E4M3_NAME = "float8_e4m3fn"
-FP8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
-MOE = {
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "moe_intermediate_size": 256,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [1],
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 128,
-    "vocab_size": 1000,
-    "torch_dtype": "bfloat16",
-    "quantization_config": FP8,
-}
 
 
 def refit_layouts_of(cfg: RunConfig):
@@ -64,7 +47,7 @@ def refit_layouts_of(cfg: RunConfig):
 @pytest.fixture()
 def moe_fp8(tmp_path: Path) -> str:
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(MOE))
+    path.write_text(json.dumps(FP8_MOE))
     return str(path)
 
 
@@ -125,7 +108,7 @@ def test_a_weight_split_off_the_blocks_crosses_in_the_trained_dtype(tmp_path: Pa
     inference rank's gate_up_proj and down_proj, which it quantizes itself; everything
     else crosses as e4m3."""
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({**MOE, "intermediate_size": 384}))
+    path.write_text(json.dumps({**FP8_MOE, "intermediate_size": 384}))
     cfg = RunConfig(model=str(path), train="tp=2", infer="engine_dp=2,ep=2")
     spec, sources, destinations = build_layouts(cfg)
     dense = "model.layers.1.mlp"
@@ -166,7 +149,7 @@ def test_refit_into_fp8_engine_is_bit_exact(tmp_path: Path) -> None:
     (intermediate 384) crosses in BF16 and is quantized by the inference ranks, the rest
     as e4m3 quantized by the training ranks; then everything in BF16."""
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({**MOE, "intermediate_size": 384}))
+    path.write_text(json.dumps({**FP8_MOE, "intermediate_size": 384}))
     cfg = RunConfig(model=str(path), train="tp=2", infer="engine_dp=2,ep=2", steps=1, timeout_s=300)
     trained = replace(cfg, fp8_on_wire=False, backends=("reshard",))
     runs = [(run_local(cfg), cfg.backends), (run_colocated(cfg), [BACKEND])]

@@ -12,12 +12,11 @@ import pytest
 from nemo_refit_reshard.layouts import Box, VllmOptions, megatron_layout, vllm_layout
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
 from nemo_refit_reshard.spec.model import preset_configs
-
-FP8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+from tests.helpers.model_configs import BLOCK_FP8
 
 
 def config(preset: str, **quant: Any) -> dict[str, Any]:
-    return dict(preset_configs()[preset], quantization_config=dict(FP8, **quant))
+    return dict(preset_configs()[preset], quantization_config=dict(BLOCK_FP8, **quant))
 
 
 def test_deepseek_v3_fp8_checkpoint_tensors() -> None:
@@ -66,12 +65,12 @@ def test_ignored_modules_stay_unquantized() -> None:
             "modeled; only block-quantized FP8 (e.g. weight_block_size [128, 128]) is",
         ),
         (
-            dict(FP8, activation_scheme="static"),
+            dict(BLOCK_FP8, activation_scheme="static"),
             "quantization_config.activation_scheme='static': block-wise FP8 supports the "
             "dynamic activation scheme only (vLLM refuses it too)",
         ),
         (
-            dict(FP8, ignored_layers=["model.layers.0.self_attn.k_proj"]),
+            dict(BLOCK_FP8, ignored_layers=["model.layers.0.self_attn.k_proj"]),
             "quantization_config ignores model.layers.0.self_attn.k_proj but not "
             "['model.layers.0.self_attn.q_proj', 'model.layers.0.self_attn.v_proj']: vLLM "
             "fuses them into one parameter, quantized or not as a whole",

@@ -75,6 +75,7 @@ def test_gpu_check_without_cuda_says_what_it_needs(monkeypatch, capsys) -> None:
     )
 
 
+@pytest.mark.slow
 def test_gpu_check_program_checks_on_cpu() -> None:
     """The CPU twin of gpu-check's program checks: both programs compile and replay
     serially and overlapped through the loopback; the inference rank's tensors are

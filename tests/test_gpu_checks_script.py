@@ -7,10 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 NO_CUDA = "no CUDA device: torch.cuda.is_available() is False"
 
 
+@pytest.mark.slow
 def test_gpu_checks_script_skips_every_check_without_cuda(tmp_path: Path) -> None:
     env = {
         k: v

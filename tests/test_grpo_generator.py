@@ -146,6 +146,7 @@ def test_greedy_logprobs_match_hf(name: str) -> None:
     torch.testing.assert_close(lps, want, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_sampled_logprobs_match_hf_and_no_cache_recompute(name: str) -> None:
     gen = single_rank(name)

@@ -64,8 +64,6 @@ def _run_case(rank: int, par: P, payload: dict[str, Any], attn_cls: type) -> dic
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from tests.test_megatron_truth import _corrupt, _shard_record
-
     hf = payload["hf"]
     spec = spec_from_hf_config(hf)
     arch = spec.arch
@@ -88,13 +86,13 @@ def _run_case(rank: int, par: P, payload: dict[str, Any], attn_cls: type) -> dic
     mc.fill(params, mine, tags)
     records = []
     records += [
-        _shard_record(name, st, arch, tags, vocab) for name, st in mc.sharded_tensors([model], 1)
+        mc.shard_record(name, st, arch, tags, vocab) for name, st in mc.sharded_tensors([model], 1)
     ]
     out["records"] = records
 
     ids = payload["inputs"][out["position"]["dp"]]
     pos = torch.arange(SEQ).expand(BATCH, SEQ)
-    for key, tensors in [("logits", mine), ("negative", _corrupt(mine, NEG))]:
+    for key, tensors in [("logits", mine), ("negative", mc.swap_pieces(mine, NEG))]:
         mc.fill(params, tensors, payload["canonical"])
         with torch.no_grad():
             local = model(ids, pos, mc.causal_mask(SEQ)).contiguous()  # [b, s, Vp/T]
@@ -114,7 +112,7 @@ def _worker(rank: int, tmp: str) -> None:
     mc.apply_cpu_patches()
     attn_cls = mla.cpu_mla_patches()
     # megatron_cpu.megatron_global has no MLA / shared-expert / expert_bias keys; the
-    # placement record (test_megatron_truth._shard_record) looks it up on megatron_cpu.
+    # placement record (megatron_cpu.shard_record) looks it up there.
     mc.megatron_global = mla.mla_global
     dist.init_process_group(
         "gloo",
@@ -137,13 +135,12 @@ def _worker(rank: int, tmp: str) -> None:
 # ------------------------------------------------------------------------------- parent
 @pytest.fixture(scope="module")
 def truth() -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
-    from tests.helpers.hf_models import checkpoint_state_dict, hf_config_dict
-    from tests.test_megatron_truth import _random_hf
+    from tests.helpers.hf_models import checkpoint_state_dict, hf_config_dict, random_hf_model
 
     for name, par in CASES.items():
         assert par.world_size == WORLD, name
-    model = _random_hf("deepseek_v3", 0)
-    # Random e_score_correction_bias (a buffer, so _random_hf leaves it at zero): makes
+    model = random_hf_model("deepseek_v3", 0)
+    # Random e_score_correction_bias (a buffer, so random_hf_model leaves it at zero): makes
     # the bias change the expert choice, so a misplaced bias shows in the logits.
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():

@@ -24,7 +24,6 @@ import os
 import tempfile
 import traceback
 import warnings
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -34,7 +33,6 @@ import torch.multiprocessing as mp
 
 from nemo_refit_reshard.integrations.nemo_rl.config import RefitConfig
 from nemo_refit_reshard.integrations.nemo_rl.plans import megatron_sources
-from nemo_refit_reshard.layouts.base import LocalTensor, Piece
 from nemo_refit_reshard.layouts.megatron import MegatronOptions, megatron_layout
 from nemo_refit_reshard.plan import PlanError
 from nemo_refit_reshard.spec.model import spec_from_hf_config
@@ -87,53 +85,6 @@ def _options(case: dict[str, Any]) -> MegatronOptions:
 
 
 # ------------------------------------------------------------------------------- workers
-def _corrupt(tensors: tuple[LocalTensor, ...], neg: tuple[str, str, str]) -> tuple:
-    """The pieces of local tensors named like ``neg[0]`` with canonical ``a`` <-> ``b``."""
-    part, a, b = neg
-
-    def swap(p: Piece) -> Piece:
-        name = p.canonical.replace(a, "\0").replace(b, a).replace("\0", b)
-        return replace(p, canonical=name)
-
-    return tuple(
-        replace(t, pieces=tuple(map(swap, t.pieces))) if part in t.name else t for t in tensors
-    )
-
-
-def _shard_record(name: str, st: Any, arch: Any, tags: dict, vocab: int) -> dict[str, Any]:
-    """Where the provider's tags put ``st``'s local data, next to what ``st`` claims."""
-    from tests.helpers import megatron_cpu as mc
-
-    rec: dict[str, Any] = dict(
-        param=name,
-        key=st.key,
-        offset=tuple(st.global_offset),
-        global_shape=tuple(st.global_shape),
-        local_shape=(1,) * st.prepend_axis_num + tuple(st.local_shape),
-        frag=tuple(st.axis_fragmentations),
-        flat=st.flattened_range,
-    )
-    try:
-        glob = mc.megatron_global(st.key, arch, tags, vocab)
-    except KeyError as e:
-        return dict(rec, problem=str(e))
-    data = st.data.reshape(rec["local_shape"])
-    rec["expected_shape"] = tuple(glob.shape)
-    nonzero = data.flatten().nonzero()
-    rec["implied"] = None  # all padding: no tag to locate
-    if len(nonzero):
-        k = int(nonzero[0])
-        hits = (glob == data.flatten()[k]).nonzero()
-        local_idx = torch.unravel_index(torch.tensor(k), rec["local_shape"])
-        if len(hits) == 1:
-            rec["implied"] = tuple(int(h) - int(i) for h, i in zip(hits[0], local_idx))
-        else:
-            rec["problem"] = f"tag found {len(hits)} times in the global tensor"
-    region = glob[tuple(slice(o, o + n) for o, n in zip(rec["offset"], rec["local_shape"]))]
-    rec["match"] = region.shape == data.shape and torch.equal(region, data)
-    return rec
-
-
 def _run_case(rank: int, case: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -165,7 +116,7 @@ def _run_case(rank: int, case: dict[str, Any], payload: dict[str, Any]) -> dict[
     tags = mc.tag_tensors(spec)
     mc.fill(params, mine, tags)
     records = [
-        _shard_record(name, st, arch, tags, vocab)
+        mc.shard_record(name, st, arch, tags, vocab)
         for name, st in mc.sharded_tensors(chunks, par.vpp)
     ]
     out["records"] = records
@@ -176,7 +127,7 @@ def _run_case(rank: int, case: dict[str, Any], payload: dict[str, Any]) -> dict[
         group = ps.get_tensor_model_parallel_group()
         runs = [("logits", mine)]
         if "neg" in case:
-            runs.append(("negative", _corrupt(mine, case["neg"])))
+            runs.append(("negative", mc.swap_pieces(mine, case["neg"])))
         for key, tensors in runs:
             mc.fill(params, tensors, payload["canonical"])
             with torch.no_grad():
@@ -247,26 +198,18 @@ def _worker(rank: int, tmp: str) -> None:
 
 
 # ------------------------------------------------------------------------------- parent
-def _random_hf(family: str, seed: int, **overrides: Any) -> torch.nn.Module:
-    """A tiny HF model with every weight random (norm weights around 1), seeded."""
-    from tests.helpers.hf_models import tiny_hf_model
-
-    model = tiny_hf_model(family, seed=seed, **overrides)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.2 * noise if p.dim() == 1 else 0.15 * noise)
-    return model
-
-
 def _payload(seed: int, case: dict[str, Any]) -> dict[str, Any]:
-    from tests.helpers.hf_models import TINY_CONFIGS, checkpoint_state_dict, hf_config_dict
+    from tests.helpers.hf_models import (
+        TINY_CONFIGS,
+        checkpoint_state_dict,
+        hf_config_dict,
+        random_hf_model,
+    )
 
     overrides = case.get("hf", {})
     if not case.get("forward"):
         return dict(hf=dict(TINY_CONFIGS[case["family"]], **overrides))
-    model = _random_hf(case["family"], seed, **overrides)
+    model = random_hf_model(case["family"], seed, **overrides)
     hf = hf_config_dict(model)
     canonical = checkpoint_state_dict(model)
     spec_names = [t.name for t in spec_from_hf_config(hf)]

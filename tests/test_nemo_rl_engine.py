@@ -16,27 +16,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from nemo_refit_reshard.spec import spec_from_hf_config
 from tests.helpers import vllm_env
-from tests.test_vllm_truth import MODELS
+from tests.helpers.checkpoints import write_steps
+from tests.helpers.model_configs import MODELS
+from tests.helpers.requires import requires
 
-_SKIP = vllm_env.nemo_rl_skip_reason()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+pytestmark = [pytest.mark.slow, requires(vllm_env.nemo_rl_skip_reason)]
 
 
 def drive(tmp: Path, model: str, tp: int, engines: int, steps: int, **kwargs: Any) -> dict:
     cfg = MODELS[model]
     (tmp / "config.json").write_text(json.dumps(cfg))
     spec = spec_from_hf_config(cfg)
-    checkpoints = []
-    for step in range(steps):
-        g = torch.Generator().manual_seed(900 + step)
-        path = tmp / f"step{step}.safetensors"
-        save_file({t.name: torch.randn(t.shape, generator=g) for t in spec}, str(path))
-        checkpoints.append(str(path))
+    checkpoints = write_steps(spec, tmp, range(steps), seed=900)
     engine_kwargs = {
         "model": str(tmp),
         "infer": f"tp={tp}",

@@ -34,7 +34,7 @@ from nemo_refit_reshard.layouts import (
     vllm_layouts,
 )
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, load_model_spec
-from tests.test_fp8_refit import MOE
+from tests.helpers.model_configs import FP8_MOE
 
 TRAIN, INFER = TrainParallel(tp=2, etp=1), InferParallel(tp=2, dp=2)
 VLLM_CFG = {
@@ -73,7 +73,7 @@ def _meta(layout, dtype_of=lambda t: t.dtype):
 
 def test_fp8_generation_through_the_nemo_rl_planning(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({k: v for k, v in MOE.items() if k != "quantization_config"}))
+    path.write_text(json.dumps({k: v for k, v in FP8_MOE.items() if k != "quantization_config"}))
     trained = load_model_spec(str(path))
     opts = MegatronOptions(params_dtype="bfloat16")
     sources = megatron_layouts(trained, TRAIN, opts)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import vllm_env
+from tests.helpers.requires import requires
 
 # Found, not imported: importing NeMo RL's GRPO module (what nemo_rl_grpo_skip_reason
 # probes) takes 15-30 s here, and the launcher imports it anyway; a broken install fails
@@ -28,10 +29,15 @@ _HINT = (
     "NEMO_RL_PYTHON=python3.12 bash scripts/setup_nemo_rl_cpu.sh <NeMo RL clone or git URL> "
     ".venv-nemo-rl312"
 )
-_SKIP = vllm_env._missing(
-    vllm_env.nemo_rl_grpo_python(), "NeMo RL on Python >= 3.12", _PROBE, _HINT
-)
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+
+
+def _skip_reason() -> str | None:
+    return vllm_env._missing(
+        vllm_env.nemo_rl_grpo_python(), "NeMo RL on Python >= 3.12", _PROBE, _HINT
+    )
+
+
+pytestmark = [pytest.mark.slow, requires(_skip_reason)]
 
 
 def launch(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:

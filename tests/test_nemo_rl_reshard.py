@@ -18,13 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from nemo_refit_reshard.spec import spec_from_hf_config
 from tests.helpers import broken_rules, vllm_env
-from tests.test_vllm_truth import MODELS
-from tests.test_vllm_worker import fp8_checkpoints
+from tests.helpers.checkpoints import fp8_checkpoints, write_steps
+from tests.helpers.model_configs import MODELS
+from tests.helpers.requires import requires
 
 # The quantization_config NeMo RL's init_fp8 passes vLLM (no BF16 layers).
 NEMO_RL_FP8 = {
@@ -36,8 +35,7 @@ NEMO_RL_FP8 = {
     }
 }
 
-_SKIP = vllm_env.nemo_rl_grpo_skip_reason()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+pytestmark = [pytest.mark.slow, requires(vllm_env.nemo_rl_grpo_skip_reason)]
 
 
 TP2 = dict(train="tp=2", megatron_cfg={"tensor_model_parallel_size": 2}, vllm_tp=2, vllm_pp=1)
@@ -74,13 +72,8 @@ def drive(
         cfg = {k: v for k, v in MODELS["qwen3_fp8"].items() if k != "quantization_config"}
         cfg["torch_dtype"] = "bfloat16"
     (tmp / "config.json").write_text(json.dumps(cfg))
-    checkpoints = []
-    for step in range(steps + 1):  # 0: what vLLM loads at start-up
-        g = torch.Generator().manual_seed(700 + step)
-        path = tmp / f"step{step}.safetensors"
-        tensors = {t.name: torch.randn(t.shape, generator=g) for t in spec_from_hf_config(cfg)}
-        save_file(tensors, str(path))
-        checkpoints.append(str(path))
+    # step 0: what vLLM loads at start-up
+    checkpoints = write_steps(spec_from_hf_config(cfg), tmp, range(steps + 1), seed=700)
     extra: dict[str, Any] = {}
     if fp8:
         quantized = spec_from_hf_config({**cfg, **NEMO_RL_FP8})

@@ -22,10 +22,9 @@ from typing import Any
 import pytest
 
 from tests.helpers import vllm_env
+from tests.helpers.model_configs import MODELS
 from tests.helpers.nodes import node
-from tests.test_vllm_truth import MODELS
-
-_SKIP = vllm_env.skip_reason()
+from tests.helpers.requires import requires
 
 
 def _vllm_native(tmp_path: Path, colocated: bool, **address: Any) -> dict[str, Any]:
@@ -57,7 +56,7 @@ def _own_slice_bytes(fingerprint: str, colocated: bool) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+@requires(vllm_env.skip_reason)
 @pytest.mark.parametrize("colocated", [False, True], ids=["separate", "colocated"])
 def test_vllm_native_trainer_ranks_on_two_nodes_each_worker_gets_only_its_slice(
     tmp_path: Path, colocated: bool
@@ -72,7 +71,7 @@ def test_vllm_native_trainer_ranks_on_two_nodes_each_worker_gets_only_its_slice(
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+@requires(vllm_env.skip_reason)
 def test_vllm_native_each_worker_receives_only_its_own_plan_slice(tmp_path: Path) -> None:
     """The driver set the port and secret (no port to pick): each worker's plan bytes are
     exactly its own slice, read from the group's store; the RPC arguments carry none."""
@@ -93,11 +92,8 @@ def _check_workers(r: dict[str, Any], colocated: bool) -> None:
         assert w["rpc_bytes"] < 1024, w  # endpoint, fingerprint, store key
 
 
-_NEMO_RL_SKIP = vllm_env.nemo_rl_skip_reason()
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_NEMO_RL_SKIP is not None, reason=_NEMO_RL_SKIP or "")
+@requires(vllm_env.nemo_rl_skip_reason)
 def test_nemo_rl_synchronizer_address_is_picked_by_policy_rank_0(tmp_path: Path) -> None:
     """The driver on node 5, policy ranks on nodes 0-2, ``refit.host`` = node 0: policy
     rank 0 picks the port (the driver cannot bind node 0's address), all three join."""
@@ -122,7 +118,7 @@ def _engine_nodes(tmp_path: Path, framework: str, python: str | None) -> dict[st
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_NEMO_RL_SKIP is not None, reason=_NEMO_RL_SKIP or "")
+@requires(vllm_env.nemo_rl_skip_reason)
 def test_nemo_rl_checkpoint_engine_host_is_bound_by_its_node_only(tmp_path: Path) -> None:
     """``host`` = node 0 in the settings, every worker runs ``prepare``: only the worker on
     node 0 offers an address (the others cannot bind it and offer none); all join it."""
@@ -132,11 +128,8 @@ def test_nemo_rl_checkpoint_engine_host_is_bound_by_its_node_only(tmp_path: Path
     assert r["joined"] == [0, 1, 2]
 
 
-_VERL_SKIP = vllm_env.verl_skip_reason()
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_VERL_SKIP is not None, reason=_VERL_SKIP or "")
+@requires(vllm_env.verl_skip_reason)
 def test_verl_checkpoint_engine_master_alone_picks_the_address(tmp_path: Path) -> None:
     """veRL: the master actor rank (node 0) alone picks the address; all three join."""
     r = _engine_nodes(tmp_path, "verl", vllm_env.verl_python())
@@ -166,6 +159,7 @@ def _worker_api_rank(rank: int, inbox: Any, out: Any) -> None:
         out.put(("failed", f"rank {rank}: {err!r}"))
 
 
+@pytest.mark.slow
 def test_worker_api_rank_0_picks_its_own_address_and_every_node_joins() -> None:
     """The driver (this process) is node 5: it cannot pick a port on node 0's address (the
     error says who picks it); refit rank 0 does, on node 0, and ranks on nodes 1 and 2

@@ -30,6 +30,7 @@ from nemo_refit_reshard.plan import Colocation, PlanError, plan_refit
 from nemo_refit_reshard.runner import RunConfig, build_layouts
 from nemo_refit_reshard.spec import TrainParallel, spec_from_hf_config
 from tests.helpers import vllm_env
+from tests.helpers.requires import requires
 
 OPTIONS = {
     "layer_spec": "te",
@@ -166,11 +167,10 @@ def test_colocated_trainer_ranks_compare_fingerprints_at_join() -> None:
 
 
 # ------------------------------------------------ a dense first stage through every path
-_SKIP = vllm_env.skip_reason()
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+@requires(vllm_env.skip_reason)
 def test_dense_first_stage_one_plan_on_every_path(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     vllm_env.finish(vllm_env.start("one_plan_world", str(out)), "the two-rank Megatron world")

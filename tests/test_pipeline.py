@@ -25,8 +25,9 @@ from nemo_refit_reshard.engine.transport import TransportError
 from nemo_refit_reshard.layouts import megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import plan_refit
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
+from tests.helpers.carried_plan import SPEC as CARRIED_SPEC
+from tests.helpers.carried_plan import carried_plan
 from tests.helpers.hf_models import TINY_CONFIGS
-from tests.test_carry import _plan as carried_plan
 
 
 # -- the order ------------------------------------------------------------------------
@@ -252,14 +253,12 @@ def test_overlapped_refit_is_bit_exact(mode: str) -> None:
 @pytest.mark.parametrize("mode", ["late", "early"])
 def test_carried_bytes_survive_the_overlap(mode: str) -> None:
     plan, sources, destinations, _ = carried_plan()
-    from tests.test_carry import SPEC
-
     assert any(
         p.reads_previous
         for p in RankProgram(plan, 0, _zeros(sources[0]), overlap=True).rounds
         + RankProgram(plan, 1, _zeros(sources[1]), overlap=True).rounds
     )
-    assert _refit(plan, SPEC, sources, destinations, mode, sets=2) == [[]] * 2
+    assert _refit(plan, CARRIED_SPEC, sources, destinations, mode, sets=2) == [[]] * 2
 
 
 @pytest.mark.parametrize("mode", ["late", "early"])

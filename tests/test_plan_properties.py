@@ -7,9 +7,7 @@ and compares every destination element, bit for bit after the dtype cast.
 
 from __future__ import annotations
 
-import os
-
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from nemo_refit_reshard.layouts import (
@@ -23,13 +21,9 @@ from nemo_refit_reshard.layouts import (
 from nemo_refit_reshard.plan import RefitPlan, is_relay, plan_refit
 from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
 from tests.helpers.plan_checks import assert_delivers_exactly
-from tests.test_layout_properties import hf_configs
+from tests.helpers.strategies import hf_configs, property_settings
 
-# HYPOTHESIS_EXAMPLES=600 runs a deeper search locally; CI keeps the default.
-EXAMPLES = int(os.environ.get("HYPOTHESIS_EXAMPLES", "60"))
-SETTINGS = settings(
-    max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.filter_too_much]
-)
+SETTINGS = property_settings(60)
 
 
 class _Parity:

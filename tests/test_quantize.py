@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from nemo_refit_reshard.engine.quantize import E4M3, quantize_block_fp8, quantize_into
 from tests.helpers import vllm_env
+from tests.helpers.requires import requires
 
 SHAPES = [(256, 384), (200, 72), (576, 7168 // 8), (1, 130)]  # partial blocks included
 
@@ -65,11 +66,8 @@ def test_quantize_into_refuses_a_wrong_engine_tensor() -> None:
     )
 
 
-_SKIP = vllm_env.skip_reason()
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+@requires(vllm_env.skip_reason)
 def test_bit_equal_to_vllms_reference(tmp_path: Path) -> None:
     weights = _weights()
     save_file(weights, str(tmp_path / "x.safetensors"))

@@ -166,6 +166,7 @@ def _gather_rank(rank: int, path: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_every_rank_gathers_every_rank_text(tmp_path) -> None:
     """``gather_texts`` (the colocated trainer engine's host addresses), three processes;
     an empty text (a rank hosting no worker) stays empty."""

@@ -219,6 +219,7 @@ os.kill(os.getpid(), signal.SIGKILL)  # dies mid-step: no close, no atexit
 """
 
 
+@pytest.mark.slow
 def test_a_killed_creator_leaves_no_segment() -> None:
     """A process that created the staging (and opened it as a guest would, through the
     same resource tracker) is SIGKILLed: its tracker removes the segment. Before the fix
@@ -248,6 +249,7 @@ def _create_and_die(queue) -> None:  # a multiprocessing child: shares its paren
     time.sleep(600)  # killed by the parent
 
 
+@pytest.mark.slow
 def test_the_next_init_sweeps_what_a_killed_child_left() -> None:
     """A child sharing this process's resource tracker is SIGKILLed after creating its
     staging: the tracker would remove the segment only when this process exits; the next
@@ -307,6 +309,7 @@ def test_demo_and_a_host_killed_mid_step_leave_no_segment(monkeypatch) -> None:
     assert dead_segments() == []
 
 
+@pytest.mark.slow
 def test_ipc_check_cpu_twin() -> None:
     """``cli/ipc_check.py`` on CPU: two processes, one exports, one opens and compares."""
     from nemo_refit_reshard.cli.ipc_check import run_ipc_check

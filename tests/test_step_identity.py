@@ -32,19 +32,10 @@ from nemo_refit_reshard.integrations.worker import (
 )
 from nemo_refit_reshard.layouts import megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import Colocation, PlanError, plan_refit, rank_plan
-from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
-from tests.helpers.hf_models import TINY_CONFIGS
+from nemo_refit_reshard.spec import InferParallel, TrainParallel
+from tests.helpers.one_to_one import DEST, PLAN, SOURCE, SPEC, canonical
 
-SPEC = spec_from_hf_config(dict(TINY_CONFIGS["llama"], torch_dtype="float32"))
-SOURCE = megatron_layout(SPEC, TrainParallel(), 0)
-DEST = vllm_layout(SPEC, InferParallel(), 0)
-PLAN = plan_refit(SPEC, [SOURCE], [DEST], bucket_mb=0.01)  # several rounds
 COLOCATED = plan_refit(SPEC, [SOURCE], [DEST], bucket_mb=0.01, colocation=Colocation((0,)))
-
-
-def canonical(step: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    return {t.name: torch.randn(t.shape, generator=g) for t in SPEC}
 
 
 # -- gloo: a delayed message of a failed step ------------------------------------------------

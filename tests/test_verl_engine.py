@@ -14,18 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from nemo_refit_reshard.integrations.checkpoint_engine import ReshardEngineConfig, plan_full_tensors
 from nemo_refit_reshard.layouts import vllm_layouts
 from nemo_refit_reshard.spec import InferParallel, spec_from_hf_config
 from tests.helpers import vllm_env
-from tests.test_vllm_truth import MODELS
+from tests.helpers.checkpoints import write_steps
+from tests.helpers.model_configs import MODELS
+from tests.helpers.requires import requires
 
-_SKIP = vllm_env.verl_skip_reason()
 LOCAL = {"host": "127.0.0.1"}  # the refit group's rendezvous stays on loopback
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+pytestmark = [pytest.mark.slow, requires(vllm_env.verl_skip_reason)]
 
 
 def model_dir(tmp: Path) -> Path:
@@ -37,13 +36,7 @@ def model_dir(tmp: Path) -> Path:
 
 def checkpoints(model: Path, steps: int) -> list[str]:
     spec = spec_from_hf_config(json.loads((model / "config.json").read_text()))
-    out = []
-    for step in range(steps):
-        g = torch.Generator().manual_seed(500 + step)
-        path = model.parent / f"step{step}.safetensors"
-        save_file({t.name: torch.randn(t.shape, generator=g) for t in spec}, str(path))
-        out.append(str(path))
-    return out
+    return write_steps(spec, model.parent, range(steps), seed=500)
 
 
 def drive(tmp: Path, **spec: Any) -> dict[str, Any]:

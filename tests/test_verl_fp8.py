@@ -15,13 +15,15 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from nemo_refit_reshard.spec import spec_from_hf_config
 from tests.helpers import vllm_env
+from tests.helpers.checkpoints import write_steps
+from tests.helpers.hf_models import hf_config
+from tests.helpers.model_configs import FP8_DIMS
+from tests.helpers.requires import requires
 
-_SKIP = vllm_env.skip_reason() or vllm_env.verl_skip_reason()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+pytestmark = [pytest.mark.slow, requires(vllm_env.skip_reason, vllm_env.verl_skip_reason)]
 
 
 def verl_package() -> str:
@@ -39,16 +41,9 @@ def verl_package() -> str:
 
 
 def run(tmp: Path, infer: str, rank: dict[str, Any]) -> dict[str, Any]:
-    from tests.test_vllm_truth import _FP8_DIMS, hf_config
-
-    config = hf_config("qwen3_moe", **_FP8_DIMS, moe_intermediate_size=256)  # BF16, trained
+    config = hf_config("qwen3_moe", **FP8_DIMS, moe_intermediate_size=256)  # BF16, trained
     spec = spec_from_hf_config(config)
-    checkpoints = []
-    for step in range(2):
-        g = torch.Generator().manual_seed(900 + step)
-        path = tmp / f"step{step}.safetensors"
-        save_file({t.name: torch.randn(t.shape, generator=g).bfloat16() for t in spec}, str(path))
-        checkpoints.append(str(path))
+    checkpoints = write_steps(spec, tmp, range(2), seed=900, cast=torch.Tensor.bfloat16)
     job = {
         "config": config,
         "engine": {"infer": infer, "quantization": "fp8", "bucket_mb": 1},

@@ -102,16 +102,9 @@ def test_engine_model_as_hf_repo_id_says_why_it_failed(monkeypatch: pytest.Monke
 
 
 # -- FP8 rollouts (veRL's rollout.quantization: fp8, or a block-FP8 checkpoint) ---------
-FP8_CONFIG = {
-    "quant_method": "fp8",
-    "weight_block_size": [128, 128],
-    "activation_scheme": "dynamic",
-}
-
-
 def fp8_checkpoint() -> dict[str, object]:
     """A block-FP8 Qwen3-MoE config.json (its layer-0 router left unquantized)."""
-    from tests.test_vllm_truth import MODELS
+    from tests.helpers.model_configs import MODELS
 
     return MODELS["qwen3_moe_fp8"]
 

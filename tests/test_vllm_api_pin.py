@@ -22,6 +22,7 @@ import tomllib
 from nemo_refit_reshard.integrations.vllm.api_check import SUPPORTED_RANGE, SUPPORTED_VLLM
 from nemo_refit_reshard.layouts.vllm import VLLM_RELEASES
 from tests.helpers import vllm_env
+from tests.helpers.requires import requires
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -130,6 +131,7 @@ EXPECTED_LINE = (
 )
 
 
+@pytest.mark.slow
 def test_a_vllm_with_a_newer_weight_transfer_api_is_refused_by_name(tmp_path: Path) -> None:
     out, log = _probe(_stand_in_vllm(tmp_path, "0.40.0", _NEWER))
     # one warning at start-up (register() twice: once), the same line when selected
@@ -139,6 +141,7 @@ def test_a_vllm_with_a_newer_weight_transfer_api_is_refused_by_name(tmp_path: Pa
     assert out["trainer"] == f"IncompatibleVllmError: {EXPECTED_LINE}"
 
 
+@pytest.mark.slow
 def test_the_tested_api_registers_our_engines(tmp_path: Path) -> None:
     """Control: the stand-in with 0.33's signatures gets the real (lazy) engines."""
     out, log = _probe(_stand_in_vllm(tmp_path, "0.33.0", _BASE_033))
@@ -146,10 +149,8 @@ def test_the_tested_api_registers_our_engines(tmp_path: Path) -> None:
     assert out["registered"] == {"reshard": "nemo_refit_reshard.integrations.vllm.transfer_worker"}
 
 
-_SKIP = vllm_env.skip_reason()
-
-
-@pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+@pytest.mark.slow
+@requires(vllm_env.skip_reason)
 def test_real_vllm_033_has_the_api_we_are_written_against() -> None:
     python = vllm_env.vllm_python()
     code = (

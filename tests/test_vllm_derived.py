@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from nemo_refit_reshard.engine.rendezvous import free_port
 from nemo_refit_reshard.integrations.worker import RefitEndpoint
@@ -32,12 +31,13 @@ from nemo_refit_reshard.spec import (
     spec_from_hf_config,
 )
 from tests.helpers import vllm_env
+from tests.helpers.checkpoints import fp8_checkpoints, write_steps
+from tests.helpers.model_configs import MODELS
+from tests.helpers.requires import requires
 from tests.helpers.train_ranks import start_training_ranks
-from tests.test_vllm_truth import MODELS, rank_fields
-from tests.test_vllm_worker import engine_dtype, fp8_checkpoints, installed_version
+from tests.helpers.vllm_jobs import engine_dtype, installed_version, rank_fields
 
-_SKIP = vllm_env.skip_reason()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+pytestmark = [pytest.mark.slow, requires(vllm_env.skip_reason)]
 
 MLA = [f"model.layers.{i}.self_attn.mla_attn.mla_attn" for i in range(3)]
 DERIVED = sorted(f"{layer}.{attr}" for layer in MLA for attr in ("W_UK_T", "W_UV"))
@@ -47,14 +47,11 @@ def write_checkpoints(spec: ModelSpec, work: Path, steps: int) -> list[str]:
     """The start-up checkpoint, then one per refit step; every value a bfloat16 one, so
     that the float32 training ranks and vLLM's load of the bfloat16 + FP8 checkpoint hold
     the same numbers (vLLM keeps the router's correction bias in float32)."""
-    paths = []
-    for step in range(-1, steps):
-        g = torch.Generator().manual_seed(100 + step)
-        path = work / f"step{step}.safetensors"
-        tensors = {t.name: torch.randn(t.shape, generator=g) for t in spec}
-        save_file({n: t.bfloat16().float() for n, t in tensors.items()}, str(path))
-        paths.append(str(path))
-    return paths
+    return write_steps(spec, work, range(-1, steps), seed=100, cast=_bfloat16_values)
+
+
+def _bfloat16_values(t: torch.Tensor) -> torch.Tensor:
+    return t.bfloat16().float()
 
 
 def write_plan(spec: ModelSpec, train: TrainParallel, infer: InferParallel, work: Path) -> str:

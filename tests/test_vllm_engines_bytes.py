@@ -14,9 +14,9 @@ import subprocess
 import pytest
 
 from tests.helpers import vllm_env
+from tests.helpers.requires import requires
 
-_SKIP = vllm_env.skip_reason()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+pytestmark = [pytest.mark.slow, requires(vllm_env.skip_reason)]
 
 _PROGRAM = """
 import json, logging

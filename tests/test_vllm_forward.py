@@ -22,8 +22,8 @@ from safetensors import safe_open
 from torch import Tensor
 
 from nemo_refit_reshard.layouts import LocalTensor, RankLayout, vllm_layout, vllm_pp_indices
-from nemo_refit_reshard.spec import InferParallel, ModelSpec, spec_from_hf_config
-from tests.helpers.hf_models import unit_scale_weights
+from nemo_refit_reshard.spec import InferParallel, spec_from_hf_config
+from tests.helpers.hf_models import HfModel, unit_scale_weights
 from tests.helpers.vllm_reference import (
     Grid,
     VllmReference,
@@ -98,23 +98,15 @@ def _configs() -> dict[str, Any]:
     }
 
 
-@dataclasses.dataclass(frozen=True)
-class Model:
-    hf: torch.nn.Module
-    cfg: dict[str, Any]
-    spec: ModelSpec
-    canonical: dict[str, Tensor]
-
-
 @functools.cache
-def model(name: str) -> Model:
+def model(name: str) -> HfModel:
     config = _configs()[name]
     torch.manual_seed(1234)
     hf = transformers.AutoModelForCausalLM.from_config(config).eval()
     unit_scale_weights(hf)
     cfg = config.to_dict()
     spec = spec_from_hf_config(cfg, name=name)
-    return Model(hf, cfg, spec, canonical_state_dict(hf, bool(cfg.get("tie_word_embeddings"))))
+    return HfModel(hf, cfg, spec, canonical_state_dict(hf, bool(cfg.get("tie_word_embeddings"))))
 
 
 def input_ids(rows: int, t: int = 10) -> Tensor:
@@ -130,7 +122,7 @@ def input_ids(rows: int, t: int = 10) -> Tensor:
     return torch.stack(out)
 
 
-def build_grid(m: Model, par: InferParallel, corrupt: Corruption | None = None) -> Grid:
+def build_grid(m: HfModel, par: InferParallel, corrupt: Corruption | None = None) -> Grid:
     layouts = [vllm_layout(m.spec, par, r) for r in range(par.world_size)]
     if corrupt is not None:
         layouts = corrupt(layouts, par)

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nemo_refit_reshard.layouts import LocalTensor, RankLayout, vllm_layout
-from nemo_refit_reshard.spec import InferParallel, ModelSpec, spec_from_hf_config
-from tests.helpers.hf_models import checkpoint_state_dict, hf_config_dict, tiny_hf_model
+from nemo_refit_reshard.spec import InferParallel, spec_from_hf_config
+from tests.helpers.hf_models import HfModel, checkpoint_state_dict, hf_config_dict, tiny_hf_model
 from tests.helpers.vllm_reference import (
     Grid,
     Shards,
@@ -58,16 +58,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Model:
-    hf: torch.nn.Module
-    cfg: dict[str, Any]
-    spec: ModelSpec
-    canonical: dict[str, Tensor]
-
-
 @functools.cache
-def model(name: str) -> Model:
+def model(name: str) -> HfModel:
     hf = tiny_hf_model("deepseek_v3", seed=1234, **VARIANTS[name])
     # Unit-scale signals, non-trivial norms and a router bias that changes the selection
     # (HF initialises with std 0.02, norms to 1 and the correction bias to 0).
@@ -89,7 +81,7 @@ def model(name: str) -> Model:
     cfg["topk_method"] = "noaux_tc"
     assert cfg["rope_interleave"] and cfg["rope_parameters"]["rope_type"] == "default"
     spec = spec_from_hf_config(cfg, name=name)
-    return Model(hf, cfg, spec, checkpoint_state_dict(hf))
+    return HfModel(hf, cfg, spec, checkpoint_state_dict(hf))
 
 
 def rope_gptj(x: Tensor, theta: float) -> Tensor:

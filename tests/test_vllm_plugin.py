@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import vllm_env
-from tests.test_vllm_truth import MODELS
+from tests.helpers.model_configs import MODELS
+from tests.helpers.requires import requires
 
-_SKIP = vllm_env.skip_reason()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+pytestmark = [pytest.mark.slow, requires(vllm_env.skip_reason)]
 ENTRY_POINT = "nemo_refit_reshard.integrations.vllm.plugin:register"
 
 
@@ -61,10 +61,7 @@ def test_fresh_process_selects_reshard(tmp_path: Path) -> None:
     )
 
 
-_NO_OLD_VLLM = vllm_env.nemo_rl_skip_reason()
-
-
-@pytest.mark.skipif(_NO_OLD_VLLM is not None, reason=_NO_OLD_VLLM or "")
+@requires(vllm_env.nemo_rl_skip_reason)
 def test_plugin_leaves_a_vllm_without_trainer_factories_working() -> None:
     """vLLM 0.25.1 (NeMo RL's pin, in its venv) has no ``WeightTransferTrainerFactory``:
     vLLM's own ``load_general_plugins()`` runs our entry point, which registers nothing

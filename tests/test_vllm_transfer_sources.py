@@ -10,7 +10,7 @@ from nemo_refit_reshard.integrations.vllm.transfer_sources import DTensorSource,
 from nemo_refit_reshard.layouts import fsdp2_placements
 from nemo_refit_reshard.plan import PlanError
 from nemo_refit_reshard.spec import spec_from_hf_config
-from tests.test_vllm_truth import MODELS
+from tests.helpers.model_configs import MODELS
 
 
 def _full(spec) -> dict[str, torch.Tensor]:

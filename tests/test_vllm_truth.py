@@ -24,94 +24,14 @@ import torch
 
 from nemo_refit_reshard.engine.materialize import mismatches
 from nemo_refit_reshard.layouts import VLLM_RELEASES, RankLayout, VllmOptions, vllm_layout
-from nemo_refit_reshard.layouts.vllm import vllm_position
 from nemo_refit_reshard.spec import InferParallel, ModelSpec, spec_from_hf_config
 from tests.helpers import vllm_env
-from tests.helpers.hf_models import TINY_CONFIGS
+from tests.helpers.checkpoints import random_tensors
+from tests.helpers.model_configs import MODELS
+from tests.helpers.requires import requires
+from tests.helpers.vllm_jobs import rank_fields
 
-_SKIP = vllm_env.skip_reason()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
-
-_HF_CLASSES = {
-    "llama": "LlamaConfig",
-    "qwen2": "Qwen2Config",
-    "qwen3": "Qwen3Config",
-    "qwen3_moe": "Qwen3MoeConfig",
-    "deepseek_v3": "DeepseekV3Config",
-}
-
-
-def hf_config(family: str, **overrides: Any) -> dict[str, Any]:
-    """A full config.json dict (transformers' defaults filled in, ``model_type`` set)."""
-    import transformers
-
-    kwargs = {k: v for k, v in TINY_CONFIGS[family].items() if k != "architectures"}
-    kwargs.update(overrides)
-    cfg = getattr(transformers, _HF_CLASSES[family])(**kwargs).to_dict()
-    cfg["architectures"] = TINY_CONFIGS[family]["architectures"]
-    return cfg
-
-
-_DS = dict(topk_method="noaux_tc")
-# Kimi-K2's shape ratios (DeepseekV3ForCausalLM, one dense layer, one expert group,
-# more experts than ranks and not a multiple of them), scaled down.
-_KIMI = dict(
-    topk_method="noaux_tc",
-    n_routed_experts=12,
-    num_experts_per_tok=4,
-    first_k_dense_replace=1,
-    n_group=1,
-    topk_group=1,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    num_hidden_layers=3,
-)
-# Block-FP8 checkpoints (quantization_config as DeepSeek-V3's and Qwen3's -FP8 ones),
-# sized so that every TP shard below is whole 128x128 blocks except the unsplit tails
-# (DeepSeek's 192-row kv_a_proj_with_mqa: 2 scale rows, the last one partial).
-_FP8 = dict(
-    quantization_config={
-        "quant_method": "fp8",
-        "weight_block_size": [128, 128],
-        "activation_scheme": "dynamic",
-    }
-)
-_FP8_DIMS = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, head_dim=128)
-MODELS: dict[str, dict[str, Any]] = {
-    "llama": hf_config("llama", num_attention_heads=8, num_key_value_heads=2),
-    "qwen2": hf_config("qwen2", num_attention_heads=8, num_key_value_heads=2),
-    "qwen3": hf_config("qwen3", num_hidden_layers=3),
-    "qwen3_moe": hf_config("qwen3_moe"),
-    "qwen3_moe_e6": hf_config("qwen3_moe", num_experts=6),
-    "deepseek_v3": hf_config("deepseek_v3", **_DS),
-    "deepseek_v3_no_topk_method": hf_config("deepseek_v3"),
-    "deepseek_v3_no_q_lora": hf_config("deepseek_v3", q_lora_rank=None, **_DS),
-    "kimi_k2": hf_config("deepseek_v3", **_KIMI),
-    "qwen3_fp8": hf_config("qwen3", **_FP8_DIMS, **_FP8),
-    "qwen3_moe_fp8": hf_config(
-        "qwen3_moe",
-        **_FP8_DIMS,
-        moe_intermediate_size=256,
-        # vLLM leaves a module the checkpoint names unquantized: layer 0's router stays
-        # bfloat16, layer 2's is FP8 (layer 1 is dense).
-        quantization_config=dict(
-            _FP8["quantization_config"], modules_to_not_convert=["model.layers.0.mlp.gate"]
-        ),
-    ),
-    "deepseek_v3_fp8": hf_config(
-        "deepseek_v3",
-        hidden_size=256,
-        intermediate_size=512,
-        moe_intermediate_size=256,
-        q_lora_rank=256,
-        kv_lora_rank=128,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        **_DS,
-        **_FP8,
-    ),
-}
+pytestmark = [pytest.mark.slow, requires(vllm_env.skip_reason)]
 
 P = InferParallel
 # (model, parallelism, all2all backend or None for vLLM's default)
@@ -203,20 +123,6 @@ def engine_ranks(par: InferParallel) -> list[int]:
     return list(range(par.engine_world_size))
 
 
-def rank_fields(par: InferParallel, rank: int, backend: str | None) -> dict[str, Any]:
-    pos = vllm_position(par, rank)
-    return dict(
-        tp=par.tp,
-        pp=par.pp,
-        engine_dp=par.engine_dp,
-        expert_parallel=par.expert_parallel,
-        tp_rank=pos.tp,
-        pp_rank=pos.pp,
-        dp_rank=pos.edp,
-        all2all_backend=backend,
-    )
-
-
 @functools.cache
 def spec_of(model: str) -> ModelSpec:
     return spec_from_hf_config(MODELS[model], name=model)
@@ -225,8 +131,7 @@ def spec_of(model: str) -> ModelSpec:
 def checkpoint(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random float32 checkpoint tensors, every element distinct in practice; a block-FP8
     model's quantized weights as e4m3 (their scales float32), as its checkpoint has them."""
-    g = torch.Generator().manual_seed(seed)
-    out = {t.name: torch.randn(t.shape, generator=g) for t in spec}
+    out = random_tensors(spec, seed)
     for t in spec:
         if t.dtype == "float8_e4m3fn":
             out[t.name] = out[t.name].to(torch.float8_e4m3fn)

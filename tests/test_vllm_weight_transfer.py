@@ -24,11 +24,12 @@ import pytest
 
 from nemo_refit_reshard.spec import InferParallel, spec_from_hf_config
 from tests.helpers import vllm_env
-from tests.test_vllm_truth import MODELS, rank_fields
-from tests.test_vllm_worker import fp8_checkpoints, write_checkpoints
+from tests.helpers.checkpoints import fp8_checkpoints, write_checkpoints
+from tests.helpers.model_configs import MODELS
+from tests.helpers.requires import requires
+from tests.helpers.vllm_jobs import rank_fields
 
-_SKIP = vllm_env.skip_reason()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+pytestmark = [pytest.mark.slow, requires(vllm_env.skip_reason)]
 
 
 def run(

@@ -11,15 +11,11 @@ callables — and after every step compares each parameter with what vLLM's own
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
-from nemo_refit_reshard.engine.quantize import QuantizedWeights
 from nemo_refit_reshard.engine.rendezvous import free_port
 from nemo_refit_reshard.integrations.worker import RefitEndpoint
 from nemo_refit_reshard.layouts import MegatronOptions, VllmOptions, megatron_layout, vllm_layouts
@@ -27,34 +23,13 @@ from nemo_refit_reshard.layouts.fp8_wire import wire_layouts
 from nemo_refit_reshard.plan import plan_refit, rank_plan
 from nemo_refit_reshard.spec import InferParallel, ModelSpec, TrainParallel, spec_from_hf_config
 from tests.helpers import broken_rules, vllm_env
+from tests.helpers.checkpoints import fp8_checkpoints, write_checkpoints
+from tests.helpers.model_configs import MODELS
+from tests.helpers.requires import requires
 from tests.helpers.train_ranks import start_training_ranks
-from tests.test_vllm_truth import MODELS, rank_fields
+from tests.helpers.vllm_jobs import engine_dtype, installed_version, rank_fields
 
-_SKIP = vllm_env.skip_reason()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
-
-
-def installed_version() -> str:
-    python = vllm_env.vllm_python()
-    assert python is not None
-    out = subprocess.run(
-        [python, "-c", "from importlib.metadata import version; print(version('vllm'))"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return out.stdout.strip()
-
-
-def write_checkpoints(spec: ModelSpec, work: Path, steps: int) -> list[str]:
-    """The start-up checkpoint, then one per refit step."""
-    paths = []
-    for step in range(-1, steps):
-        g = torch.Generator().manual_seed(100 + step)
-        path = work / f"step{step}.safetensors"
-        save_file({t.name: torch.randn(t.shape, generator=g) for t in spec}, str(path))
-        paths.append(str(path))
-    return paths
+pytestmark = [pytest.mark.slow, requires(vllm_env.skip_reason)]
 
 
 def write_plan(
@@ -77,28 +52,6 @@ def write_plan(
     for r in range(train.world_size + infer.world_size):
         (work / f"plan.rank{r}.json").write_text(rank_plan(plan, r).to_json())
     return str(work / "plan.rank{rank}.json")
-
-
-def engine_dtype(spec: ModelSpec) -> str:
-    """float32 storage; bfloat16 for a block-FP8 engine (vLLM's Fp8Config refuses float32)."""
-    return "bfloat16" if spec.arch.quant is not None else "float32"
-
-
-def fp8_checkpoints(spec: ModelSpec, trained: list[str]) -> list[str]:
-    """What vLLM loads for an FP8 engine: each trained checkpoint quantized (e4m3 weights
-    and their scales from the bfloat16 weights), the rest in bfloat16."""
-    from safetensors.torch import load_file
-
-    fp8 = {t.name for t in spec if t.dtype == "float8_e4m3fn"}
-    assert spec.arch.quant is not None
-    out = []
-    for path in trained:
-        bf16 = {n: t.to(torch.bfloat16) for n, t in load_file(path).items()}
-        q = QuantizedWeights(bf16, fp8, spec.arch.quant.block)
-        quantized = path.replace(".safetensors", ".fp8.safetensors")
-        save_file({t.name: q[t.name].contiguous() for t in spec}, quantized)
-        out.append(quantized)
-    return out
 
 
 def run_refit(

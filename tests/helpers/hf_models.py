@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from typing import Any
 
 import torch
+
+from nemo_refit_reshard.spec import ModelSpec
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(
@@ -85,6 +88,17 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     ),
 }
 
+
+@dataclasses.dataclass(frozen=True)
+class HfModel:
+    """A HF model with its config.json dict, its spec and its canonical checkpoint tensors."""
+
+    hf: torch.nn.Module
+    cfg: dict[str, Any]
+    spec: ModelSpec
+    canonical: dict[str, torch.Tensor]
+
+
 _CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -104,6 +118,29 @@ def tiny_hf_model(family: str, seed: int = 0, **overrides: Any) -> torch.nn.Modu
     config = getattr(transformers, cfg_name)(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).float().eval()
+    return model
+
+
+def hf_config(family: str, **overrides: Any) -> dict[str, Any]:
+    """``family``'s tiny config as a full config.json dict (transformers' defaults filled
+    in, ``architectures`` kept), ``overrides`` applied."""
+    import transformers
+
+    kwargs = {k: v for k, v in TINY_CONFIGS[family].items() if k != "architectures"}
+    kwargs.update(overrides)
+    cfg = getattr(transformers, _CLASSES[family][0])(**kwargs).to_dict()
+    cfg["architectures"] = TINY_CONFIGS[family]["architectures"]
+    return cfg
+
+
+def random_hf_model(family: str, seed: int, **overrides: Any) -> torch.nn.Module:
+    """A tiny HF model with every weight random (norm weights around 1), seeded."""
+    model = tiny_hf_model(family, seed=seed, **overrides)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.2 * noise if p.dim() == 1 else 0.15 * noise)
     return model
 
 

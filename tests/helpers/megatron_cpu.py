@@ -1,6 +1,6 @@
 """Run real megatron-core 0.16 ``GPTModel``s on a CPU-only torch (gloo, no TE/Apex).
 
-Used by ``test_megatron_truth.py`` inside spawned worker processes only:
+Used by ``test_megatron_truth.py`` (and the MLA one) inside spawned worker processes only:
 :func:`apply_cpu_patches` rewrites a few ``torch.cuda`` entry points globally, so it
 must never run in the pytest process itself. The patches and the model builder live in
 ``nemo_refit_reshard.integrations.megatron.cpu`` (the GRPO trainer uses them);
@@ -15,6 +15,7 @@ megatron-core's sources (``attention.py`` QKV grouping, ``mlp.py`` SwiGLU factor
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from nemo_refit_reshard.integrations.megatron.cpu import (  # noqa: F401 (re-exp
     apply_cpu_patches,
     causal_mask,
 )
-from nemo_refit_reshard.layouts.base import LocalTensor
+from nemo_refit_reshard.layouts.base import LocalTensor, Piece
 from nemo_refit_reshard.spec.config import ArchConfig
 from nemo_refit_reshard.spec.model import ModelSpec
 from nemo_refit_reshard.spec.parallel import TrainParallel
@@ -173,6 +174,51 @@ def megatron_global(key: str, arch: ArchConfig, c: dict[str, Tensor], vocab: int
 
 
 # -- checks shared by the Megatron truth tests ----------------------------------------------
+def swap_pieces(tensors: tuple[LocalTensor, ...], neg: tuple[str, str, str]) -> tuple:
+    """The pieces of local tensors named like ``neg[0]`` with canonical ``a`` <-> ``b``."""
+    part, a, b = neg
+
+    def swap(p: Piece) -> Piece:
+        name = p.canonical.replace(a, "\0").replace(b, a).replace("\0", b)
+        return replace(p, canonical=name)
+
+    return tuple(
+        replace(t, pieces=tuple(map(swap, t.pieces))) if part in t.name else t for t in tensors
+    )
+
+
+def shard_record(name: str, st: Any, arch: Any, tags: dict, vocab: int) -> dict[str, Any]:
+    """Where the provider's tags put ``st``'s local data, next to what ``st`` claims."""
+    rec: dict[str, Any] = dict(
+        param=name,
+        key=st.key,
+        offset=tuple(st.global_offset),
+        global_shape=tuple(st.global_shape),
+        local_shape=(1,) * st.prepend_axis_num + tuple(st.local_shape),
+        frag=tuple(st.axis_fragmentations),
+        flat=st.flattened_range,
+    )
+    try:
+        glob = megatron_global(st.key, arch, tags, vocab)
+    except KeyError as e:
+        return dict(rec, problem=str(e))
+    data = st.data.reshape(rec["local_shape"])
+    rec["expected_shape"] = tuple(glob.shape)
+    nonzero = data.flatten().nonzero()
+    rec["implied"] = None  # all padding: no tag to locate
+    if len(nonzero):
+        k = int(nonzero[0])
+        hits = (glob == data.flatten()[k]).nonzero()
+        local_idx = torch.unravel_index(torch.tensor(k), rec["local_shape"])
+        if len(hits) == 1:
+            rec["implied"] = tuple(int(h) - int(i) for h, i in zip(hits[0], local_idx))
+        else:
+            rec["problem"] = f"tag found {len(hits)} times in the global tensor"
+    region = glob[tuple(slice(o, o + n) for o, n in zip(rec["offset"], rec["local_shape"]))]
+    rec["match"] = region.shape == data.shape and torch.equal(region, data)
+    return rec
+
+
 def assert_names_shapes_position(name: str, layouts: list, results: dict) -> None:
     """Megatron's state_dict names/shapes and grid position equal the provider's, per rank."""
     for rank, layout in enumerate(layouts):
