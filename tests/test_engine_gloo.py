@@ -1,4 +1,5 @@
-"""Multi-process refits over gloo: real processes, real sockets, both backends.
+"""Multi-process refits over gloo: real processes, real sockets, both backends. (The
+fast tier keeps one: the torch transport over a gloo world the test makes.)
 
 Every destination element is checked bit for bit against the canonical
 weights after each backend (``RunResult`` carries each rank's mismatches).
@@ -17,8 +18,6 @@ import torch.multiprocessing as mp
 from nemo_refit_reshard.engine.rendezvous import free_port
 from nemo_refit_reshard.runner import RunConfig, run_local
 from tests.helpers.hf_models import TINY_CONFIGS
-
-pytestmark = pytest.mark.slow
 
 
 def _config_file(tmp_path, family: str, **overrides) -> str:
@@ -65,6 +64,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_reshard_and_broadcast_are_bit_exact(tmp_path, case: str) -> None:
     family, overrides, run = CASES[case]
@@ -84,6 +84,7 @@ def test_reshard_and_broadcast_are_bit_exact(tmp_path, case: str) -> None:
     assert result.plan.stats.total_bytes == result.plan.stats.min_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
 def test_dead_peer_fails_every_rank_within_timeout(tmp_path, overlap: bool) -> None:
     timeout = 20.0
@@ -123,6 +124,7 @@ def _fingerprint_worker(rank: int, port: int, out_dir: str) -> None:
         f.write(message)
 
 
+@pytest.mark.slow
 def test_different_plans_are_refused_on_every_rank() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
@@ -204,6 +206,7 @@ def _two_worlds_worker(rank: int, tmp: str, port: int) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_refit_group_spans_pools_that_have_their_own_worlds(tmp_path) -> None:
     mp.start_processes(
         _two_worlds_worker, args=(str(tmp_path), free_port()), nprocs=3, start_method="spawn"
@@ -216,6 +219,7 @@ def test_refit_group_spans_pools_that_have_their_own_worlds(tmp_path) -> None:
         assert report["pool_sum"] == (0 if rank == 0 else 3)
 
 
+@pytest.mark.slow
 def test_domain_relay_bit_exact_over_gloo(tmp_path) -> None:
     """2 training ranks -> 4 replicas on 2-GPU "nodes": the training ranks send one copy
     per node, entering at either GPU, which forwards it to the other; bit-exact."""
@@ -243,6 +247,7 @@ def test_domain_relay_bit_exact_over_gloo(tmp_path) -> None:
     assert min(forwarded) > 0
 
 
+@pytest.mark.slow
 def test_carried_transfers_bit_exact_over_gloo(tmp_path) -> None:
     """Pipeline stages of unequal size on one 2-GPU "node": the busier stage hands part
     of its sending to the other over NVLink, which sends it on from its relay buffer;

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -66,6 +67,7 @@ def _check_world(layouts: list[RankLayout], spec: ModelSpec) -> None:
             assert same == (other.rank in lay.replicas), (lay.rank, other.rank)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(
     cfg=hf_configs(),

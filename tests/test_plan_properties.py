@@ -7,6 +7,7 @@ and compares every destination element, bit for bit after the dtype cast.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -53,6 +54,7 @@ def _check(
     return plan
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(
     cfg=hf_configs(),
