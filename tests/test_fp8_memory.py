@@ -2,9 +2,9 @@
 measured on the compiled programs (``plan/result/memory.py``, ``engine/fp8_rounds.py``).
 
 A block-FP8 sender used to keep a derived e4m3 copy and scales of every whole-block
-piece it sends (~0.5x its bytes) and a receiver a trained-dtype twin of every e4m3
+piece it sends (~0.5x its bytes) and a receiver a trained-dtype shadow of every e4m3
 tensor it receives unquantized, for the program's whole life. Now a sender stages only
-(it quantizes each run into its round's send staging) and a receiver's twins share one
+(it quantizes each run into its round's send staging) and a receiver's shadows share one
 scratch buffer in slots that live from their first to their last round.
 
 What is measured: every CPU tensor storage a program holds after it is compiled that is
@@ -32,7 +32,7 @@ from tests.helpers.model_configs import FP8_MOE
 
 # The dense layer's MLP crosses in BF16 (tp=2 cuts a block).
 MOE = {**FP8_MOE, "intermediate_size": 384}
-BUCKET_MB = 0.125  # several rounds, so twins' slots come and go
+BUCKET_MB = 0.125  # several rounds, so shadows' slots come and go
 
 
 @pytest.fixture()
@@ -84,12 +84,12 @@ def _separate_plans(fp8_model: str) -> dict[str, RefitPlan]:
 
 
 @pytest.mark.slow
-def test_fp8_ranks_hold_no_quantized_copies_and_no_whole_twins(fp8_model: str) -> None:
+def test_fp8_ranks_hold_no_quantized_copies_and_no_whole_shadows(fp8_model: str) -> None:
     """Beyond their staging, the FP8 refit's training ranks hold nothing after compiling
     (no quantized copy of what they send: it would not even fit the staging bound), and
-    its inference ranks 2/3 of their twins' bytes (block rows wait in scratch only until
+    its inference ranks 2/3 of their shadows' bytes (block rows wait in scratch only until
     whole). Before: each training rank held derived e4m3 + scale tensors, each inference
-    rank whole twins."""
+    rank whole shadows."""
     plan = _separate_plans(fp8_model)["fp8"]
     assert plan.fp8_block is not None and plan.num_rounds > 2
     for rank in range(plan.num_sources + plan.num_destinations):
@@ -104,8 +104,8 @@ def test_fp8_ranks_hold_no_quantized_copies_and_no_whole_twins(fp8_model: str) -
             assert copies > 2 * plan.bucket_bytes
             assert held - staging == 0, (rank, held, staging)
         else:
-            twins = sum(prod(q.shape) * 2 for q in steps)  # BF16
-            assert (held - staging) * 3 == twins * 2, (rank, held, staging, twins)
+            shadows = sum(prod(q.shape) * 2 for q in steps)  # BF16
+            assert (held - staging) * 3 == shadows * 2, (rank, held, staging, shadows)
         del program
 
 
@@ -117,7 +117,7 @@ def test_reported_extra_bytes_are_what_each_rank_allocates(
 ) -> None:
     """``rank_memory`` (what ``plan --json`` reports) equals, byte for byte, what every
     rank's compiled program holds beyond its live weights: staging, relay halves, and a
-    FP8 receiver's twin scratch."""
+    FP8 receiver's shadow scratch."""
     from nemo_refit_reshard.plan.result.memory import rank_memory
 
     plan = _separate_plans(fp8_model)[mode]
@@ -134,23 +134,23 @@ def test_reported_extra_bytes_are_what_each_rank_allocates(
     assert (scratch > 0) == (mode == "fp8")
 
 
-def test_twin_slots_never_overlap_while_live(fp8_model: str) -> None:
-    """A receiver's twins (the dense MLP's gate_up and down, in BF16) take slots of
+def test_shadow_slots_never_overlap_while_live(fp8_model: str) -> None:
+    """A receiver's shadows (the dense MLP's gate_up and down, in BF16) take slots of
     whole block rows from their first to their last round; no two slots live in a
-    common round share a byte, and here the scratch is 2/3 of the twins' bytes: the
+    common round share a byte, and here the scratch is 2/3 of the shadows' bytes: the
     block rows of gate_up that one training rank sends whole are quantized in the round
     they arrive, while those its tp=2 cut at row 192 splits (and every block row of
     down_proj, cut at column 192) wait for both halves."""
-    from nemo_refit_reshard.plan.result.memory import twin_slots
+    from nemo_refit_reshard.plan.result.memory import shadow_slots
 
     plan = _separate_plans(fp8_model)["fp8"]
     for d in range(plan.num_destinations):
         rank = plan.num_sources + d
         steps = plan.quantize_steps_of(rank)
-        slots, size = twin_slots(plan.messages_of(rank), steps, rank, plan.fp8_block)
-        twins = sum(prod(q.shape) * 2 for q in steps)
+        slots, size = shadow_slots(plan.messages_of(rank), steps, rank, plan.fp8_block)
+        shadows = sum(prod(q.shape) * 2 for q in steps)
         assert {s.step.weight for s in slots} == {q.weight for q in steps}
-        assert size * 3 == twins * 2
+        assert size * 3 == shadows * 2
         for a in slots:
             for b in slots:
                 together = a.first <= b.last_use and b.first <= a.last_use
@@ -163,7 +163,7 @@ def test_twin_slots_never_overlap_while_live(fp8_model: str) -> None:
 def test_colocated_extra_bytes_are_what_each_side_allocates(fp8_model: str, mode: str) -> None:
     """Colocated refit: a training rank holds its own send staging (less what it packs
     straight into its own guest's) and its guest's receive staging (shared memory,
-    counted once, there); the vLLM worker only its FP8 twin scratch (its receive staging
+    counted once, there); the vLLM worker only its FP8 shadow scratch (its receive staging
     is the host's). Dense: one round, so a host's send staging holds only the other
     guest's message."""
     from nemo_refit_reshard.plan.result.memory import rank_memory, staging_sizes
@@ -229,8 +229,9 @@ def test_plan_json_reports_extra_bytes_per_rank(
     assert memory["staging_bound"] == 2 * separate.bucket_bytes
 
 
+@pytest.mark.slow
 def test_fp8_refit_is_bit_exact_with_per_round_quantization(fp8_model: str) -> None:
-    """The FP8 refit (e4m3 quantized per run by the training ranks, twins quantized out of
+    """The FP8 refit (e4m3 quantized per run by the training ranks, shadows quantized out of
     scratch slots) on gloo with a small bucket: every inference rank's e4m3 weights and
     scales equal the canonical weights' quantization, bit for bit."""
     from nemo_refit_reshard.runner import run_local
@@ -267,7 +268,7 @@ def test_per_round_quantization_in_one_process(
     """Every rank's compiled program in one process (``simulate_plan``), twice: each
     inference rank's e4m3 weights and scales, NaN before, equal the whole canonical
     weights' quantization bit for bit — e4m3 runs quantized into the staging by the
-    training ranks, BF16 twins' bands by the inference ranks. A 0.03 MiB bucket cuts
+    training ranks, BF16 shadows' bands by the inference ranks. A 0.03 MiB bucket cuts
     e4m3 pieces inside a block row: the sender quantizes the whole block rows a run
     touches and stages its part (quantizing the run alone would give other scales). On
     CUDA the staging, scratch and quantization run on the GPU."""

@@ -1,6 +1,6 @@
 """The host-staged transport (``engine/host_staged.py``) on CPU: the inner transport only
-ever sees the host twins, each buffer keeps one twin across steps, and a refit through
-it over gloo — serial and overlapped — is bit-exact, like the direct path."""
+ever sees the pinned copies, each buffer keeps one pinned copy across steps, and a refit
+through it over gloo — serial and overlapped — is bit-exact, like the direct path."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class Recorder:
         pass
 
 
-def test_inner_transport_sees_only_host_twins() -> None:
+def test_inner_transport_sees_only_pinned_copies() -> None:
     inner = Recorder()
     staged = HostStagedTransport(inner)
     send = torch.arange(64, dtype=torch.uint8)
@@ -42,10 +42,10 @@ def test_inner_transport_sees_only_host_twins() -> None:
     for step in range(3):
         send.add_(step)
         staged.exchange([(1, send)], [(1, recv)])
-        assert torch.equal(recv, send)  # the bytes came back through the twins
+        assert torch.equal(recv, send)  # the bytes came back through the pinned copies
     pointers = {p for _, p in inner.seen}
     assert send.data_ptr() not in pointers and recv.data_ptr() not in pointers
-    assert len(pointers) == 2  # one twin per buffer, reused every step
+    assert len(pointers) == 2  # one pinned copy per buffer, reused every step
     assert staged.staged_bytes == 128
 
 
@@ -57,7 +57,7 @@ def _config_file(tmp_path) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
-def test_refit_through_host_twins_is_bit_exact(tmp_path, overlap: bool) -> None:
+def test_refit_through_pinned_copies_is_bit_exact(tmp_path, overlap: bool) -> None:
     cfg = RunConfig(
         model=_config_file(tmp_path),
         train="tp=2",

@@ -44,7 +44,7 @@ class BroadcastProgram:
         self.plan = plan
         self.rank = group_rank
         self.device = torch.device(device)
-        # Into a block-FP8 engine: twins this rank receives into and quantizes after.
+        # Into a block-FP8 engine: shadows this rank receives into and quantizes after.
         self.fp8: Fp8Steps | None = None
         d = group_rank - plan.num_sources
         if d >= 0 and plan.quantize_steps and plan.quantize_steps[d]:

@@ -10,8 +10,8 @@ blocks give their scales. Block FP8 is a function of each block alone
 those of quantizing the whole piece (and the whole canonical weight). The price: a block
 whose e4m3 and scale runs travel apart has its ``amax`` computed twice.
 
-Receiving: the trained-dtype twins live in one scratch buffer, in bands of whole block
-rows (per expert of fused experts) at the slots ``plan/result/memory.twin_slots`` gives
+Receiving: the trained-dtype shadows live in one scratch buffer, in bands of whole block
+rows (per expert of fused experts) at the slots ``plan/result/memory.shadow_slots`` gives
 them (the bytes the plan reports); a run is unpacked into the bands it touches. A slot
 is filled with NaN as its first round starts (bytes the plan fails to write show after
 the step) and quantized into its rows of the live e4m3 weight and scales, in place,
@@ -26,7 +26,7 @@ import torch
 
 from ..layouts.base import Box
 from ..plan.result.fp8_steps import QuantizeStep
-from ..plan.result.memory import TwinSlot, twin_slots
+from ..plan.result.memory import ShadowSlot, shadow_slots
 from .quantize import block_scales, quantize_block_fp8, quantize_into
 
 Job = Callable[[], None]
@@ -94,7 +94,7 @@ class Fp8Sender:
 
 
 class Fp8Receiver:
-    """A receiving rank's twins in bounded scratch, quantized round by round."""
+    """A receiving rank's shadows in bounded scratch, quantized round by round."""
 
     def __init__(
         self,
@@ -106,9 +106,9 @@ class Fp8Receiver:
     ) -> None:
         self.block = block
         steps = plan.quantize_steps_of(group_rank)
-        self.slots, size = twin_slots(plan.messages_of(group_rank), steps, group_rank, block)
+        self.slots, size = shadow_slots(plan.messages_of(group_rank), steps, group_rank, block)
         self.scratch = torch.empty(size, dtype=torch.uint8, device=device)
-        self._views: dict[str, list[tuple[TwinSlot, torch.Tensor]]] = {}
+        self._views: dict[str, list[tuple[ShadowSlot, torch.Tensor]]] = {}
         self._starts: dict[int, list[Job]] = {}
         self._ends: dict[int, list[Job]] = {}
         bm = block[0]
@@ -131,7 +131,7 @@ class Fp8Receiver:
         return name in self._views
 
     def copies(self, name: str, box: Box, staged: torch.Tensor):
-        """``(band part, staged part)`` for each slot of twin ``name`` that run ``box``
+        """``(band part, staged part)`` for each slot of shadow ``name`` that run ``box``
         (staged as ``staged``, of ``box``'s shape) touches."""
         pairs = []
         three_d = len(box.sizes) == 3
@@ -163,9 +163,9 @@ class Fp8Receiver:
         return self.scratch.numel()
 
 
-def _nan_fill(twin: torch.Tensor) -> Job:
+def _nan_fill(shadow: torch.Tensor) -> Job:
     def fill() -> None:
-        twin.fill_(float("nan"))
+        shadow.fill_(float("nan"))
 
     return fill
 

@@ -3,18 +3,18 @@
 For single-GPU checks, groups that mix CPU and GPU ranks, and debugging: the rank's
 program is compiled on its GPU as usual (same plan, same staging views, same
 checksums); only the exchange goes through host memory. Per message buffer the
-transport keeps one host twin (pinned when CUDA is present), made on first use and
-reused every step — the program's buffers are fixed views, so the set is finite and at
-most the rank's staging size. ``start_exchange`` copies the outgoing buffers to their
-twins and synchronises the current stream once (gloo reads and writes host memory from
-its own threads: the copies into the send twins, and earlier copies out of the receive
-twins, must be done), then issues the inner exchange on the twins; ``wait`` waits for
-it and queues the copies of the incoming twins back to the device buffers on the
-current stream, so the unpacks after them are ordered on the GPU. This path favours
-simplicity over speed: it is not the NCCL path.
+transport keeps one pinned copy in host memory (page-locked when CUDA is present),
+made on first use and reused every step — the program's buffers are fixed views, so the set is
+finite and at most the rank's staging size. ``start_exchange`` copies the outgoing
+buffers to their pinned copies and synchronises the current stream once (gloo reads and
+writes host memory from its own threads: the copies into the send copies, and earlier
+copies out of the receive copies, must be done), then issues the inner exchange on the
+pinned copies; ``wait`` waits for it and queues the copies of the incoming pinned copies
+back to the device buffers on the current stream, so the unpacks after them are ordered
+on the GPU. This path favours simplicity over speed: it is not the NCCL path.
 
-On CPU tensors the same path runs with plain (unpinned) twins: the tests exercise it
-without a GPU.
+On CPU tensors the same path runs with plain (unpinned) host copies: the tests exercise
+it without a GPU.
 """
 
 from __future__ import annotations
@@ -34,17 +34,17 @@ class HostStagedTransport:
         self.rank = inner.rank
         self.world_size = inner.world_size
         self.timeout_s = inner.timeout_s
-        self._twins: dict[tuple[int, int, str], torch.Tensor] = {}
-        self.staged_bytes = 0  # host memory held by the twins
+        self._pinned: dict[tuple[int, int, str], torch.Tensor] = {}
+        self.staged_bytes = 0  # host memory held by the pinned copies
 
-    def twin(self, buf: torch.Tensor) -> torch.Tensor:
+    def pinned(self, buf: torch.Tensor) -> torch.Tensor:
         """The host buffer that stands for ``buf`` (same size, reused)."""
         key = (buf.data_ptr(), buf.numel(), str(buf.device))
-        host = self._twins.get(key)
+        host = self._pinned.get(key)
         if host is None:
             pin = torch.cuda.is_available()
             host = torch.empty(buf.numel(), dtype=torch.uint8, pin_memory=pin)
-            self._twins[key] = host
+            self._pinned[key] = host
             self.staged_bytes += host.numel()
         return host
 
@@ -60,15 +60,15 @@ class HostStagedTransport:
         recvs: Sequence[tuple[int, torch.Tensor]],
         round_index: int = 0,
     ) -> PendingExchange:
-        host_sends = [(peer, self.twin(buf)) for peer, buf in sends]
+        host_sends = [(peer, self.pinned(buf)) for peer, buf in sends]
         for (_, buf), (_, host) in zip(sends, host_sends):
             host.copy_(buf.view(torch.uint8), non_blocking=True)
         if any(buf.is_cuda for _, buf in [*sends, *recvs]):
-            # gloo reads the send twins and overwrites the receive twins from its own
+            # gloo reads the send copies and overwrites the receive copies from its own
             # threads: the copies into the former, and any earlier copy out of the latter
             # still queued, must be done.
             torch.cuda.current_stream().synchronize()
-        host_recvs = [(peer, self.twin(buf)) for peer, buf in recvs]
+        host_recvs = [(peer, self.pinned(buf)) for peer, buf in recvs]
         pending = self.inner.start_exchange(host_sends, host_recvs, round_index)
         return _StagedPending(pending, recvs, host_recvs)
 

@@ -66,7 +66,7 @@ class CopyPhase:
     recvs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     reads_previous: bool = False  # pack reads what the previous round's unpack writes
     # Block FP8 (engine/fp8_rounds.py): runs quantized straight into the send staging;
-    # twins' scratch slots opened before the unpack and quantized after it.
+    # shadows' scratch slots opened before the unpack and quantized after it.
     quantize_out: list[Callable[[], None]] = field(default_factory=list)
     before_in: list[Callable[[], None]] = field(default_factory=list)
     after_in: list[Callable[[], None]] = field(default_factory=list)
@@ -203,7 +203,7 @@ class RankProgram:
         )
         check_live_tensors(plan.expected_tensors(group_rank), tensors, self.device, who)
         # Block-FP8 refits (engine/fp8_rounds.py): a sender quantizes each run into its
-        # round's staging (no derived copies); a receiver's twins live in bounded
+        # round's staging (no derived copies); a receiver's shadows live in bounded
         # scratch slots (plan/result/memory.py), bound like live tensors.
         steps = plan.quantize_steps_of(group_rank)
         self.fp8_sender: Fp8Sender | None = None
@@ -352,7 +352,7 @@ class RankProgram:
                 if r.relay is None and self.fp8_receiver and self.fp8_receiver.binds(r.name):
                     staged = byte_view(buf, r.offset, r.nbytes, r.dtype, tuple(r.box.sizes))
                     pairs = self.fp8_receiver.copies(r.name, r.box, staged)
-                    if outgoing:  # forwarded on from a twin (an inference chain)
+                    if outgoing:  # forwarded on from a shadow (an inference chain)
                         out += [(s, band) for band, s in pairs]
                     else:
                         phase.copies_in += pairs
@@ -388,7 +388,7 @@ class RankProgram:
 
     def prepare(self) -> None:
         """Before a step's rounds: nothing now (a block-FP8 sender quantizes in its
-        packs, a receiver after the unpack of each twin's last round); kept for callers."""
+        packs, a receiver after the unpack of each shadow's last round); kept for callers."""
 
     def finish(self) -> None:
         """After a step's rounds: nothing now (see :meth:`prepare`)."""

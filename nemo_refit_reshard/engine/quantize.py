@@ -23,15 +23,11 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from ..plan.result.fp8_steps import QuantizeStep
+from ..spec.quantization import cdiv, scale_name
 
 E4M3 = torch.float8_e4m3fn
-SCALE_SUFFIX = "weight_scale_inv"
 E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def quantize_block_fp8(
@@ -43,7 +39,7 @@ def quantize_block_fp8(
         raise ValueError(f"block FP8 quantizes 2-D weights, got shape {tuple(x.shape)}")
     m, n = x.shape
     bm, bn = block
-    rows, cols = _cdiv(m, bm), _cdiv(n, bn)
+    rows, cols = cdiv(m, bm), cdiv(n, bn)
     padded = torch.zeros((rows * bm, cols * bn), dtype=x.dtype, device=x.device)
     padded[:m, :n] = x
     blocks = padded.view(rows, bm, cols, bn)
@@ -58,7 +54,7 @@ def block_scales(x: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.
     scales of ``x`` ``[m, n]`` (a sender staging scales apart from their weight)."""
     m, n = x.shape
     bm, bn = block
-    rows, cols = _cdiv(m, bm), _cdiv(n, bn)
+    rows, cols = cdiv(m, bm), cdiv(n, bn)
     padded = torch.zeros((rows * bm, cols * bn), dtype=x.dtype, device=x.device)
     padded[:m, :n] = x
     amax = padded.view(rows, bm, cols, bn).abs().float().amax(dim=(1, 3)).clamp(AMAX_FLOOR)
@@ -81,22 +77,16 @@ def quantize_into(
     scale_inv.copy_(s)
 
 
-def scale_of(name: str) -> str:
-    """The scale tensor of an FP8 weight (``...weight`` -> ``...weight_scale_inv``; vLLM's
-    experts: ``...w13_weight`` -> ``...w13_weight_scale_inv``)."""
-    return name[: -len("weight")] + SCALE_SUFFIX
-
-
 class Fp8Steps:
     """A rank's block-FP8 quantization around a refit step (``plan/result/fp8_steps.py``).
 
     Sending (``QuantizeStep.source`` set): :attr:`tensors` holds the derived e4m3 weights
     and scales the program sends from, and :meth:`run` (before the step) fills them
-    from the live tensors. Receiving: :attr:`tensors` holds the twins the program
+    from the live tensors. Receiving: :attr:`tensors` holds the shadows the program
     receives into in place of the live e4m3 weights, and :meth:`run` (after the step)
-    quantizes each twin into its live weight and scale, in place; a 3-D twin (fused
+    quantizes each shadow into its live weight and scale, in place; a 3-D shadow (fused
     experts, ``[E, rows, cols]``) expert by expert. The derived tensors cost ~0.5× the
-    trained bytes a rank sends quantized; the twins one trained-dtype copy of what a
+    trained bytes a rank sends quantized; the shadows one trained-dtype copy of what a
     rank receives unquantized. Only the gather-broadcast baseline's receivers use it
     (``engine/broadcast.py``); the reshard program quantizes in bounded memory, per run
     into its staging and per band of block rows out of scratch (``fp8_rounds.py``)."""
@@ -120,10 +110,10 @@ class Fp8Steps:
                 self.tensors[q.weight], self.tensors[q.scale] = weight, scale
                 self._jobs.append((q, source, weight, scale))
             else:
-                # NaN until written: a twin the plan fails to fill shows after the step
-                twin = torch.full(q.shape, float("nan"), dtype=dtype, device=device)
-                self.tensors[q.weight] = twin
-                self._jobs.append((q, twin, live[q.weight], live[q.scale]))
+                # NaN until written: a shadow the plan fails to fill shows after the step
+                shadow = torch.full(q.shape, float("nan"), dtype=dtype, device=device)
+                self.tensors[q.weight] = shadow
+                self._jobs.append((q, shadow, live[q.weight], live[q.scale]))
 
     @torch.no_grad()
     def run(self) -> None:
@@ -137,7 +127,7 @@ class Fp8Steps:
 
 
 def _scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
-    return (*shape[:-2], _cdiv(shape[-2], block[0]), _cdiv(shape[-1], block[1]))
+    return (*shape[:-2], cdiv(shape[-2], block[0]), cdiv(shape[-1], block[1]))
 
 
 class QuantizedWeights(Mapping[str, torch.Tensor]):
@@ -151,7 +141,7 @@ class QuantizedWeights(Mapping[str, torch.Tensor]):
     ) -> None:
         self.trained, self.block = trained, block
         self.fp8 = fp8_names
-        self.scales = {scale_of(n): n for n in fp8_names}
+        self.scales = {scale_name(n): n for n in fp8_names}
         self._cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _quantized(self, weight: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,5 +172,4 @@ __all__ = [
     "block_scales",
     "quantize_block_fp8",
     "quantize_into",
-    "scale_of",
 ]

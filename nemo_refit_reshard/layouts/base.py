@@ -237,7 +237,7 @@ class Fp8Link:
     On a sending rank (``source`` set) the tensor is not live: it is ``source[box]``
     (the box's non-unit sizes as ``[rows, cols]``) cast to ``dtype`` and quantized in
     ``block`` blocks, its block scales going to the (equally derived) tensor ``scale``.
-    On a receiving rank (``source`` None) it is the ``dtype`` twin of the live e4m3
+    On a receiving rank (``source`` None) it is the ``dtype`` shadow of the live e4m3
     tensor of the same name, quantized into that tensor and into ``scale`` after each
     step."""
 
@@ -263,7 +263,7 @@ class LocalTensor:
     dtype: str
     pieces: tuple[Piece, ...]
     padding: tuple[Box, ...] = ()  # local boxes no canonical element maps to
-    fp8: Fp8Link | None = None  # a block-FP8 refit's quantized view or twin (Fp8Link)
+    fp8: Fp8Link | None = None  # a block-FP8 refit's quantized view or shadow (Fp8Link)
 
     @property
     def numel(self) -> int:

@@ -14,7 +14,7 @@ requires it, ``vllm_fp8.py``).
 
 The choice is per canonical weight (:func:`choose_fp8_wire`), closed over fused
 inference tensors: vLLM's ``qkv_proj`` or ``w13_weight`` is one e4m3 tensor with one
-scale tensor, written either as e4m3 or through one trained-dtype twin, so if one of
+scale tensor, written either as e4m3 or through one trained-dtype shadow, so if one of
 its weights must cross unquantized all of them do.
 
 :func:`wire_layouts` rewrites both sides for the planner:
@@ -23,7 +23,7 @@ its weights must cross unquantized all of them do.
   derived float32 scale tensor (``Fp8Link`` with ``source``: what to quantize); its
   live tensors lose those pieces;
 * an inference rank keeps its e4m3 tensors and scales where every weight in them is
-  FP8-wire, and holds the others as trained-dtype twins (``Fp8Link`` without
+  FP8-wire, and holds the others as trained-dtype shadows (``Fp8Link`` without
   ``source``) whose scales it computes.
 
 :func:`wire_spec` is the canonical model as it crosses the wire, which the planner
@@ -35,18 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..spec.model import CanonicalTensor, ModelSpec
-from ..spec.quantization import FP8, SCALE_SUFFIX
+from ..spec.quantization import FP8, SCALE_SUFFIX, cdiv, scale_name
 from .base import Box, Fp8Link, LocalTensor, Piece, RankLayout
-
-
-def scale_name(weight: str) -> str:
-    """``...weight`` -> ``...weight_scale_inv`` (vLLM's experts: ``w13_weight`` ->
-    ``w13_weight_scale_inv``)."""
-    return weight[: -len("weight")] + SCALE_SUFFIX
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def whole_blocks(box: Box, shape: tuple[int, ...], block: tuple[int, int]) -> bool:
@@ -62,7 +52,7 @@ def scale_box(box: Box, block: tuple[int, int]) -> Box:
     """The block scales of a whole-block ``box`` of a weight."""
     (r, c), (nr, nc) = box.offsets, box.sizes
     bm, bn = block
-    return Box((r // bm, c // bn), (_cdiv(nr, bm), _cdiv(nc, bn)))
+    return Box((r // bm, c // bn), (cdiv(nr, bm), cdiv(nc, bn)))
 
 
 @dataclass(frozen=True)
@@ -170,7 +160,7 @@ def quantizing_source(layout: RankLayout, wire: Fp8Wire, dtype: str) -> RankLayo
 
 def wire_destination(layout: RankLayout, wire: Fp8Wire, dtype: str) -> RankLayout:
     """An inference rank of a block-FP8 engine as the refit writes it: e4m3 tensors whose
-    weights are all FP8-wire stay (with their scales); the others become ``dtype`` twins
+    weights are all FP8-wire stay (with their scales); the others become ``dtype`` shadows
     (``Fp8Link`` naming their scale) and their scale tensors take no pieces."""
     tensors: list[LocalTensor] = []
     emptied: set[str] = set()
@@ -195,7 +185,7 @@ def wire_layouts(
 ) -> tuple[list[RankLayout], list[RankLayout], Fp8Wire]:
     """Both sides of a refit into a block-FP8 engine as the planner takes them, and the
     wire choice (module docstring). ``dtype``: the engine's unquantized dtype (default:
-    the model's), the dtype twins and quantizing training ranks work in."""
+    the model's), the dtype shadows and quantizing training ranks work in."""
     dtype = dtype or spec.unquantized().arch.dtype
     wire = choose_fp8_wire(spec, sources, destinations, quantize)
     sources = [quantizing_source(s, wire, dtype) for s in sources]
@@ -206,7 +196,7 @@ def wire_layouts(
 def live_layout(layout: RankLayout) -> RankLayout:
     """The rank as it holds its tensors: a training rank's derived pieces back in the
     live tensors they are quantized from, without the derived tensors; an inference
-    rank's twins as their live e4m3 tensors (their scales keep no pieces: the rank
+    rank's shadows as their live e4m3 tensors (their scales keep no pieces: the rank
     computes them). A layout :func:`wire_layouts` did not touch is itself."""
     if not any(t.fp8 is not None for t in layout.tensors):
         return layout
@@ -224,7 +214,7 @@ def live_layout(layout: RankLayout) -> RankLayout:
     for t in layout.tensors:
         if t.name in derived:
             continue
-        if t.fp8 is not None:  # a twin
+        if t.fp8 is not None:  # a shadow
             t = replace(t, dtype=FP8, fp8=None)
         if t.name in back:
             t = replace(t, pieces=t.pieces + tuple(back[t.name]))
@@ -244,7 +234,7 @@ def wire_spec(spec: ModelSpec, destinations: list[RankLayout]) -> ModelSpec:
     the trained dtype without scales. An unquantized ``spec`` is itself."""
     if spec.arch.quant is None:
         return spec
-    twinned = {
+    shadowed = {
         p.canonical
         for lay in destinations
         for t in lay.tensors
@@ -254,9 +244,9 @@ def wire_spec(spec: ModelSpec, destinations: list[RankLayout]) -> ModelSpec:
     trained = spec.unquantized()
     tensors: list[CanonicalTensor] = []
     for t in spec:
-        if t.dtype == FP8 and t.name in twinned:
+        if t.dtype == FP8 and t.name in shadowed:
             tensors.append(trained.tensor(t.name))
-        elif t.name.endswith(SCALE_SUFFIX) and t.name[: -len(SCALE_SUFFIX)] + "weight" in twinned:
+        elif t.name.endswith(SCALE_SUFFIX) and t.name[: -len(SCALE_SUFFIX)] + "weight" in shadowed:
             continue
         else:
             tensors.append(t)
@@ -270,7 +260,6 @@ __all__ = [
     "live_tensors",
     "quantizing_source",
     "scale_box",
-    "scale_name",
     "whole_blocks",
     "wire_destination",
     "wire_layouts",

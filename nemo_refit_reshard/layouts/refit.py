@@ -28,6 +28,6 @@ def refit_layouts(
     sources = megatron_layouts(spec, train, megatron)
     destinations = vllm_layouts(spec, infer, vllm)
     if spec.arch.quant is not None:
-        twin = vllm.params_dtype if vllm is not None else None
-        sources, destinations, _ = wire_layouts(spec, sources, destinations, twin, fp8_on_wire)
+        shadow = vllm.params_dtype if vllm is not None else None
+        sources, destinations, _ = wire_layouts(spec, sources, destinations, shadow, fp8_on_wire)
     return sources, destinations

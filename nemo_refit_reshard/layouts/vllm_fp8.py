@@ -26,12 +26,8 @@ FP8 classes in tests/test_vllm_truth.py.
 from __future__ import annotations
 
 from ..spec import ModelSpec
-from ..spec.quantization import FP8, SCALE_SUFFIX
+from ..spec.quantization import FP8, SCALE_SUFFIX, cdiv, scale_name
 from .base import Box, LayoutBuilder
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class Fp8Layout:
@@ -54,10 +50,6 @@ class Fp8Layout:
         assert q is not None
         return q.block
 
-    @staticmethod
-    def scale_name(weight: str) -> str:
-        return weight[: -len("weight")] + SCALE_SUFFIX
-
     def _refuse(self, name: str, what: str, size: int, block: int) -> ValueError:
         return ValueError(
             f"{name}: {what} {size} is not a multiple of the FP8 block {block}; vLLM "
@@ -79,9 +71,9 @@ class Fp8Layout:
         stop, local_row)`` (``shape``: the local weight; ``total``: the fused rows, whose
         last segment may end inside a block). Declares the scale on first use."""
         bn, bk = self.block
-        name = self.scale_name(weight)
+        name = scale_name(weight)
         if local_row == 0:
-            self.b.tensor(name, (_cdiv(shape[0], bn), _cdiv(shape[1], bk)), "float32")
+            self.b.tensor(name, (cdiv(shape[0], bn), cdiv(shape[1], bk)), "float32")
         total = stop if total is None else total
         for value, what in ((start, "shard start row"), (local_row, "local row")):
             if value % bn:
@@ -97,9 +89,9 @@ class Fp8Layout:
             if fused_row % bn or canonical_row % bn or (not last and rows % bn):
                 raise self._refuse(weight, f"{canonical} segment of rows", rows, bn)
             scaled.append(
-                (fused_row // bn, _cdiv(rows, bn), self.scale_name(canonical), canonical_row // bn)
+                (fused_row // bn, cdiv(rows, bn), scale_name(canonical), canonical_row // bn)
             )
-        self.b.rows(name, scaled, start // bn, _cdiv(stop, bn), local_row // bn)
+        self.b.rows(name, scaled, start // bn, cdiv(stop, bn), local_row // bn)
 
     def scale_columns(
         self, weight: str, canonical: str, rows: int, n: int, rank: int, tp: int
@@ -109,17 +101,17 @@ class Fp8Layout:
         bn, bk = self.block
         if tp > 1 and n % bk:  # vLLM's validate_fp8_block_shape refuses it
             raise self._refuse(weight, "input columns per rank", n, bk)
-        name, shape = self.scale_name(weight), (_cdiv(rows, bn), _cdiv(n, bk))
+        name, shape = scale_name(weight), (cdiv(rows, bn), cdiv(n, bk))
         self.b.tensor(name, shape, "float32")
         self.b.piece(
-            self.scale_name(canonical), Box((0, rank * n // bk), shape), name, Box((0, 0), shape)
+            scale_name(canonical), Box((0, rank * n // bk), shape), name, Box((0, 0), shape)
         )
 
     def scale_full(self, weight: str, canonical: str, shape: tuple[int, int]) -> None:
         bn, bk = self.block
-        name, scale = self.scale_name(weight), (_cdiv(shape[0], bn), _cdiv(shape[1], bk))
+        name, scale = scale_name(weight), (cdiv(shape[0], bn), cdiv(shape[1], bk))
         self.b.tensor(name, scale, "float32")
-        self.b.piece(self.scale_name(canonical), Box.full(scale), name, Box.full(scale))
+        self.b.piece(scale_name(canonical), Box.full(scale), name, Box.full(scale))
 
     def expert_scales(
         self, module: str, p: str, experts: range, n: int, lo: int, hidden: int
@@ -135,7 +127,7 @@ class Fp8Layout:
                 "upsamples the checkpoint's scales, which this refit does not model; use "
                 "expert parallel or a tensor-parallel size whose shards are whole blocks"
             )
-        rn, rh, cn, ch = n // bn, _cdiv(hidden, bn), n // bk, _cdiv(hidden, bk)
+        rn, rh, cn, ch = n // bn, cdiv(hidden, bn), n // bk, cdiv(hidden, bk)
         w13, w2 = f"{module}.w13_{SCALE_SUFFIX}", f"{module}.w2_{SCALE_SUFFIX}"
         self.b.tensor(w13, (len(experts), 2 * rn, ch), "float32")
         self.b.tensor(w2, (len(experts), rh, cn), "float32")

@@ -119,7 +119,7 @@ def plan_with(
 
 def check_wire_layouts(sources: list[RankLayout], destinations: list[RankLayout]) -> None:
     """A block-FP8 engine's e4m3 weights arrive either quantized by a training rank or as
-    twins; live e4m3 destinations fed by unquantizing sources would be cast, unscaled."""
+    shadows; live e4m3 destinations fed by unquantizing sources would be cast, unscaled."""
     derived = any(t.fp8 is not None for s in sources for t in s.tensors)
     for d in destinations:
         for t in d.tensors:

@@ -12,7 +12,7 @@ from operator import attrgetter, itemgetter
 
 from ..layouts.base import RankLayout
 from ..spec.model import ModelSpec
-from ..spec.quantization import FP8
+from ..spec.quantization import FP8, SCALE_SUFFIX
 from .base import DTYPE_BYTES
 from .config import PlanConfig
 from .pass1_needs import Needs
@@ -119,7 +119,7 @@ def live_sources(layout: RankLayout, used: set[str]) -> dict[str, tuple[tuple[in
 
 
 def live_destinations(layout: RankLayout) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The live tensors a receiving rank writes: a twin's live tensor is e4m3, with its
+    """The live tensors a receiving rank writes: a shadow's live tensor is e4m3, with its
     scale (``layouts/fp8_wire.py``)."""
     live = {}
     for t in layout.tensors:
@@ -159,7 +159,7 @@ def baseline_bytes(
         layout = destinations[g[0] - s]
         names: set[str] = set()
         for t in layout.tensors:
-            if trained and t.dtype == "float32" and t.name.endswith("weight_scale_inv"):
+            if trained and t.dtype == "float32" and t.name.endswith(SCALE_SUFFIX):
                 continue  # scales: the baseline sends none
             size = trained if trained and t.dtype == FP8 else DTYPE_BYTES[t.dtype]
             sized = dict.fromkeys(map(_CANONICAL, t.pieces), size)

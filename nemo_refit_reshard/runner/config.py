@@ -33,8 +33,8 @@ class RunConfig:
     kill_rank: int | None = None  # fault injection: this group rank dies ...
     kill_step: int = 0  # ... at the start of this step of the first backend (-1: at start-up)
     overlap: bool | None = None  # overlapped replay (engine/pipeline.py); None: CUDA only
-    device: str = "cpu"  # gloo ranks' tensors: "cpu", or "cuda" (through host twins)
-    host_staged: bool | None = None  # gloo through host twins; None: when device is cuda
+    device: str = "cpu"  # gloo ranks' tensors: "cpu", or "cuda" (through pinned copies)
+    host_staged: bool | None = None  # gloo through pinned copies; None: when device is cuda
     connect_timeout_s: float | None = None  # rendezvous; None: run_local's join timeout
     colocated: bool = False  # also run the colocated refit (runner/colocated.py)
     # Block-FP8 engines: training ranks send e4m3 + scales where they hold whole blocks

@@ -2,7 +2,7 @@
 
 For an unquantized engine both are the rank's layout, filled with NaN. For a block-FP8
 engine the refit writes its e4m3 weights and scales — quantized by the training ranks,
-or received as trained-dtype twins and quantized by the rank's program
+or received as trained-dtype shadows and quantized by the rank's program
 (``layouts/fp8_wire.py``, ``engine/quantize.Fp8Steps``); the check is then of the FP8
 tensors against the whole canonical weights quantized by the same quantizer
 (``QuantizedWeights``): a block cut at a shard boundary would show.

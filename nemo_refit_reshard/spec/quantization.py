@@ -24,6 +24,18 @@ from typing import Any
 FP8 = "float8_e4m3fn"
 SCALE_SUFFIX = "weight_scale_inv"
 
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive ``b``: the number of blocks of ``b`` that cover ``a``."""
+    return -(-a // b)
+
+
+def scale_name(weight: str) -> str:
+    """The scale tensor of an FP8 weight: ``...weight`` -> ``...weight_scale_inv`` (vLLM's
+    experts: ``w13_weight`` -> ``w13_weight_scale_inv``)."""
+    return weight[: -len("weight")] + SCALE_SUFFIX
+
+
 # The linear layers vLLM builds with the quantization config (HF module name endings).
 _LINEARS = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -50,7 +62,7 @@ class BlockFp8:
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
         rows, cols = shape
         bn, bk = self.block
-        return (-(-rows // bn), -(-cols // bk))
+        return (cdiv(rows, bn), cdiv(cols, bk))
 
 
 def quantization_from_hf_config(cfg: dict[str, Any]) -> BlockFp8 | None:
@@ -119,6 +131,8 @@ __all__ = [
     "FP8",
     "SCALE_SUFFIX",
     "BlockFp8",
+    "cdiv",
     "check_ignored",
     "quantization_from_hf_config",
+    "scale_name",
 ]

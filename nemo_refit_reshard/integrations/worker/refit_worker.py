@@ -50,7 +50,7 @@ class RefitWorker:
         weights: WeightsState | None = None,
     ) -> None:
         """``overlap``: overlapped replay (``engine/pipeline.py``); None: on for CUDA.
-        ``host_staged``: exchange through host twins of the staging buffers
+        ``host_staged``: exchange through pinned host copies of the staging buffers
         (``engine/host_staged.py``, gloo only); None: when the tensors are on a GPU.
         ``weights``: the tensors' version and staleness (kept across memberships)."""
         self.endpoint = endpoint
@@ -76,7 +76,7 @@ class RefitWorker:
                 e.host, e.port, e.group_rank, e.world_size, e.timeout_s, e.connect_timeout_s,
                 secret=e.secret,
             )  # fmt: skip
-            # gloo moves host memory: tensors on a GPU go through pinned host twins.
+            # gloo moves host memory: tensors on a GPU go through pinned host copies.
             staged = self.host_staged
             if staged is None:
                 staged = self.device.type == "cuda"

@@ -12,7 +12,7 @@ For every canonical tensor a destination needs:
 Tensors are grouped into rounds whose full tensors fit ``bucket_bytes`` per
 root. Built on the same layouts as the reshard plan, so the two can be timed
 side by side over the same transport. Into a block-FP8 engine the baseline is NeMo
-RL's own: every weight broadcast in the trained dtype into twins that each inference
+RL's own: every weight broadcast in the trained dtype into shadows that each inference
 rank quantizes (``layouts/fp8_wire.py``, ``engine/quantize.Fp8Steps``).
 """
 
@@ -54,7 +54,7 @@ class BroadcastPlan:
     num_sources: int
     num_destinations: int
     rounds: tuple[tuple[BroadcastStep, ...], ...]
-    # Into a block-FP8 engine: the block and each inference rank's twins to quantize.
+    # Into a block-FP8 engine: the block and each inference rank's shadows to quantize.
     fp8_block: tuple[int, int] | None = None
     quantize_steps: tuple[tuple[QuantizeStep, ...], ...] = ()  # per destination
 
@@ -137,10 +137,10 @@ def trained_dtype_wire(
 ) -> tuple[list[RankLayout], list[RankLayout]]:
     """A block-FP8 refit's layouts with every weight crossing in the trained dtype: the
     training ranks as they hold their tensors, every e4m3 tensor of the inference ranks
-    a twin."""
+    a shadow."""
     assert spec.arch.quant is not None
-    twins = [t.fp8.dtype for d in destinations for t in d.tensors if t.fp8 is not None]
-    dtype = twins[0] if twins else spec.unquantized().arch.dtype
+    shadows = [t.fp8.dtype for d in destinations for t in d.tensors if t.fp8 is not None]
+    dtype = shadows[0] if shadows else spec.unquantized().arch.dtype
     none = Fp8Wire(spec.arch.quant.block, frozenset())  # no weight quantized on the wire
     sources = [live_layout(s) for s in sources]
     return sources, [wire_destination(d, none, dtype) for d in destinations]

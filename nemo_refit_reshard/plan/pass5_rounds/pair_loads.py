@@ -125,10 +125,10 @@ class Pair:
     def clone(self) -> Pair:
         """A pair with the same transfers and effects, for a fill that runs beside
         another one (a fill keeps its progress on the pairs)."""
-        twin = Pair.__new__(Pair)
+        pair = Pair.__new__(Pair)
         for name in Pair.__slots__:
-            setattr(twin, name, getattr(self, name))
-        return twin
+            setattr(pair, name, getattr(self, name))
+        return pair
 
 
 class RoundLoads:

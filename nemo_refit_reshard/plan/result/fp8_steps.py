@@ -2,7 +2,7 @@
 
 A sending rank, before each step, fills every derived e4m3 tensor it sends from (or
 whose scales it sends) from its live tensors; a receiving rank, after each step,
-quantizes every twin it received into its live e4m3 tensor and scales. Both are
+quantizes every shadow it received into its live e4m3 tensor and scales. Both are
 :class:`QuantizeStep` s, listed per refit-group rank in the plan.
 """
 
@@ -18,8 +18,8 @@ from ...layouts.base import Box, RankLayout
 class QuantizeStep:
     """``weight`` (e4m3, ``shape``) and ``scale`` (float32 block scales) := block FP8 of
     ``source[box]`` cast to ``dtype`` (a sending rank; both derived, owned by the
-    program), or of ``weight``'s ``dtype`` twin (a receiving rank, ``source`` None; both
-    live, the twin owned by the program)."""
+    program), or of ``weight``'s ``dtype`` shadow (a receiving rank, ``source`` None; both
+    live, the shadow owned by the program)."""
 
     weight: str
     scale: str
@@ -56,7 +56,7 @@ def source_steps(layout: RankLayout, used: set[str]) -> tuple[QuantizeStep, ...]
 
 
 def destination_steps(layout: RankLayout) -> tuple[QuantizeStep, ...]:
-    """The quantization a receiving rank runs: one per twin it receives."""
+    """The quantization a receiving rank runs: one per shadow it receives."""
     return tuple(
         QuantizeStep(t.name, t.fp8.scale, t.shape, t.fp8.dtype)
         for t in layout.tensors

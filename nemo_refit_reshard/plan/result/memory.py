@@ -8,14 +8,14 @@ A rank's compiled program (``engine/program.py``) allocates, once, and keeps:
   the largest round; ×2 with ``overlap``. The planner keeps a rank's bytes per round
   within the bucket, so each buffer holds at most ``bucket_bytes`` plus alignment.
 * **relay**: two halves, each the largest round's bytes carried for another rank.
-* **fp8_scratch** (a block-FP8 receiver): the trained-dtype *twins* of the e4m3 tensors
+* **fp8_scratch** (a block-FP8 receiver): the trained-dtype *shadows* of the e4m3 tensors
   it receives unquantized (``layouts/fp8_wire.py``) live in one scratch buffer, in
   bands of whole block rows, each band in a slot from the first round that writes it to
   the last round that reads it (quantized into the live e4m3 weight and scales at the
   end of its last receiving round: its blocks are whole then); slots whose rounds do
   not overlap share bytes (first fit, in round order). A band's pieces arrive within a
   round or two unless the plan spreads one block row over many rounds, so the scratch
-  is about the twin bytes a rank receives in a round or two, not the whole twins.
+  is about the shadow bytes a rank receives in a round or two, not the whole shadows.
 
 A block-FP8 *sender* holds nothing more: it quantizes each e4m3 piece and its scales
 per round straight into that round's send staging (``engine/fp8_rounds.py``).
@@ -93,8 +93,8 @@ def staging_sizes(messages: Sequence[Message], group_rank: int, num_rounds: int)
 
 
 @dataclass(frozen=True)
-class TwinSlot:
-    """Rows ``rows`` (whole block rows) of a twin — of expert ``expert`` for fused
+class ShadowSlot:
+    """Rows ``rows`` (whole block rows) of a shadow — of expert ``expert`` for fused
     experts ``[E, rows, cols]`` — in the receiver's scratch, from round ``first`` (its
     first write) to ``last_use``; quantized at the end of round ``last_recv``."""
 
@@ -113,7 +113,7 @@ class TwinSlot:
 
 
 def _bands(box_offsets: tuple[int, ...], box_sizes: tuple[int, ...], three_d: bool, bm: int):
-    """``(expert, block row)`` of every band a box of a twin touches."""
+    """``(expert, block row)`` of every band a box of a shadow touches."""
     experts: Sequence[int | None] = [None]
     if three_d:
         experts = range(box_offsets[0], box_offsets[0] + box_sizes[0])
@@ -121,35 +121,35 @@ def _bands(box_offsets: tuple[int, ...], box_sizes: tuple[int, ...], three_d: bo
     return [(e, i) for e in experts for i in range(r0 // bm, (r0 + nr - 1) // bm + 1)]
 
 
-def twin_slots(
+def shadow_slots(
     messages: Sequence[Message],
     steps: Sequence[QuantizeStep],
     group_rank: int,
     block: tuple[int, int] | None,
-) -> tuple[tuple[TwinSlot, ...], int]:
-    """The scratch slots of a receiver's twins (``steps`` without ``source``), and the
-    scratch's bytes. A twin is cut into bands of whole block rows (per expert of fused
+) -> tuple[tuple[ShadowSlot, ...], int]:
+    """The scratch slots of a receiver's shadows (``steps`` without ``source``), and the
+    scratch's bytes. A shadow is cut into bands of whole block rows (per expert of fused
     experts); each band lives from the first round that writes it to the last that reads
     it — a block is quantized as soon as all of it has arrived. Consecutive bands of one
-    twin (one expert) with the same rounds form one slot. Slots are placed first fit in
+    shadow (one expert) with the same rounds form one slot. Slots are placed first fit in
     order of first round, reusing bytes only of slots whose last use came earlier."""
-    twins = {q.weight: q for q in steps if q.source is None}
-    if not twins:
+    shadows = {q.weight: q for q in steps if q.source is None}
+    if not shadows:
         return (), 0
-    assert block is not None, "a plan with twins names its FP8 block"
+    assert block is not None, "a plan with shadows names its FP8 block"
     bm = block[0]
     first: dict[tuple, int] = {}
     last_recv: dict[tuple, int] = {}
     last_use: dict[tuple, int] = {}
     for m in messages:
         for t in m.transfers:
-            if m.dst == group_rank and t.dst_tensor in twins:
+            if m.dst == group_rank and t.dst_tensor in shadows:
                 name, box, received = t.dst_tensor, t.dst_box, True
-            elif m.src == group_rank and t.src_tensor in twins:  # forwarded on (a chain)
+            elif m.src == group_rank and t.src_tensor in shadows:  # forwarded on (a chain)
                 name, box, received = t.src_tensor, t.src_box, False
             else:
                 continue
-            three_d = len(twins[name].shape) == 3
+            three_d = len(shadows[name].shape) == 3
             for e, i in _bands(box.offsets, box.sizes, three_d, bm):
                 key = (name, -1 if e is None else e, i)
                 if received:
@@ -157,7 +157,7 @@ def twin_slots(
                     last_recv[key] = max(last_recv.get(key, m.round), m.round)
                 last_use[key] = max(last_use.get(key, m.round), m.round)
     bands: list[tuple[tuple, int, int, int]] = []  # (key, first, last recv, last use)
-    for name, q in sorted(twins.items()):
+    for name, q in sorted(shadows.items()):
         experts = range(q.shape[0]) if len(q.shape) == 3 else [-1]
         for e in experts:
             for i in range(-(-q.shape[-2] // bm)):
@@ -181,10 +181,10 @@ def twin_slots(
         else:
             units.append((name, e, i, i + 1, f, lr, lu))
     live: list[tuple[int, int, int]] = []  # (offset, end, last use)
-    slots: list[TwinSlot] = []
+    slots: list[ShadowSlot] = []
     size = 0
     for name, e, i0, i1, f, lr, lu in sorted(units, key=lambda u: (u[4], u[:3])):
-        q = twins[name]
+        q = shadows[name]
         rows = (i0 * bm, min(i1 * bm, q.shape[-2]))
         nbytes = align_up((rows[1] - rows[0]) * q.shape[-1] * DTYPE_BYTES[q.dtype])
         live = sorted(a for a in live if a[2] >= f)
@@ -195,7 +195,7 @@ def twin_slots(
             offset = max(offset, end)
         live.append((offset, offset + nbytes, lu))
         expert = None if e < 0 else e
-        slots.append(TwinSlot(q, expert, rows, f, lr, lu, offset, nbytes))
+        slots.append(ShadowSlot(q, expert, rows, f, lr, lu, offset, nbytes))
         size = max(size, offset + nbytes)
     return tuple(slots), size
 
@@ -229,7 +229,7 @@ def rank_memory(plan: RefitPlan | RankPlan, group_rank: int, overlap: bool = Fal
     messages = plan.messages_of(group_rank)
     own = staging_sizes(messages, group_rank, plan.num_rounds)
     steps = plan.quantize_steps_of(group_rank)
-    _, scratch = twin_slots(messages, steps, group_rank, plan.fp8_block)
+    _, scratch = shadow_slots(messages, steps, group_rank, plan.fp8_block)
     hosts = plan.colocated_hosts
     if not hosts:
         return RankMemory(sets * (own.send + own.recv), 2 * own.relay_half, scratch)
@@ -267,10 +267,10 @@ __all__ = [
     "ALIGN",
     "RankMemory",
     "StagingSizes",
-    "TwinSlot",
+    "ShadowSlot",
     "align_up",
     "memory_report",
     "rank_memory",
     "staging_sizes",
-    "twin_slots",
+    "shadow_slots",
 ]

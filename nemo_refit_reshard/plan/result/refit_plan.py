@@ -36,7 +36,7 @@ class PlanStats:
     num_transfers: int
     num_messages: int
     num_rounds: int
-    # Block-FP8 plans: bytes sent per dtype (e4m3, float32 scales, trained-dtype twins).
+    # Block-FP8 plans: bytes sent per dtype (e4m3, float32 scales, trained-dtype shadows).
     bytes_by_dtype: tuple[tuple[str, int], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
