@@ -234,26 +234,6 @@ def _transfer(holder: Holder, need: Need, box: Box, dtype: str) -> Transfer:
     )
 
 
-def assign_senders(
-    needs: list[Need],
-    dtype_of: dict[tuple[int, str], str],
-    links: LinkModel | None = None,
-    members: Mapping[int, tuple[int, ...]] | None = None,
-    hosts: Mapping[int, int] | None = None,
-) -> list[Transfer]:
-    """Turn needs into transfers, each with one sender, balancing the senders: the
-    fixed ones (:class:`Fixed`, in need order), then the chosen ones (:func:`balance`).
-
-    ``dtype_of[(dst, local tensor)]`` is the destination dtype (the wire dtype).
-    ``members[dst]`` lists the replicas ``dst`` stands for (itself first): the
-    sender sends them the same transfer, so it is charged once per member.
-    ``hosts[dst]``: the source rank on ``dst``'s GPU (colocated); it sends every need it
-    holds, whole.
-    """
-    fixed = Fixed.of(needs, dtype_of, hosts)
-    return fixed.transfers + balance(fixed, links, members)
-
-
 def balance(
     fixed: Fixed,
     links: LinkModel | None = None,
