@@ -73,7 +73,7 @@ def memory_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
 def mem_row(memory: dict[str, Any]) -> str:
     text = f"{mib(memory['max_peak_extra_bytes'])} (staging bound {mib(memory['staging_bound'])}"
     if memory["max_fp8_scratch"]:
-        text += f"; FP8 twin scratch up to {mib(memory['max_fp8_scratch'])}"
+        text += f"; FP8 shadow scratch up to {mib(memory['max_fp8_scratch'])}"
     return text + ")"
 
 

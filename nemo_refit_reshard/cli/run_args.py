@@ -55,12 +55,15 @@ def add_run_arguments(p: argparse.ArgumentParser, steps: int) -> None:
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
-        help="with --transport gloo: where the ranks' tensors live (cuda: through host twins)",
+        help=(
+            "with --transport gloo: where the ranks' tensors live (cuda: through pinned "
+            "host copies)"
+        ),
     )
     p.add_argument(
         "--host-staged",
         action="store_true",
-        help="with --transport gloo: exchange through host twins even for CPU tensors",
+        help="with --transport gloo: exchange through pinned host copies even for CPU tensors",
     )
     p.add_argument(
         "--overlap",

@@ -145,6 +145,6 @@ def without_canonical(plan: RefitPlan, canonical: str) -> RefitPlan:
 
 
 def broadcast_without_canonical(plan: BroadcastPlan, canonical: str) -> BroadcastPlan:
-    """The baseline minus ``canonical`` (the test-only twin of :func:`without_canonical`)."""
+    """The baseline minus ``canonical`` (the test-only counterpart of :func:`without_canonical`)."""
     rounds = tuple(tuple(st for st in steps if st.canonical != canonical) for steps in plan.rounds)
     return BroadcastPlan(plan.num_sources, plan.num_destinations, tuple(r for r in rounds if r))
