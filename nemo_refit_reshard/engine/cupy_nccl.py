@@ -32,13 +32,19 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from .rendezvous import refit_store
-from .transport import DEFAULT_TIMEOUT_S, StepGuard, Transport, TransportError, first_line
+from .transport import (
+    DEFAULT_TIMEOUT_S,
+    Messages,
+    StepGuard,
+    Transport,
+    TransportError,
+    first_line,
+)
 
 
 def cupy_available() -> bool:
@@ -127,8 +133,8 @@ class CupyNcclTransport(Transport):
 
     def start_exchange(
         self,
-        sends: Sequence[tuple[int, torch.Tensor]],
-        recvs: Sequence[tuple[int, torch.Tensor]],
+        sends: Messages,
+        recvs: Messages,
         round_index: int = 0,
     ) -> _PendingNccl:
         self.guard.check()

@@ -19,14 +19,12 @@ it without a GPU.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from .transport import PendingExchange, Transport
+from .transport import Messages, PendingExchange, Transport
 
 
-class HostStagedTransport:
+class HostStagedTransport(Transport):
     """Wraps a host transport so that device buffers can be exchanged through it."""
 
     def __init__(self, inner: Transport) -> None:
@@ -56,8 +54,8 @@ class HostStagedTransport:
 
     def start_exchange(
         self,
-        sends: Sequence[tuple[int, torch.Tensor]],
-        recvs: Sequence[tuple[int, torch.Tensor]],
+        sends: Messages,
+        recvs: Messages,
         round_index: int = 0,
     ) -> PendingExchange:
         host_sends = [(peer, self.pinned(buf)) for peer, buf in sends]
@@ -71,14 +69,6 @@ class HostStagedTransport:
         host_recvs = [(peer, self.pinned(buf)) for peer, buf in recvs]
         pending = self.inner.start_exchange(host_sends, host_recvs, round_index)
         return _StagedPending(pending, recvs, host_recvs)
-
-    def exchange(
-        self,
-        sends: Sequence[tuple[int, torch.Tensor]],
-        recvs: Sequence[tuple[int, torch.Tensor]],
-        round_index: int = 0,
-    ) -> None:
-        self.start_exchange(sends, recvs, round_index).wait()
 
     def all_gather_object_str(self, value: str) -> list[str]:
         return self.inner.all_gather_object_str(value)

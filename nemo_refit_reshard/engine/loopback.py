@@ -14,12 +14,12 @@ identical tensors.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
+from .transport import Messages, Transport
 
-class LoopbackTransport:
+
+class LoopbackTransport(Transport):
     rank = 0
     world_size = 1
 
@@ -40,8 +40,8 @@ class LoopbackTransport:
 
     def start_exchange(
         self,
-        sends: Sequence[tuple[int, torch.Tensor]],
-        recvs: Sequence[tuple[int, torch.Tensor]],
+        sends: Messages,
+        recvs: Messages,
         round_index: int = 0,
     ) -> _Pending:
         shift = self.rounds % 4096
@@ -64,9 +64,6 @@ class LoopbackTransport:
         for peer, buf in recvs:
             at = (shift + 7 * peer) % 4096
             buf.copy_(self.pattern[at : at + buf.numel()])
-
-    def exchange(self, sends, recvs, round_index: int = 0) -> None:
-        self.start_exchange(sends, recvs, round_index).wait()
 
     def all_gather_object_str(self, value: str) -> list[str]:
         return [value]

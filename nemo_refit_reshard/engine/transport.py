@@ -105,6 +105,10 @@ class StepGuard:
         )
 
 
+Messages = Sequence[tuple[int, torch.Tensor]]
+"""One rank's messages of a round: ``(peer, byte buffer)`` pairs, sends or receives."""
+
+
 class PendingExchange(Protocol):
     def wait(self) -> None:
         """Return when every send and receive of the exchange finished (the buffers are
@@ -128,8 +132,8 @@ class Transport(Protocol):
 
     def start_exchange(
         self,
-        sends: Sequence[tuple[int, torch.Tensor]],
-        recvs: Sequence[tuple[int, torch.Tensor]],
+        sends: Messages,
+        recvs: Messages,
         round_index: int = 0,
     ) -> PendingExchange:
         """Issue each send ``(peer, buffer)`` and each receive of round ``round_index``
@@ -138,8 +142,8 @@ class Transport(Protocol):
 
     def exchange(
         self,
-        sends: Sequence[tuple[int, torch.Tensor]],
-        recvs: Sequence[tuple[int, torch.Tensor]],
+        sends: Messages,
+        recvs: Messages,
         round_index: int = 0,
     ) -> None:
         """Send each ``(peer, buffer)`` in ``sends``, fill each of ``recvs``; wait for all
@@ -216,8 +220,8 @@ class _ProcessGroupTransport(Transport):
 
     def start_exchange(
         self,
-        sends: Sequence[tuple[int, torch.Tensor]],
-        recvs: Sequence[tuple[int, torch.Tensor]],
+        sends: Messages,
+        recvs: Messages,
         round_index: int = 0,
     ) -> _PendingWorks:
         self.guard.check()
