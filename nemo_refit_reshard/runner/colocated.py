@@ -17,7 +17,6 @@ import signal
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +43,6 @@ def run_colocated(
 ) -> RunResult:
     """Spawn every training rank and its co-located inference rank; run and check."""
     t0 = time.perf_counter()
-    if cfg.connect_timeout_s is None:
-        cfg = replace(cfg, connect_timeout_s=join_timeout_s)
     plan = plan or colocated_plan(cfg)
     # Every rank has exited: remove what a killed one left (this driver's resource
     # tracker, which the ranks share, would only do so when the driver exits).

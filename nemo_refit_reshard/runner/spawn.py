@@ -48,8 +48,6 @@ def run_local(
 ) -> RunResult:
     """Spawn every rank on this machine, run the refit, return every rank's report."""
     t0 = time.perf_counter()
-    if cfg.connect_timeout_s is None:  # ranks start as fast as the machine lets them
-        cfg = dataclasses.replace(cfg, connect_timeout_s=join_timeout_s)
     if plan is None:
         spec, sources, destinations = build_layouts(cfg)
         plan = plan_refit(spec, sources, destinations, bucket_mb=cfg.bucket_mb, relay=cfg.relay)
@@ -72,6 +70,8 @@ def spawn_ranks(
     exited, before the temporary folder goes."""
     import torch.multiprocessing as mp
 
+    if cfg.connect_timeout_s is None:  # ranks start as fast as the machine lets them
+        cfg = dataclasses.replace(cfg, connect_timeout_s=join_timeout_s)
     world = plan.num_sources + plan.num_destinations
     with tempfile.TemporaryDirectory() as tmp:
         plan_path = write_plans(plan, world, tmp)
