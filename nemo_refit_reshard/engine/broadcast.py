@@ -120,35 +120,34 @@ class BroadcastProgram:
 
     def _pack(self, phase: CopyPhase, by_peer: dict, source, cbox_of) -> None:
         """One message per peer: each item's canonical box, packed back to back."""
+        messages, views = self._messages(by_peer, cbox_of, source)
+        phase.sends += messages
+        phase.copies_out += [(packed, live) for packed, live in views]
+
+    def _unpack(self, phase: CopyPhase, by_peer: dict, target) -> None:
+        """Receive one message per peer and copy each item into its target view."""
+        messages, views = self._messages(by_peer, lambda item: item[1], target)
+        phase.recvs += messages
+        phase.copies_in += [(live, packed) for packed, live in views]
+
+    def _messages(self, by_peer: dict, cbox_of, live_of) -> tuple[list, list]:
+        """Lay ``by_peer``'s items out in one buffer, one message per peer in peer order:
+        the ``(peer, message)`` pairs and each item's ``(packed view, live view)``."""
         spans, items, ranges = _Spans(), [], []
         for peer in sorted(by_peer):
             start = spans.take(0)
             for item in by_peer[peer]:
                 st = item[0] if isinstance(item, tuple) else item
                 nbytes = cbox_of(item).numel * TORCH_DTYPES[st.dtype].itemsize
-                items.append((spans.take(nbytes), nbytes, st.dtype, source(item)))
+                items.append((spans.take(nbytes), nbytes, st.dtype, live_of(item)))
             ranges.append((peer, start, spans.size))
         buf = self._alloc(spans.size)
-        for peer, start, end in ranges:
-            phase.sends.append((peer, buf[start:end]))
-        for off, nbytes, dtype, live in items:
-            phase.copies_out.append((byte_view(buf, off, nbytes, dtype, tuple(live.shape)), live))
-
-    def _unpack(self, phase: CopyPhase, by_peer: dict, target) -> None:
-        """Receive one message per peer and copy each item into its target view."""
-        spans, items, ranges = _Spans(), [], []
-        for peer in sorted(by_peer):
-            start = spans.take(0)
-            for item in by_peer[peer]:
-                st, cbox = item
-                nbytes = cbox.numel * TORCH_DTYPES[st.dtype].itemsize
-                items.append((spans.take(nbytes), nbytes, st.dtype, target(item)))
-            ranges.append((peer, start, spans.size))
-        buf = self._alloc(spans.size)
-        for peer, start, end in ranges:
-            phase.recvs.append((peer, buf[start:end]))
-        for off, nbytes, dtype, live in items:
-            phase.copies_in.append((live, byte_view(buf, off, nbytes, dtype, tuple(live.shape))))
+        messages = [(peer, buf[start:end]) for peer, start, end in ranges]
+        views = [
+            (byte_view(buf, off, nbytes, dtype, tuple(live.shape)), live)
+            for off, nbytes, dtype, live in items
+        ]
+        return messages, views
 
     def replay(self, transport: Transport) -> None:
         with torch.no_grad():

@@ -21,6 +21,8 @@ from operator import add
 from operator import sub as _sub
 from typing import Any, TypeVar
 
+from ..spec.model import index_by_name
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -308,9 +310,7 @@ class RankLayout:
     _index: dict[str, LocalTensor] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        index = {t.name: t for t in self.tensors}
-        if len(index) != len(self.tensors):
-            raise ValueError(f"{self.framework} rank {self.rank} has duplicate local tensor names")
+        index = index_by_name(self.tensors, f"{self.framework} rank {self.rank}'s local tensors")
         object.__setattr__(self, "_index", index)
 
     def tensor(self, name: str) -> LocalTensor:

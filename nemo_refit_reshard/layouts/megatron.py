@@ -122,6 +122,12 @@ class _MegatronRank:
             self.replicated(f"{local}.q_layernorm.weight", f"{hf}.q_norm.weight", (a.head_dim,))
             self.replicated(f"{local}.k_layernorm.weight", f"{hf}.k_norm.weight", (a.head_dim,))
 
+    def _fused_norm(self, local: str, te_linear: str, plain_norm: str) -> str:
+        """The norm's local name: Transformer Engine fuses it into the next linear."""
+        if self.te:
+            return f"{local}.{te_linear}.layer_norm_weight"
+        return f"{local}.{plain_norm}.weight"
+
     def mla(self, local: str, hf: str, layer_hf: str) -> None:
         a, t, r = self.a, self.par.tp, self.pos.tp
         m = a.mla
@@ -143,11 +149,7 @@ class _MegatronRank:
                 dt,
                 dr,
             )
-            norm = (
-                f"{local}.linear_q_up_proj.layer_norm_weight"
-                if self.te
-                else f"{local}.q_layernorm.weight"
-            )
+            norm = self._fused_norm(local, "linear_q_up_proj", "q_layernorm")
             self.replicated(norm, f"{hf}.q_a_layernorm.weight", (m.q_lora_rank,))
             self.column(
                 f"{local}.linear_q_up_proj.weight",
@@ -166,11 +168,7 @@ class _MegatronRank:
             dt,
             dr,
         )
-        norm = (
-            f"{local}.linear_kv_up_proj.layer_norm_weight"
-            if self.te
-            else f"{local}.kv_layernorm.weight"
-        )
+        norm = self._fused_norm(local, "linear_kv_up_proj", "kv_layernorm")
         self.replicated(norm, f"{hf}.kv_a_layernorm.weight", (m.kv_lora_rank,))
         self.column(
             f"{local}.linear_kv_up_proj.weight",

@@ -40,23 +40,14 @@ class Colocation:
         names one GPU), training ranks and inference ranks in rank order. Refused, before
         any transfer, with one line: a GPU with two training ranks or two inference
         ranks, an inference rank with no training rank on its GPU."""
-        first: dict[str, int] = {}
-        for rank, device in enumerate(train_devices):
-            if device in first:
-                raise PlanError(
-                    f"colocated refit: GPU {device} hosts training ranks {first[device]} and "
-                    f"{rank}; each GPU must host one training rank (fix the placement)"
-                )
-            first[device] = rank
-        seen: dict[str, int] = {}
+        first = _one_per_gpu(
+            train_devices,
+            "training ranks",
+            "each GPU must host one training rank (fix the placement)",
+        )
+        _one_per_gpu(infer_devices, "inference ranks", "each GPU must host at most one vLLM worker")
         hosts = []
         for rank, device in enumerate(infer_devices):
-            if device in seen:
-                raise PlanError(
-                    f"colocated refit: GPU {device} hosts inference ranks {seen[device]} and "
-                    f"{rank}; each GPU must host at most one vLLM worker"
-                )
-            seen[device] = rank
             if device not in first:
                 raise PlanError(
                     f"colocated refit: inference rank {rank} on GPU {device} has no training "
@@ -129,3 +120,15 @@ def colocated_bytes(traffic: Sequence[Sequence[tuple[int, int, int]]], hosts: Se
             else:
                 network += nbytes
     return ColocatedBytes(local, network)
+
+
+def _one_per_gpu(devices: Sequence[str], what: str, fix: str) -> dict[str, int]:
+    """``{device: rank}``, refused when two of ``devices`` name the same GPU."""
+    first: dict[str, int] = {}
+    for rank, device in enumerate(devices):
+        if device in first:
+            raise PlanError(
+                f"colocated refit: GPU {device} hosts {what} {first[device]} and {rank}; {fix}"
+            )
+        first[device] = rank
+    return first

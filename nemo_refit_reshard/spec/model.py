@@ -8,10 +8,10 @@ MoE experts in memory but still saves ``mlp.experts.{e}.gate_proj.weight``).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .config import ArchConfig, arch_from_hf_config
 from .quantization import FP8, SCALE_SUFFIX, BlockFp8, check_ignored, quantized_module
@@ -33,6 +33,20 @@ class CanonicalTensor:
         return n
 
 
+Named = TypeVar("Named")
+
+
+def index_by_name(items: Iterable[Named], owner: str) -> dict[str, Named]:
+    """``{item.name: item}``; refused when two items share a name (``owner`` says whose)."""
+    index: dict[str, Named] = {}
+    for item in items:
+        name = item.name  # type: ignore[attr-defined]
+        if name in index:
+            raise ValueError(f"{owner} has duplicate tensor names ({name!r} twice)")
+        index[name] = item
+    return index
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The ordered canonical tensors of a model plus the facts they came from."""
@@ -43,9 +57,7 @@ class ModelSpec:
     _index: dict[str, CanonicalTensor] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        index = {t.name: t for t in self.tensors}
-        if len(index) != len(self.tensors):
-            raise ValueError(f"model spec {self.name!r} has duplicate tensor names")
+        index = index_by_name(self.tensors, f"model spec {self.name!r}")
         object.__setattr__(self, "_index", index)
 
     def __iter__(self) -> Iterator[CanonicalTensor]:
