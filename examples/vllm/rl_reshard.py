@@ -105,7 +105,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import WeightTransferConfig
 
-    from nemo_refit_reshard.engine.rendezvous import free_address, new_secret
+    from nemo_refit_reshard.engine.rendezvous import free_address, new_rendezvous
 
     ray.init()
     llm = ray.remote(num_gpus=0)(LLM).remote(  # its two workers take the GPUs
@@ -115,11 +115,10 @@ def main() -> None:
         weight_transfer_config=WeightTransferConfig(backend="reshard"),
     )
     host = ray.util.get_node_ip_address()
-    _, port = free_address(host)  # the refit group's rendezvous, hosted by trainer rank 0
+    meet = new_rendezvous(host)  # the refit group's, hosted by trainer rank 0
     _, master_port = free_address(host)  # the trainers' own torch.distributed world
     trainers = [TrainerRank.remote(r, 2, f"{host}:{master_port}", args.model) for r in range(2)]
-    secret = new_secret()
-    ray.get([t.init_transfer.remote(llm, port, secret, args.transport) for t in trainers])
+    ray.get([t.init_transfer.remote(llm, meet.port, meet.secret, args.transport) for t in trainers])
     for step in range(args.steps):
         ray.get([t.train_step_and_sync.remote(step) for t in trainers])
         out = ray.get(

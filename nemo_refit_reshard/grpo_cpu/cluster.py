@@ -18,7 +18,7 @@ import torch
 
 from ..engine.checksum import combine, compare
 from ..engine.materialize import canonical_from_ranks
-from ..engine.rendezvous import free_port, new_secret
+from ..engine.rendezvous import free_port, new_rendezvous
 from ..integrations.worker import RefitEndpoint
 from ..layouts.base import RankLayout
 from ..plan import BroadcastPlan, RefitPlan, rank_plan
@@ -213,14 +213,21 @@ class GrpoCluster:
             check_worker_tensors(self.plan, self.broadcast, a.refit_rank, tensors, str(a))
 
         world = len(self.actors)
-        port = free_port()
-        secret = new_secret()  # this run's: only the actors it is shipped to can join
+        # This run's rendezvous: only the actors its secret is shipped to can join.
+        meet = new_rendezvous()
         calls = [
             (
                 a,
                 a.handle.join.remote(
                     RefitEndpoint(
-                        "127.0.0.1", port, world, a.refit_rank, "gloo", timeout, setup_s, secret
+                        meet.ip,
+                        meet.port,
+                        world,
+                        a.refit_rank,
+                        "gloo",
+                        timeout,
+                        setup_s,
+                        meet.secret,
                     ).to_json()
                 ),
             )

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..engine.rendezvous import free_port, new_secret
+from ..engine.rendezvous import new_rendezvous
 from ..plan import RefitPlan, plan_broadcast, plan_refit, rank_plan
 from .config import RunConfig, build_layouts
 
@@ -73,11 +73,12 @@ def spawn_ranks(
     if cfg.connect_timeout_s is None:  # ranks start as fast as the machine lets them
         cfg = dataclasses.replace(cfg, connect_timeout_s=join_timeout_s)
     world = plan.num_sources + plan.num_destinations
+    meet = new_rendezvous()
     with tempfile.TemporaryDirectory() as tmp:
         plan_path = write_plans(plan, world, tmp)
         ctx = mp.start_processes(
             worker,
-            args=(json.dumps(asdict(cfg)), plan_path, free_port(), tmp, new_secret()),
+            args=(json.dumps(asdict(cfg)), plan_path, meet.port, tmp, meet.secret),
             nprocs=world,
             start_method="spawn",
             join=False,
