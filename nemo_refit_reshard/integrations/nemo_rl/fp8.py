@@ -8,8 +8,8 @@ and ``hf_overrides={"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"
 [...]}}``, where ``ignored_layers`` names every linear module of the first
 ``num_first_layers_in_bf16`` and last ``num_last_layers_in_bf16`` decoder layers. vLLM
 then holds e4m3 weights with float32 ``weight_scale_inv`` per 128×128 block — the
-engine ``spec/quantization.py`` models — and NeMo RL's own refit quantizes each full
-BF16 weight on the generation side. ``reshard`` refits the same engine with e4m3 +
+vLLM engine ``spec/quantization.py`` models — and NeMo RL's own refit quantizes each full
+BF16 weight on the generation side. ``reshard`` refits the same vLLM engine with e4m3 +
 scales on the wire where training ranks hold whole blocks (``layouts/fp8_wire.py``).
 
 Refused by name, never served as something else: MXFP8 (``is_mx``), power-of-two weight

@@ -10,7 +10,7 @@ absorbs ``kv_b_proj`` into two tensors the decode path multiplies with::
 and registers both as parameters (``replace_parameter``). With an unquantized
 ``kv_b_proj`` they are views of its weight, so a refit of the weight changes them too;
 with a block-FP8 ``kv_b_proj`` ``dequant`` makes a copy (e4m3 × its block scale, in the
-model dtype), which no refit of ``named_parameters()`` touches: the engine would decode
+model dtype), which no refit of ``named_parameters()`` touches: the vLLM engine would decode
 with the previous step's attention while every refit parameter checks bit-exact.
 
 So the derived tensors are not refit (they are in no checkpoint the trainer holds) and,
