@@ -20,7 +20,7 @@ import pytest
 import tomllib
 
 from nemo_refit_reshard.integrations.vllm.api_check import SUPPORTED_RANGE, SUPPORTED_VLLM
-from nemo_refit_reshard.layouts.vllm import VLLM_RELEASES
+from nemo_refit_reshard.layouts.vllm_releases import VLLM_RELEASES
 from tests.helpers import vllm_env
 from tests.helpers.requires import requires
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_refit_reshard.layouts import VllmOptions, vllm_layout, vllm_release
-from nemo_refit_reshard.layouts import vllm as vllm_mod
+from nemo_refit_reshard.layouts import VllmOptions, vllm_layout, vllm_release, vllm_releases
 from nemo_refit_reshard.spec import InferParallel, load_model_spec
 
 
@@ -30,11 +29,13 @@ def test_unknown_release_is_refused_with_the_known_ones() -> None:
 
 
 def test_default_release_is_the_installed_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vllm_mod, "installed_vllm_version", lambda: "0.25.1")
+    # vllm_release looks installed_vllm_version up in its own module: patch it there.
+    assert vllm_release.__module__ == vllm_releases.__name__
+    monkeypatch.setattr(vllm_releases, "installed_vllm_version", lambda: "0.25.1")
     assert vllm_release().version == "0.25"
-    monkeypatch.setattr(vllm_mod, "installed_vllm_version", lambda: None)
+    monkeypatch.setattr(vllm_releases, "installed_vllm_version", lambda: None)
     assert vllm_release().version == "0.33"
-    monkeypatch.setattr(vllm_mod, "installed_vllm_version", lambda: "0.30.0")
+    monkeypatch.setattr(vllm_releases, "installed_vllm_version", lambda: "0.30.0")
     with pytest.raises(ValueError, match=r"vLLM 0\.30\.0 \(the installed vLLM\) is not a release"):
         vllm_release()
 

@@ -35,13 +35,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..layouts.base import RankLayout
-from ..layouts.vllm import (
-    VllmOptions,
-    vllm_expert_range,
-    vllm_layout,
-    vllm_padded_vocab,
-    vllm_position,
-)
+from ..layouts.vllm import vllm_layout, vllm_padded_vocab
+from ..layouts.vllm_grid import vllm_expert_range, vllm_position
+from ..layouts.vllm_releases import VllmOptions
 from ..spec.model import ModelSpec
 from ..spec.parallel import InferParallel
 

@@ -14,15 +14,13 @@ from .dtensor import (
 from .megatron import MegatronOptions, megatron_layout, megatron_layouts, megatron_padded_vocab
 from .megatron_grid import megatron_layer_chunks, megatron_position
 from .refit import refit_layouts
-from .vllm import (
+from .vllm import vllm_layout, vllm_layouts, vllm_padded_vocab
+from .vllm_grid import vllm_pp_indices
+from .vllm_releases import (
     DEFAULT_VLLM_VERSION,
     VLLM_RELEASES,
     VllmOptions,
     VllmRelease,
-    vllm_layout,
-    vllm_layouts,
-    vllm_padded_vocab,
-    vllm_pp_indices,
     vllm_release,
 )
 

@@ -8,7 +8,8 @@ from ..spec.parallel import InferParallel, TrainParallel
 from .base import RankLayout
 from .fp8_wire import wire_layouts
 from .megatron import MegatronOptions, megatron_layouts
-from .vllm import VllmOptions, vllm_layouts
+from .vllm import vllm_layouts
+from .vllm_releases import VllmOptions
 
 
 def refit_layouts(

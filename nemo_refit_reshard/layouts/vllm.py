@@ -1,16 +1,12 @@
-"""vLLM layout provider, version-aware (releases in :data:`VLLM_RELEASES`).
+"""The vLLM rank provider: the local tensors of one vLLM inference rank and the
+canonical pieces each holds (:func:`vllm_layout`, :func:`vllm_layouts`), and the
+parallel settings vLLM refuses (:func:`check_vllm_parallel`). Where a rank sits (its
+position, pipeline layers, experts, replicas) is ``vllm_grid``; which release's rules
+apply (:data:`VLLM_RELEASES`, :class:`VllmOptions`) is ``vllm_releases``.
 
 The rules below were read from each release's source; for 0.33.0 every rank's
 ``named_parameters()`` of vLLM's own model classes is compared with this provider
-(``tests/test_vllm_truth.py``).
-
-Inference ranks are numbered replica-major::
-
-    rank = ((replica·engine_dp + edp)·pp + pp_rank)·tp + tp_rank
-
-``replica`` is an independent engine (``dp`` on our inference side, as NeMo RL
-and veRL run one engine per replica); ``edp`` is vLLM's own
-``data_parallel_size`` inside an engine. With S = tp, rank s:
+(``tests/test_vllm_truth.py``). With S = tp, rank s:
 
 * ``qkv_proj``: ``[q heads s·nq/S.. | k heads | v heads]``; if ``S >= ng`` each rank
   holds one KV head ``s // (S/ng)`` (replicated ``S/ng`` times).
@@ -28,15 +24,11 @@ and veRL run one engine per replica); ``edp`` is vLLM's own
   experts are built with ``disable_tp`` — every rank holds them whole.
 * DeepSeek's ``gate.e_score_correction_bias`` exists only when config.json says
   ``topk_method: noaux_tc`` (float32).
-* pipeline: ``get_pp_indices`` — ``L//P`` layers each, the ``L%P`` extra layers to
-  stages ``P-2, P-3, ...``; parameter names keep the global layer index.
+* pipeline: each stage builds the layers ``vllm_pp_indices`` gives it; parameter names
+  keep the global layer index.
 """
 
 from __future__ import annotations
-
-import os
-from dataclasses import dataclass, field
-from importlib import metadata
 
 from ..spec.config import ArchConfig
 from ..spec.model import ModelSpec
@@ -44,149 +36,10 @@ from ..spec.parallel import InferParallel
 from ..spec.quantization import FP8
 from .base import Box, LayoutBuilder, RankLayout, paused_gc
 from .vllm_fp8 import Fp8Layout
+from .vllm_grid import vllm_expert_range, vllm_position, vllm_pp_indices, vllm_replicas
+from .vllm_releases import VllmOptions, vllm_release
 
 VOCAB_PADDING = 64  # DEFAULT_VOCAB_PADDING_SIZE
-
-
-@dataclass(frozen=True)
-class VllmRelease:
-    """The layout facts that differ between vLLM releases.
-
-    ``expert_module``: the module under ``mlp`` that owns ``w13_weight``/``w2_weight``.
-    ``sequence_parallel_backends``: all2all backends for which vLLM's
-    ``ParallelConfig.use_sequence_parallel_moe`` holds (with EP, tp > 1, dp > 1).
-    ``removed_backends``: backends the release replaces by ``allgather_reducescatter``.
-    """
-
-    version: str
-    expert_module: str
-    sequence_parallel_backends: frozenset[str]
-    default_all2all_backend: str = "allgather_reducescatter"
-    removed_backends: frozenset[str] = field(default_factory=frozenset)
-
-    def all2all_backend(self, requested: str | None) -> str:
-        backend = requested or self.default_all2all_backend
-        return "allgather_reducescatter" if backend in self.removed_backends else backend
-
-
-_SP_024 = frozenset(
-    {
-        "allgather_reducescatter",
-        "deepep_high_throughput",
-        "deepep_low_latency",
-        "mori_high_throughput",
-        "mori_low_latency",
-        "nixl_ep",
-    }
-)
-# Keyed by "major.minor"; each entry was read from that release's source
-# (config/parallel.py ``use_sequence_parallel_moe``, fused_moe/layer.py, deepseek_v2.py).
-VLLM_RELEASES: dict[str, VllmRelease] = {
-    "0.11": VllmRelease(
-        "0.11",
-        "experts",
-        frozenset(
-            {"allgather_reducescatter", "naive", "deepep_high_throughput", "deepep_low_latency"}
-        ),
-    ),
-    "0.24": VllmRelease(
-        "0.24", "experts.routed_experts", _SP_024, removed_backends=frozenset({"naive", "pplx"})
-    ),
-    "0.25": VllmRelease(
-        "0.25", "experts.routed_experts", _SP_024, removed_backends=frozenset({"naive", "pplx"})
-    ),
-    "0.33": VllmRelease(
-        "0.33",
-        "experts.routed_experts",
-        _SP_024 | {"deepep_v2", "flashinfer_nvlink_one_sided", "passthrough"},
-        removed_backends=frozenset({"naive", "pplx"}),
-    ),
-}
-DEFAULT_VLLM_VERSION = "0.33"
-
-
-def installed_vllm_version() -> str | None:
-    """The installed vLLM's version (package metadata; vLLM itself is not imported)."""
-    try:
-        return metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def vllm_release(version: str | None = None) -> VllmRelease:
-    """The release rules for ``version`` ("0.33.0", "0.25.1+cu128", ...); ``None`` means
-    the installed vLLM, else :data:`DEFAULT_VLLM_VERSION`."""
-    text = version or installed_vllm_version() or DEFAULT_VLLM_VERSION
-    parts = text.split("+")[0].split(".")
-    key = ".".join(parts[:2])
-    if key not in VLLM_RELEASES:
-        known = ", ".join(f"{k}.x" for k in VLLM_RELEASES)
-        origin = "" if version else " (the installed vLLM)"
-        raise ValueError(
-            f"vLLM {text}{origin} is not a release whose parameter layout this provider knows; "
-            f"known: {known}. Pass VllmOptions(vllm_version=...) / --vllm-version for one of "
-            "those only if your release builds the same parameters (the vLLM truth test checks it)"
-        )
-    return VLLM_RELEASES[key]
-
-
-@dataclass(frozen=True)
-class VllmOptions:
-    """``pp_layer_partition``: as ``VLLM_PP_LAYER_PARTITION`` (layer count per stage).
-    ``params_dtype``: dtype of the local tensors (default: the checkpoint dtype).
-    ``vllm_version``: the release whose layout to follow (default: the installed vLLM,
-    else 0.33). ``all2all_backend``: vLLM's ``ParallelConfig.all2all_backend`` (default:
-    the release's default); with expert parallel it decides sequence-parallel MoE."""
-
-    pp_layer_partition: tuple[int, ...] | None = None
-    params_dtype: str | None = None
-    vllm_version: str | None = None
-    all2all_backend: str | None = None
-
-    @property
-    def release(self) -> VllmRelease:
-        return vllm_release(self.vllm_version)
-
-    def sequence_parallel_moe(self, par: InferParallel) -> bool:
-        """vLLM's ``ParallelConfig.use_sequence_parallel_moe`` for ``par``."""
-        rel = self.release
-        return (
-            rel.all2all_backend(self.all2all_backend) in rel.sequence_parallel_backends
-            and par.expert_parallel
-            and par.tp > 1
-            and par.engine_dp > 1
-        )
-
-    @classmethod
-    def from_env(cls) -> VllmOptions:
-        text = os.environ.get("VLLM_PP_LAYER_PARTITION")
-        if not text:
-            return cls()
-        try:
-            return cls(pp_layer_partition=tuple(int(x) for x in text.split(",")))
-        except ValueError:
-            raise ValueError(
-                f"VLLM_PP_LAYER_PARTITION={text!r} is not a comma list of ints"
-            ) from None
-
-
-def vllm_pp_indices(
-    num_layers: int, pp_rank: int, pp: int, partition: tuple[int, ...] | None = None
-) -> tuple[int, int]:
-    """``[start, end)`` global layers of stage ``pp_rank`` (vLLM ``get_pp_indices``)."""
-    if partition is not None:
-        if len(partition) != pp or sum(partition) != num_layers:
-            raise ValueError(
-                f"pp layer partition {list(partition)} must have pp={pp} entries summing to "
-                f"num_layers={num_layers}"
-            )
-        parts = list(partition)
-    else:
-        parts = [num_layers // pp] * pp
-        for i in range(2, num_layers % pp + 2):
-            parts[-i] += 1
-    start = sum(parts[:pp_rank])
-    return start, start + parts[pp_rank]
 
 
 def vllm_padded_vocab(vocab: int) -> int:
@@ -235,33 +88,6 @@ def check_vllm_parallel(
         raise ValueError(
             f"tp={s} must divide the shared-expert size {moe.shared_intermediate_size}"
         )
-
-
-def vllm_expert_range(num_experts: int, ep: int, ep_rank: int) -> tuple[int, int]:
-    """Linear placement: ``[start, start + count)`` global experts of ``ep_rank``."""
-    base, rem = divmod(num_experts, ep)
-    start = ep_rank * base + min(ep_rank, rem)
-    return start, start + base + (1 if ep_rank < rem else 0)
-
-
-@dataclass(frozen=True)
-class VllmPosition:
-    replica: int
-    edp: int
-    pp: int
-    tp: int
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(dp=self.replica, engine_dp=self.edp, pp=self.pp, tp=self.tp)
-
-
-def vllm_position(par: InferParallel, rank: int) -> VllmPosition:
-    if not 0 <= rank < par.world_size:
-        raise ValueError(f"rank {rank} outside the inference world of {par.world_size} ({par})")
-    tp = rank % par.tp
-    pp = (rank // par.tp) % par.pp
-    edp = (rank // (par.tp * par.pp)) % par.engine_dp
-    return VllmPosition(replica=rank // par.engine_world_size, edp=edp, pp=pp, tp=tp)
 
 
 class _VllmRank(Fp8Layout):
@@ -485,24 +311,6 @@ class _VllmRank(Fp8Layout):
             self.replicated("model.norm.weight", (h,))
             if not tied:
                 self.vocab("lm_head.weight", "lm_head.weight")
-
-
-def vllm_replicas(
-    spec: ModelSpec, par: InferParallel, rank: int, opts: VllmOptions
-) -> tuple[int, ...]:
-    """Ranks with identical pieces: same pp and tp, and same edp when the stage has experts."""
-    me = vllm_position(par, rank)
-    start, end = vllm_pp_indices(spec.arch.num_layers, me.pp, par.pp, opts.pp_layer_partition)
-    has_experts = any(spec.arch.is_sparse(layer) for layer in range(start, end))
-    out = []
-    for other in range(par.world_size):
-        o = vllm_position(par, other)
-        if (o.pp, o.tp) != (me.pp, me.tp):
-            continue
-        if has_experts and o.edp != me.edp:
-            continue
-        out.append(other)
-    return tuple(out)
 
 
 @paused_gc

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nemo_refit_reshard.layouts.vllm import vllm_position
+from nemo_refit_reshard.layouts.vllm_grid import vllm_position
 from nemo_refit_reshard.spec import InferParallel, ModelSpec
 from tests.helpers import vllm_env
 

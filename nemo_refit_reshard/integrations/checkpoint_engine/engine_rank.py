@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ...engine.program import TORCH_DTYPES
-from ...layouts.vllm import installed_vllm_version
+from ...layouts.vllm_releases import installed_vllm_version
 from ...plan import BroadcastPlan, PlanError, RankPlan
 from ..worker import RefitEndpoint, RefitWorker
 from .config import ReshardEngineConfig, engine_spec

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...layouts.vllm import VllmOptions, vllm_release
+from ...layouts.vllm_releases import VllmOptions, vllm_release
 from ...spec.parallel import InferParallel
 
 # Unquantized MoE backends that use w13/w2 exactly as loaded. The others permute, pad
