@@ -192,6 +192,7 @@ class RankProgram:
         if (make_recv_buffer is not None or outgoing_into) and overlap:
             raise ValueError("an outside receive buffer serves serial replay only")
         self._into = dict(outgoing_into or {})
+        self.local_into = frozenset(self._into)  # (round, dst) packed into a local staging
         self.plan = plan
         self.group_rank = group_rank
         self.device = torch.device(device)

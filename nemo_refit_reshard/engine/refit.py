@@ -7,6 +7,7 @@ unless every rank of the refit group holds a plan with the same fingerprint
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import torch
 
 from ..plan import BroadcastPlan, PlanError, RankPlan, RefitPlan
 from .broadcast import BroadcastProgram
+from .delta import UNKNOWN, DeltaOptions, DeltaProgram, DeltaStats
 from .program import RankProgram
 from .transport import Transport
 
@@ -93,11 +95,16 @@ class Refitter:
         broadcast_plan: BroadcastPlan | None = None,
         device: torch.device | str = "cpu",
         overlap: bool | None = None,
+        delta: DeltaOptions | None = None,
     ) -> None:
         """``overlap``: pack/unpack of neighbouring rounds overlap the wire
-        (``engine/pipeline.py``; two staging sets). Default: on for CUDA, off on CPU."""
+        (``engine/pipeline.py``; two staging sets). Default: on for CUDA, off on CPU.
+        ``delta``: send each message in its smallest form (``engine/delta.py``; the
+        reshard backend only, on every rank of the group or none)."""
         if backend not in BACKENDS:
             raise ValueError(f"unknown refit backend {backend!r}; choose one of {BACKENDS}")
+        if delta is not None and backend != "reshard":
+            raise ValueError("delta refit runs on the reshard backend; drop delta or backend")
         check_same_fingerprint(transport, plan.fingerprint)
         self.backend = backend
         self.transport = transport
@@ -112,6 +119,24 @@ class Refitter:
             if broadcast_plan is None:
                 raise ValueError("backend 'broadcast' needs the broadcast plan")
             self.program = BroadcastProgram(broadcast_plan, group_rank, tensors, device)
+        self.delta: DeltaProgram | None = None
+        mine = "[]"
+        if delta is not None:
+            assert isinstance(self.program, RankProgram)
+            self.delta = DeltaProgram(self.program, plan, delta)
+            mine = json.dumps(self.delta.dense_only_in)
+        # One gather, on every rank alike: whether each rank refits with deltas and, if
+        # so, which messages it can only take dense.
+        shared = transport.all_gather_object_str(f"{int(delta is not None)}{mine}")
+        modes = {text[0] for text in shared}
+        if len(modes) > 1:
+            on = [r for r, text in enumerate(shared) if text[0] == "1"]
+            raise PlanError(
+                f"refit ranks {on} refit with deltas and the others do not; turn delta refit "
+                "on for every rank of the group or for none"
+            )
+        if self.delta is not None:
+            self.delta.learn_refusals([[tuple(p) for p in json.loads(t[1:])] for t in shared])
 
     def refit(self, step: int | None = None) -> StepTiming:
         """Run one refit step (the caller's ``step``, named in errors); returns this
@@ -122,8 +147,23 @@ class Refitter:
         t0 = time.perf_counter()
         self.transport.begin_step(step)
         try:
-            self.program.replay(timed)  # type: ignore[arg-type]
+            if self.delta is None:
+                self.program.replay(timed)  # type: ignore[arg-type]
+            else:
+                self.delta_replay(timed)
         except BaseException as err:
             self.transport.fail_step(err)
             raise
         return StepTiming(time.perf_counter() - t0, timed.seconds)
+
+    def delta_replay(self, timed: _TimedTransport) -> DeltaStats:
+        """A delta step: every rank's version (one gather), then the rounds."""
+        assert self.delta is not None
+        versions = [int(v) for v in self.transport.all_gather_object_str(str(self.delta.version))]
+        return self.delta.replay(timed, versions)  # type: ignore[arg-type]
+
+    def forget_version(self) -> None:
+        """This rank's weights no longer hold the last refit's version (a restarted or
+        slept engine): its next delta step is dense."""
+        if self.delta is not None:
+            self.delta.version = UNKNOWN

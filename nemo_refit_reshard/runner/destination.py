@@ -39,6 +39,14 @@ class DestinationTensors:
         for t in self.live.values():
             t.fill_(float("nan"))
 
+    def retrain(self, trained: Mapping[str, Any]) -> None:
+        """The truth after an optimizer step: ``trained``'s weights (quantized again for
+        an FP8 engine); the live tensors keep what they hold."""
+        if isinstance(self.truth, QuantizedWeights):
+            self.truth = QuantizedWeights(trained, self.truth.fp8, self.truth.block)
+        else:
+            self.truth = trained
+
     def mismatches(self) -> list[str]:
         return mismatches(self.layout, self.live, self.truth)
 

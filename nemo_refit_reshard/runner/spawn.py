@@ -184,14 +184,21 @@ def _run_rank(
     import torch
 
     # Loaded in the ranks only: importing the runner (every CLI command does) stays light.
+    from ..engine.delta import DeltaOptions
     from ..engine.materialize import SyntheticWeights, materialize
     from ..integrations.worker import RefitEndpoint, RefitWorker
     from .destination import destination_tensors
+    from .training import AdamTrainedWeights, refill
 
     # Each worker reads only its own slice of the plan (written by the driver).
     plan_json = Path(plan_path).with_name(f"plan{rank}.json").read_text()
     spec, sources, destinations = build_layouts(cfg)
-    weights = SyntheticWeights(spec.unquantized(), cfg.seed)  # the trained weights
+    # the trained weights; with deltas, Adam steps between refits (runner/training.py)
+    weights = (
+        AdamTrainedWeights(spec.unquantized(), cfg.seed, cfg.lr)
+        if cfg.delta
+        else SyntheticWeights(spec.unquantized(), cfg.seed)
+    )
     s = len(sources)
     is_source = rank < s
     layout = sources[rank] if is_source else destinations[rank - s]
@@ -209,8 +216,9 @@ def _run_rank(
         "127.0.0.1", port, s + len(destinations), rank, cfg.transport, cfg.timeout_s,
         cfg.connect_timeout_s, secret=secret,
     )  # fmt: skip
+    delta = DeltaOptions(cfg.anchor_every) if cfg.delta else None
     worker = RefitWorker(
-        endpoint, tensors, device, overlap=cfg.overlap, host_staged=cfg.host_staged
+        endpoint, tensors, device, overlap=cfg.overlap, host_staged=cfg.host_staged, delta=delta
     )
     worker.join()
     result["transport"] = type(worker.transport).__name__
@@ -224,18 +232,28 @@ def _run_rank(
     for b_index, backend in enumerate(cfg.backends):
         worker.load_plan(plan_json, backend, bplan)
         worker.refit()  # warm-up: gloo connects pairs lazily on first use
-        timings = []
+        timings, steps = [], []
         for step in range(cfg.steps):
-            if not is_source:
+            if cfg.delta:  # an optimizer step; receivers keep what they hold
+                weights.advance()
+                if is_source:
+                    refill(layout, tensors, weights)
+                else:
+                    mine.retrain(weights)
+            elif not is_source:
                 mine.poison()
             if cfg.kill_rank == rank and b_index == 0 and step == cfg.kill_step:
                 os._exit(3)  # simulated crash: no cleanup, sockets reset
             worker.barrier()  # every rank starts the step together
             timing = worker.refit()
             timings.append([timing.seconds, timing.exchange_seconds])
+            if cfg.delta and backend == "reshard":
+                steps.append(_delta_step(worker, None if is_source else mine, cfg.verify))
             done += 1
             progress.write_text(str(done))
         entry: dict[str, Any] = {"timings": timings, "staging_bytes": _staging(worker.refitter)}
+        if steps:
+            entry["delta"] = steps
         if not is_source and cfg.verify:
             entry["mismatches"] = mine.mismatches()
         result["backends"][backend] = entry
@@ -244,3 +262,21 @@ def _run_rank(
 def _staging(refitter: Any) -> int:
     """Bytes of staging buffers the rank's compiled program holds (0 if it reports none)."""
     return int(getattr(refitter.program, "staging_bytes", 0))
+
+
+def _delta_step(worker: Any, mine: Any, verify: bool) -> dict[str, Any]:
+    """One delta step's figures on this rank (``engine.delta.DeltaStats``) and, on an
+    inference rank with ``verify``, the tensors that differ from the trained weights."""
+    stats = worker.refitter.delta.last
+    out = {
+        "version": stats.version,
+        "sent_bytes": stats.sent_bytes,
+        "dense_bytes": stats.dense_bytes,
+        "units": stats.units,
+        "changed": stats.changed,
+        "forms": stats.forms,
+        "baseline_bytes": worker.refitter.delta.baseline_bytes,
+    }
+    if mine is not None and verify:
+        out["mismatches"] = mine.mismatches()
+    return out

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ...engine.delta import DeltaOptions
 from ...engine.host_staged import HostStagedTransport
 from ...engine.refit import Refitter, StepTiming
 from ...engine.transport import GlooTransport, Transport
@@ -48,17 +49,21 @@ class RefitWorker:
         overlap: bool | None = None,
         host_staged: bool | None = None,
         weights: WeightsState | None = None,
+        delta: DeltaOptions | None = None,
     ) -> None:
         """``overlap``: overlapped replay (``engine/pipeline.py``); None: on for CUDA.
         ``host_staged``: exchange through pinned host copies of the staging buffers
         (``engine/host_staged.py``, gloo only); None: when the tensors are on a GPU.
-        ``weights``: the tensors' version and staleness (kept across memberships)."""
+        ``weights``: the tensors' version and staleness (kept across memberships).
+        ``delta``: refit the reshard backend with deltas (``engine/delta.py``); every
+        rank of the group alike."""
         self.endpoint = endpoint
         self.tensors = tensors
         self.weights = weights if weights is not None else WeightsState()
         self._loaded: tuple | None = None
         self.overlap = overlap
         self.host_staged = host_staged
+        self.delta = delta
         first = next(iter(tensors.values()), None)
         self.device = (
             torch.device(device)
@@ -119,6 +124,7 @@ class RefitWorker:
             broadcast_plan,
             self.device,
             self.overlap,
+            self.delta if backend == "reshard" else None,
         )
         self._loaded = (plan, backend, broadcast_plan)
 
@@ -154,6 +160,13 @@ class RefitWorker:
         self.join()
         if self._loaded is not None:
             self.load_plan(*self._loaded)
+
+    def forget_version(self) -> None:
+        """The live tensors no longer hold the last refit (an engine woken from sleep mode
+        with its weights discarded, a reload): the next delta refit sends this rank
+        everything."""
+        if self.refitter is not None:
+            self.refitter.forget_version()
 
     def barrier(self) -> None:
         if self.transport is None:
