@@ -30,12 +30,12 @@ dense, as does every ``anchor_every``-th version. A failed step leaves its ranks
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ..plan import RankPlan, RefitPlan, is_relay
+from ..plan import RankPlan, RefitPlan
 from .delta_codec import (
     DENSE,
     FORM_NAMES,
@@ -46,9 +46,9 @@ from .delta_codec import (
     changed_mask,
     choose_form,
     encode,
-    unit_of,
 )
-from .program import TORCH_DTYPES, RankProgram, copy_pairs
+from .delta_rounds import Fixed, Outgoing, Round, compile_rounds
+from .program import RankProgram, copy_pairs
 from .transport import Transport
 
 UNKNOWN = -1
@@ -88,38 +88,7 @@ class DeltaStats:
     units: int = 0  # units compared (delta-capable outgoing messages)
     changed: int = 0
     forms: dict[str, int] = field(default_factory=dict)  # outgoing messages by form
-
-
-@dataclass
-class _Outgoing:
-    peer: int
-    span: torch.Tensor
-    unit: int
-    key: int  # index of its distinct span (shared by identical replica messages)
-
-
-@dataclass
-class _Incoming:
-    peer: int
-    span: torch.Tensor
-    unit: int
-    repack: list[tuple[torch.Tensor, torch.Tensor]] | None  # (staged, live); None: dense only
-
-
-@dataclass
-class _Round:
-    outgoing: list[_Outgoing]
-    incoming: list[_Incoming]
-
-
-def _repackable(message, expected: Mapping, shadows: set[str]) -> bool:
-    """A receiver can rebuild ``message``'s previous bytes from its live tensors."""
-    for t in message.transfers:
-        if is_relay(t.dst_tensor) or t.dst_tensor in shadows:
-            return False
-        if expected[t.dst_tensor][1] != t.dtype:
-            return False
-    return True
+    received: dict[str, int] = field(default_factory=dict)  # incoming messages by form
 
 
 class DeltaProgram:
@@ -132,41 +101,12 @@ class DeltaProgram:
         options: DeltaOptions | None = None,
     ) -> None:
         self.program, self.options = program, options or DeltaOptions()
-        me = self.rank = program.group_rank
+        self.rank = program.group_rank
         self.is_source = program.is_source
         self.version = UNKNOWN
-        expected = plan.expected_tensors(me)
-        shadows = {q.weight for q in plan.quantize_steps_of(me) if q.source is None}
-        by_round: dict[int, list] = {}
-        for m in plan.messages_of(me):
-            by_round.setdefault(m.round, []).append(m)
-        spans: dict[tuple[int, int], int] = {}
-        self.rounds: list[_Round] = []
-        self.dense_only_in: list[tuple[int, int]] = []  # (src, round) this rank can't re-pack
-        for k, phase in enumerate(program.rounds):
-            messages = by_round.get(k, [])
-            # (a message packed straight into a co-located receiver's staging: no wire)
-            out_msgs = [m for m in messages if m.src == me and (k, m.dst) not in program.local_into]
-            in_msgs = [m for m in messages if m.dst == me]
-            outgoing = []
-            for (peer, span), m in zip(phase.sends, out_msgs, strict=True):
-                key = spans.setdefault((span.data_ptr(), span.numel()), len(spans))
-                outgoing.append(_Outgoing(peer, span, _unit(m), key))
-            incoming = []
-            for (peer, span), m in zip(phase.recvs, in_msgs, strict=True):
-                repack = None
-                if _repackable(m, expected, shadows):
-                    repack = [
-                        (staged, live)
-                        for (live, staged), src in zip(phase.copies_in, phase.copies_in_from)
-                        if src == peer
-                    ]
-                else:
-                    self.dense_only_in.append((peer, k))
-                incoming.append(_Incoming(peer, span, _unit(m), repack))
-            self.rounds.append(_Round(outgoing, incoming))
-        self._span_bytes = {key: n for (_, n), key in spans.items()}
-        self.dense_only_out: set[tuple[int, int]] = set()  # (dst, round), set by the group
+        self.rounds, self.fixed_in = compile_rounds(program, plan)
+        # (dst, round) -> byte ranges of that message its receiver cannot re-pack
+        self.fixed_out: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
         self.baselines: dict[int, torch.Tensor] = {}
         self._encoded = torch.empty(
             program.send_buffers[0].numel(), dtype=torch.uint8, device=program.device
@@ -176,12 +116,17 @@ class DeltaProgram:
         )
         self.last = DeltaStats()
 
-    def learn_refusals(self, refusals: Sequence[Sequence[tuple[int, int]]]) -> None:
-        """Every rank's ``dense_only_in`` (by refit rank): the messages this rank must
-        always send dense; allocate baselines for the rest (a sender that is a training
-        rank; an inference rank forwarding along a chain sends dense)."""
-        self.dense_only_out = {
-            (dst, k) for dst, pairs in enumerate(refusals) for src, k in pairs if src == self.rank
+    def learn_fixed(self, fixed: Sequence[Sequence[Fixed]]) -> None:
+        """Every rank's ``fixed_in`` (by refit rank): the byte ranges of this rank's
+        messages that always travel (their receiver cannot re-pack them). Allocate the
+        baselines of the messages that can travel as deltas: a training rank's, each
+        distinct one once (an inference rank forwarding along a chain keeps no copy of
+        the model: it sends dense)."""
+        self.fixed_out = {
+            (dst, k): tuple((a, b) for a, b in ranges)
+            for dst, entries in enumerate(fixed)
+            for src, k, ranges in entries
+            if src == self.rank
         }
         if not self.is_source:
             return
@@ -189,7 +134,7 @@ class DeltaProgram:
         device = "cpu" if self.options.baseline == "host" else self.program.device
         for k, rnd in enumerate(self.rounds):
             for out in rnd.outgoing:
-                if (out.peer, k) in self.dense_only_out or out.key in self.baselines:
+                if out.key in self.baselines or _all_fixed(self.fixed_out.get((out.peer, k)), out):
                     continue
                 self.baselines[out.key] = torch.empty(
                     out.span.numel(), dtype=torch.uint8, device=device, pin_memory=pinned
@@ -218,55 +163,65 @@ class DeltaProgram:
                     [(i.peer, h) for i, h in zip(rnd.incoming, headers)],
                     k,
                 )
-                recvs, patches = self._receive_plan(k, rnd, headers, versions)
+                recvs, patches = self._receive_plan(k, rnd, headers, versions, stats)
                 transport.exchange(
                     [(peer, p) for peer, _, p in sends if p.numel()],
                     [(peer, buf) for peer, buf in recvs if buf.numel()],
                     k,
                 )
                 for incoming, header, payload in patches:
-                    copy_pairs(incoming.repack or [])
+                    copy_pairs(incoming.repack)
                     apply_patch(incoming.span, payload, header, incoming.unit)
                 phase.unpack()
         self.version = version
         self.last = stats
         return stats
 
-    def _encode_round(self, k: int, rnd: _Round, versions, dense_step: bool, stats: DeltaStats):
+    def _encode_round(self, k: int, rnd: Round, versions, dense_step: bool, stats: DeltaStats):
         """``(peer, header bytes, payload)`` per outgoing message; baselines updated."""
         mine = versions[self.rank]
+        sends, encoded, at = [], {}, 0
         delta_to = [
-            not dense_step
-            and mine >= 0
-            and versions[o.peer] == mine
-            and o.key in self.baselines
-            and (o.peer, k) not in self.dense_only_out
+            not dense_step and mine >= 0 and versions[o.peer] == mine and o.key in self.baselines
             for o in rnd.outgoing
         ]
-        keys = sorted({o.key for o, d in zip(rnd.outgoing, delta_to) if d})
-        masks = {}
+        # Changed units of each distinct message (bits, against its baseline), plus the
+        # ranges its receiver cannot re-pack: one host sync for the round's counts.
+        variants = sorted(
+            {
+                (o.key, self.fixed_out.get((o.peer, k), ()))
+                for o, d in zip(rnd.outgoing, delta_to)
+                if d
+            }
+        )
+        changed = {}
+        for o in rnd.outgoing:
+            if any(o.key == key for key, _ in variants) and o.key not in changed:
+                changed[o.key] = changed_mask(o.span, self.baselines[o.key], o.unit)
+        masks = {
+            (key, fixed): _with_fixed(changed[key], fixed, rnd, key) for key, fixed in variants
+        }
+        keys = sorted(changed)
+        counts = changed_counts([changed[key] for key in keys] + list(masks.values()))
+        true_counts = dict(zip(keys, counts[: len(keys)]))
+        sent_counts = dict(zip(masks, counts[len(keys) :]))
         for key in keys:
             o = next(o for o in rnd.outgoing if o.key == key)
-            masks[key] = changed_mask(o.span, self.baselines[key], o.unit)
-        counts = dict(zip(keys, changed_counts(list(masks.values()))))
-        encoded: dict[int, tuple[int, torch.Tensor]] = {}
-        at = 0
-        sends = []
+            stats.units += o.span.numel() // o.unit
+            stats.changed += true_counts[key]
         for o, delta in zip(rnd.outgoing, delta_to):
             n = o.span.numel()
             if delta:
-                if o.key not in encoded:
-                    form = choose_form(n, o.unit, counts[o.key])
-                    payload = encode(o.span, masks[o.key], o.unit, form, self._encoded[at:])
+                variant = (o.key, self.fixed_out.get((o.peer, k), ()))
+                if variant not in encoded:
+                    count = sent_counts[variant]
+                    form = choose_form(n, o.unit, count)
+                    payload = encode(o.span, masks[variant], o.unit, form, self._encoded[at:])
                     if form != DENSE:
                         at += payload.numel()
-                    encoded[o.key] = (form, payload)
-                    stats.units += n // o.unit
-                    stats.changed += counts[o.key]
-                form, payload = encoded[o.key]
-                header = Header(
-                    form, mine if form != DENSE else UNKNOWN, counts[o.key], payload.numel()
-                )
+                    encoded[variant] = (form, count, payload)
+                form, count, payload = encoded[variant]
+                header = Header(form, mine if form != DENSE else UNKNOWN, count, payload.numel())
             else:
                 form, payload, header = DENSE, o.span, Header(DENSE, UNKNOWN, 0, n)
             raw = torch.empty(HEADER_BYTES, dtype=torch.uint8)
@@ -280,13 +235,15 @@ class DeltaProgram:
                 self.baselines[o.key].copy_(o.span)
         return sends
 
-    def _receive_plan(self, k: int, rnd: _Round, headers, versions):
+    def _receive_plan(self, k: int, rnd: Round, headers, versions, stats: DeltaStats):
         """Where each payload lands: a DENSE one in its span, a delta in scratch (then
         re-pack + patch)."""
         recvs, patches, at = [], [], 0
         for incoming, raw in zip(rnd.incoming, headers):
             header = Header.read(raw)
             n = incoming.span.numel()
+            name = FORM_NAMES[header.form]
+            stats.received[name] = stats.received.get(name, 0) + 1
             if header.form == DENSE:
                 if header.nbytes != n:
                     raise DeltaError(
@@ -297,12 +254,11 @@ class DeltaProgram:
                 recvs.append((incoming.peer, incoming.span))
                 continue
             mine = versions[self.rank]
-            if incoming.repack is None or header.base != mine or header.nbytes > n:
+            if header.base != mine or header.nbytes > n:
                 raise DeltaError(
                     f"refit rank {self.rank}: round {k}: rank {incoming.peer} sent a delta "
-                    f"against version {header.base}, this rank holds version {mine}"
-                    + ("" if incoming.repack is not None else " and cannot re-pack it")
-                    + "; the group disagrees on versions (a bug: report it)"
+                    f"against version {header.base}, this rank holds version {mine}; the "
+                    "group disagrees on versions (a bug: report it)"
                 )
             payload = self._received[at : at + header.nbytes]
             at += header.nbytes
@@ -311,5 +267,17 @@ class DeltaProgram:
         return recvs, patches
 
 
-def _unit(message) -> int:
-    return unit_of([TORCH_DTYPES[t.dtype].itemsize for t in message.transfers])
+def _all_fixed(ranges, out: Outgoing) -> bool:
+    """Ranges that cover the whole message: its receiver can re-pack none of it."""
+    return bool(ranges) and sum(b - a for a, b in ranges) >= out.span.numel()
+
+
+def _with_fixed(changed: torch.Tensor, fixed, rnd: Round, key: int) -> torch.Tensor:
+    """``changed`` with the units of the byte ranges ``fixed`` marked changed too."""
+    if not fixed:
+        return changed
+    unit = next(o.unit for o in rnd.outgoing if o.key == key)
+    mask = changed.clone()
+    for a, b in fixed:
+        mask[a // unit : -(-b // unit)] = True
+    return mask

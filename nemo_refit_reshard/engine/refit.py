@@ -124,9 +124,9 @@ class Refitter:
         if delta is not None:
             assert isinstance(self.program, RankProgram)
             self.delta = DeltaProgram(self.program, plan, delta)
-            mine = json.dumps(self.delta.dense_only_in)
+            mine = json.dumps(self.delta.fixed_in)
         # One gather, on every rank alike: whether each rank refits with deltas and, if
-        # so, which messages it can only take dense.
+        # so, which bytes of its messages it cannot re-pack (engine/delta_rounds.py).
         shared = transport.all_gather_object_str(f"{int(delta is not None)}{mine}")
         modes = {text[0] for text in shared}
         if len(modes) > 1:
@@ -136,7 +136,7 @@ class Refitter:
                 "on for every rank of the group or for none"
             )
         if self.delta is not None:
-            self.delta.learn_refusals([[tuple(p) for p in json.loads(t[1:])] for t in shared])
+            self.delta.learn_fixed([json.loads(text[1:]) for text in shared])
 
     def refit(self, step: int | None = None) -> StepTiming:
         """Run one refit step (the caller's ``step``, named in errors); returns this

@@ -1,0 +1,112 @@
+"""What a delta step needs of a compiled program, per round: each outgoing message's
+staging span and its distinct-content key, each incoming message's span and how its
+receiver re-packs it from live tensors.
+
+A receiver re-packs a message by running its unpack's copies backwards (live → staged),
+for the runs whose bytes its live tensors hold as they arrived: same dtype, and not a
+relay buffer (bytes carried on to another rank) or a block-FP8 engine's scratch of BF16
+shadows (quantized on arrival; the e4m3 result cannot give the BF16 back). The byte
+ranges of the other runs are *fixed*: they travel every step, whatever changed
+(``engine/delta.py`` marks their units changed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..plan import RankPlan, RefitPlan
+from .delta_codec import unit_of
+from .program import TORCH_DTYPES, RankProgram
+
+# (sender, round, [(start, end) byte ranges of that message]) as gathered: plain JSON
+Fixed = tuple[int, int, list[tuple[int, int]]]
+
+
+@dataclass
+class Outgoing:
+    peer: int
+    span: torch.Tensor
+    unit: int
+    key: int  # index of its distinct span (shared by identical replica messages)
+
+
+@dataclass
+class Incoming:
+    peer: int
+    span: torch.Tensor
+    unit: int
+    repack: list[tuple[torch.Tensor, torch.Tensor]]  # (staged, live) of re-packable runs
+
+
+@dataclass
+class Round:
+    outgoing: list[Outgoing]
+    incoming: list[Incoming]
+
+
+def compile_rounds(
+    program: RankProgram, plan: RefitPlan | RankPlan
+) -> tuple[list[Round], list[Fixed]]:
+    """Every round's messages on the wire (in the order of the phase's sends and
+    receives) and the fixed byte ranges of this rank's incoming messages."""
+    me = program.group_rank
+    by_round: dict[int, list] = {}
+    for m in plan.messages_of(me):
+        by_round.setdefault(m.round, []).append(m)
+    foreign = {program.relay_buffer.untyped_storage().data_ptr()}
+    if program.fp8_receiver is not None:
+        foreign.add(program.fp8_receiver.scratch.untyped_storage().data_ptr())
+    spans: dict[tuple[int, int], int] = {}
+    rounds, fixed = [], []
+    for k, phase in enumerate(program.rounds):
+        messages = by_round.get(k, [])
+        # (a message packed straight into a co-located receiver's staging: no wire)
+        sent = [m for m in messages if m.src == me and (k, m.dst) not in program.local_into]
+        received = [m for m in messages if m.dst == me]
+        outgoing = []
+        for (peer, span), m in zip(phase.sends, sent, strict=True):
+            key = spans.setdefault((span.data_ptr(), span.numel()), len(spans))
+            outgoing.append(Outgoing(peer, span, _unit(m), key))
+        incoming = []
+        for (peer, span), m in zip(phase.recvs, received, strict=True):
+            runs = [
+                (staged, live)
+                for (live, staged), src in zip(phase.copies_in, phase.copies_in_from)
+                if src == peer
+            ]
+            repack = [(s, live) for s, live in runs if _repackable(s, live, foreign)]
+            ranges = [_range(span, s) for s, live in runs if not _repackable(s, live, foreign)]
+            if ranges:
+                fixed.append((peer, k, _merged(ranges, span.numel())))
+            incoming.append(Incoming(peer, span, _unit(m), repack))
+        rounds.append(Round(outgoing, incoming))
+    return rounds, fixed
+
+
+def _unit(message) -> int:
+    return unit_of([TORCH_DTYPES[t.dtype].itemsize for t in message.transfers])
+
+
+def _repackable(staged: torch.Tensor, live: torch.Tensor, foreign: set[int]) -> bool:
+    return live.dtype == staged.dtype and live.untyped_storage().data_ptr() not in foreign
+
+
+def _range(span: torch.Tensor, staged: torch.Tensor) -> tuple[int, int]:
+    """The bytes of ``span`` that ``staged`` (a view of the same buffer) covers; the
+    whole span when the view is not one contiguous run of bytes."""
+    if not staged.is_contiguous():
+        return 0, span.numel()
+    start = staged.storage_offset() * staged.element_size() - span.storage_offset()
+    return start, start + staged.numel() * staged.element_size()
+
+
+def _merged(ranges: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, min(b, size)))
+    return out

@@ -1,0 +1,228 @@
+"""Delta refit over real gloo groups (every rank a thread), with Adam steps between refits:
+bit-exact every step, exact wire bytes, the dense fall-backs, and a corrupted baseline
+caught by the exact checksums."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_refit_reshard.engine.checksum import combine, receiver_checksums, sender_checksums
+from nemo_refit_reshard.engine.delta import FAILED, DeltaOptions
+from nemo_refit_reshard.engine.delta_codec import HEADER_BYTES, choose_form, payload_bytes
+from nemo_refit_reshard.engine.program import TORCH_DTYPES
+from tests.helpers.delta_threads import DeltaGroup
+from tests.helpers.hf_models import hf_config
+from tests.helpers.model_configs import BLOCK_FP8, FP8_DIMS, MODELS
+
+STEPS = 5
+
+
+def _expected_wire(group: DeltaGroup, before: dict[str, torch.Tensor]) -> int:
+    """What the training ranks must send: per message of the plan, a header plus the
+    smallest form given how many of its units changed since ``before`` — counted from
+    the canonical weights, not from the engine."""
+    total = 0
+    for r in range(group.num_sources):
+        for m in group.plan.messages_of(r):
+            if m.src != r:
+                continue
+            unit = min(TORCH_DTYPES[t.dtype].itemsize for t in m.transfers)
+            changed = 0
+            for t in m.transfers:
+                dtype = TORCH_DTYPES[t.dtype]
+                old = before[t.canonical][t.canonical_box.slices()].to(dtype)
+                new = group.trained[t.canonical][t.canonical_box.slices()].to(dtype)
+                ints = {1: torch.int8, 2: torch.int16, 4: torch.int32}[dtype.itemsize]
+                diff = old.contiguous().view(ints) != new.contiguous().view(ints)
+                assert dtype.itemsize == unit, "one dtype per message in these models"
+                changed += int(diff.sum())
+            total += HEADER_BYTES + payload_bytes(
+                choose_form(m.nbytes, unit, changed), m.nbytes, unit, changed
+            )
+    return total
+
+
+def _snapshot(group: DeltaGroup) -> dict[str, torch.Tensor]:
+    return {name: group.trained[name].clone() for name in group.trained}
+
+
+@pytest.mark.parametrize(
+    "model, train, infer",
+    [("qwen3", "tp=2", "tp=2,dp=2"), ("qwen3_moe", "tp=1,ep=2,dp=2", "tp=2")],
+    ids=["dense", "moe"],
+)
+def test_five_adam_steps_arrive_bit_exact_in_exactly_the_predicted_bytes(
+    tmp_path: Path, model: str, train: str, infer: str
+) -> None:
+    group = DeltaGroup(MODELS[model], tmp_path, train, infer)
+    try:
+        group.refit()  # version 0: dense, every baseline filled
+        assert group.mismatches() == [[]] * len(group.destinations)
+        for _ in range(STEPS):
+            before = _snapshot(group)
+            group.train_step()
+            group.refit()
+            assert group.mismatches() == [[]] * len(group.destinations)
+            sent, dense = group.wire_bytes()
+            assert sent == _expected_wire(group, before)
+            assert sent < dense
+            stats = group.delta(0).last
+            assert 0 < stats.changed < stats.units
+            assert "dense" not in stats.forms
+    finally:
+        group.close()
+
+
+def test_an_fp8_engine_compares_e4m3_and_scale_bytes_as_they_are(tmp_path: Path) -> None:
+    """Training ranks holding whole 128x128 blocks send e4m3 + scales: deltas of bytes."""
+    group = DeltaGroup(MODELS["qwen3_fp8"], tmp_path, "tp=2", "tp=2", lr=1e-3)
+    try:
+        group.refit()
+        for _ in range(STEPS):
+            group.train_step()
+            group.refit()
+            assert group.mismatches() == [[]] * len(group.destinations)
+            forms = group.delta(0).last.forms
+            assert sum(forms.values()) > forms.get("dense", 0)
+    finally:
+        group.close()
+
+
+def test_bf16_shadows_take_dense_and_stay_exact(tmp_path: Path) -> None:
+    """An FP8 engine whose blocks straddle training shards (384 MLP rows over tp=2: 192
+    each) receives BF16 shadows it quantizes on arrival: it cannot re-pack those from
+    its e4m3 weights, so their bytes travel every step; the rest go as deltas."""
+    config = hf_config("qwen3", **dict(FP8_DIMS, intermediate_size=384))
+    config["quantization_config"] = BLOCK_FP8
+    group = DeltaGroup(config, tmp_path, "tp=2", "tp=1", lr=1e-5)
+    try:
+        receiver = group.delta(group.num_sources)
+        assert receiver.fixed_in  # (sender, round, byte ranges) it cannot re-pack
+        fixed = sum(b - a for _, _, ranges in receiver.fixed_in for a, b in ranges)
+        group.refit()
+        for _ in range(3):
+            dense = sum(r.span.numel() for rnd in receiver.rounds for r in rnd.incoming)
+            group.train_step()
+            group.refit()
+            assert group.mismatches() == [[]]
+            assert "dense" not in receiver.last.received
+            sent, _ = group.wire_bytes()
+            assert fixed < sent < dense
+    finally:
+        group.close()
+
+
+def test_inference_ranks_forwarding_along_a_chain_send_dense(tmp_path: Path) -> None:
+    """A relay chain makes inference ranks senders: they keep no baselines (no copy of
+    the model on inference GPUs) and forward dense; training ranks still send deltas."""
+    group = DeltaGroup(MODELS["qwen3"], tmp_path, "tp=2", "tp=2,dp=4", relay="chain")
+    try:
+        forwarders = [
+            r
+            for r in range(group.num_sources, group.world)
+            if group.delta(r).rounds and any(rnd.outgoing for rnd in group.delta(r).rounds)
+        ]
+        assert forwarders, "the plan has no chain"
+        group.refit()
+        for _ in range(3):
+            group.train_step()
+            group.refit()
+            assert group.mismatches() == [[]] * 8
+            for r in forwarders:
+                assert group.delta(r).baseline_bytes == 0
+                assert set(group.delta(r).last.forms) == {"dense"}
+            assert "dense" not in group.delta(0).last.forms
+    finally:
+        group.close()
+
+
+def test_a_receiver_that_lost_its_weights_gets_everything_and_ends_exact(tmp_path: Path) -> None:
+    group = DeltaGroup(MODELS["qwen3"], tmp_path, "tp=2", "tp=2,dp=2")
+    try:
+        group.refit()
+        group.train_step()
+        group.refit()
+        # rank 0 of the second engine slept and woke without its weights
+        woken = group.num_sources + 2
+        group.refitters[woken].forget_version()
+        for t in group.tensors[woken].values():
+            t.fill_(float("nan"))
+        group.train_step()
+        group.refit()
+        assert group.mismatches() == [[]] * 4
+        assert set(group.delta(woken).last.received) == {"dense"}
+        assert "dense" not in group.delta(group.num_sources).last.received
+        group.train_step()
+        group.refit()  # back in step: deltas again
+        assert "dense" not in group.delta(woken).last.received
+        assert group.mismatches() == [[]] * 4
+    finally:
+        group.close()
+
+
+def test_a_failed_rank_makes_the_next_step_dense_for_everyone(tmp_path: Path) -> None:
+    group = DeltaGroup(MODELS["qwen3"], tmp_path, "tp=2", "tp=2,dp=2")
+    try:
+        group.refit()
+        group.delta(1).version = FAILED  # training rank 1's last step failed
+        group.train_step()
+        group.refit()
+        assert group.mismatches() == [[]] * 4
+        for r in range(group.world):
+            last = group.delta(r).last
+            assert set(last.forms) | set(last.received) == {"dense"}
+        group.train_step()
+        group.refit()
+        assert "dense" not in group.delta(0).last.forms
+    finally:
+        group.close()
+
+
+def test_every_anchor_version_is_dense(tmp_path: Path) -> None:
+    group = DeltaGroup(MODELS["qwen3"], tmp_path, "tp=2", "tp=2", options=DeltaOptions(2))
+    try:
+        group.refit()  # version 0
+        forms = []
+        for _ in range(4):
+            group.train_step()
+            group.refit()
+            forms.append(set(group.delta(0).last.forms))
+            assert group.mismatches() == [[]] * 2
+        assert [f == {"dense"} for f in forms] == [False, True, False, True]
+    finally:
+        group.close()
+
+
+def test_a_corrupted_sender_baseline_is_caught_by_the_checksums(tmp_path: Path) -> None:
+    """Training rank 0's baselines are made to hold this step's bytes already: it sends
+    nothing of what changed, and the receivers' checksums disagree with the senders'."""
+    group = DeltaGroup(MODELS["qwen3"], tmp_path, "tp=2", "tp=2")
+    try:
+        group.refit()
+        group.train_step()
+        sender = group.delta(0)
+        for phase, rnd in zip(sender.program.rounds, sender.rounds):
+            phase.pack()
+            for out in rnd.outgoing:
+                sender.baselines[out.key].copy_(out.span)
+        group.refit()
+        shapes = {t.name: t.shape for t in group.spec}
+        sent = combine(
+            sender_checksums(group.plan.messages_of(r), r, group.tensors[r], shapes)
+            for r in range(group.num_sources)
+        )
+        got = combine(
+            receiver_checksums(
+                layout, group.num_sources + d, group.tensors[group.num_sources + d], shapes
+            )
+            for d, layout in enumerate(group.destinations)
+        )
+        wrong = sorted(key for key in sent if sent[key] != got.get(key))
+        assert wrong, "the corrupted baseline went unnoticed"
+        assert all(rank >= group.num_sources for rank, _ in wrong)
+        assert group.mismatches() != [[], []]
+    finally:
+        group.close()
