@@ -51,6 +51,8 @@ from multiprocessing.connection import Connection
 import torch
 
 from ..plan import Colocation, PlanError, RankPlan, RefitPlan
+from .colocated_delta import ColocatedDelta
+from .delta import DeltaOptions
 from .program import TORCH_DTYPES, RankProgram, copy_pairs
 from .staging import SharedBuffer, create_shared_buffer, open_shared_buffer
 from .transport import GroupUnusableError, Transport, TransportError, first_line
@@ -165,7 +167,12 @@ class ColocatedHost:
         rank: int,
         tensors: Mapping[str, torch.Tensor],
         device: torch.device | str = "cpu",
+        delta: DeltaOptions | None = None,
     ) -> None:
+        """``delta``: send each message in its smallest form (``engine/delta.py``); the
+        host holds the messages it receives for its guest in host memory, so the guest
+        re-packs nothing and a guest that lost its weights (sleep mode) still gets whole
+        messages (every host of the group alike)."""
         hosts = own.colocated_hosts
         if not hosts:
             raise PlanError("not a colocated plan: build it with plan_refit(..., colocation=)")
@@ -211,6 +218,9 @@ class ColocatedHost:
         except BaseException:
             self.close()
             raise
+        self.delta: ColocatedDelta | None = None
+        if delta is not None:
+            self.delta = ColocatedDelta(self, own, guest, delta)
         self.signals: Signals | None = None
         self.waited = 0.0  # the last step's seconds waiting for the guest
         self.exchange_seconds = 0.0  # the last step's seconds on the network and the guest
@@ -257,6 +267,7 @@ class ColocatedHost:
 
     def _replay(self, network: Transport, step: int | None) -> float:
         s, hosts, waited, exchanged = self.num_sources, self.hosts, 0.0, 0.0
+        delta = self.delta.begin(network) if self.delta is not None else None
         with torch.no_grad():
             self.own.prepare()
             for k, mine in enumerate(self.own.rounds):
@@ -268,12 +279,15 @@ class ColocatedHost:
                         torch.cuda.current_stream(self.device).synchronize()
                     self.signals.send("L", self.sequence, k)
                 mine.pack_wire()
-                sends = [(hosts[peer - s], buf) for peer, buf in mine.sends]
-                assert all(host != self.rank for host, _ in sends), "own guest on the wire"
-                recvs = [(peer, buf) for peer, buf in incoming if peer != self.rank]
                 t0 = time.perf_counter()
-                if sends or recvs:
-                    network.exchange(sends, recvs, k)
+                if delta is not None:
+                    delta.round(network, k)
+                else:
+                    sends = [(hosts[peer - s], buf) for peer, buf in mine.sends]
+                    assert all(host != self.rank for host, _ in sends), "own guest on the wire"
+                    recvs = [(peer, buf) for peer, buf in incoming if peer != self.rank]
+                    if sends or recvs:
+                        network.exchange(sends, recvs, k)
                 exchanged += time.perf_counter() - t0
                 if incoming:
                     assert self.signals is not None, "attach() the guest first"
@@ -283,6 +297,8 @@ class ColocatedHost:
                     self.signals.send("F", self.sequence, k)
                     self.signals.wait("C", self.sequence, k, step)
                     waited += time.perf_counter() - t0
+        if delta is not None:
+            delta.done()
         self.waited = waited
         self.exchange_seconds = exchanged + waited
         return waited

@@ -30,7 +30,7 @@ dense, as does every ``anchor_every``-th version. A failed step leaves its ranks
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -99,20 +99,33 @@ class DeltaProgram:
         program: RankProgram,
         plan: RefitPlan | RankPlan,
         options: DeltaOptions | None = None,
+        held_from_all_but: int | None = None,
+        device: torch.device | None = None,
     ) -> None:
+        """``held_from_all_but``: a colocated host's receiving half of its guest
+        (``engine/colocated.py``): it receives every message but its own (the host's
+        rank), and keeps a copy of each in host memory in place of re-packing; ``device``
+        then is the host's (the guest's program is bound to shapes only)."""
         self.program, self.options = program, options or DeltaOptions()
+        self.device = device or program.device
         self.rank = program.group_rank
         self.is_source = program.is_source
         self.version = UNKNOWN
-        self.rounds, self.fixed_in = compile_rounds(program, plan)
+        self.rounds, self.fixed_in = compile_rounds(program, plan, held_from_all_but)
+        self.held: dict[tuple[int, int], torch.Tensor] = {}  # (round, peer) -> last message
+        if held_from_all_but is not None:
+            self.fixed_in = []
+            for k, rnd in enumerate(self.rounds):
+                for i in rnd.incoming:
+                    self.held[(k, i.peer)] = self._baseline(i.span.numel(), host=True)
         # (dst, round) -> byte ranges of that message its receiver cannot re-pack
         self.fixed_out: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
         self.baselines: dict[int, torch.Tensor] = {}
         self._encoded = torch.empty(
-            program.send_buffers[0].numel(), dtype=torch.uint8, device=program.device
+            program.send_buffers[0].numel(), dtype=torch.uint8, device=self.device
         )
         self._received = torch.empty(
-            program.recv_buffers[0].numel(), dtype=torch.uint8, device=program.device
+            program.recv_buffers[0].numel(), dtype=torch.uint8, device=self.device
         )
         self.last = DeltaStats()
 
@@ -130,59 +143,100 @@ class DeltaProgram:
         }
         if not self.is_source:
             return
-        pinned = self.options.baseline == "host" and self.program.device.type == "cuda"
-        device = "cpu" if self.options.baseline == "host" else self.program.device
         for k, rnd in enumerate(self.rounds):
             for out in rnd.outgoing:
                 if out.key in self.baselines or _all_fixed(self.fixed_out.get((out.peer, k)), out):
                     continue
-                self.baselines[out.key] = torch.empty(
-                    out.span.numel(), dtype=torch.uint8, device=device, pin_memory=pinned
-                )
+                self.baselines[out.key] = self._baseline(out.span.numel())
+
+    def _baseline(self, nbytes: int, host: bool = False) -> torch.Tensor:
+        host = host or self.options.baseline == "host"
+        pinned = host and self.device.type == "cuda"
+        device = "cpu" if host else self.device
+        return torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pinned)
 
     @property
     def baseline_bytes(self) -> int:
-        return sum(b.numel() for b in self.baselines.values())
+        """Bytes this rank keeps: its baselines (and a colocated host's held messages)."""
+        held = sum(b.numel() for b in self.held.values())
+        return sum(b.numel() for b in self.baselines.values()) + held
+
+    def begin(self, versions: Sequence[int]) -> tuple[int, bool]:
+        """The step's version and whether it is dense for everyone (module docstring);
+        this rank is FAILED until :meth:`done`."""
+        version = max(versions) + 1
+        anchor = bool(self.options.anchor_every) and version % self.options.anchor_every == 0
+        self.version = FAILED
+        return version, anchor or FAILED in versions
+
+    def done(self, stats: DeltaStats) -> DeltaStats:
+        self.version, self.last = stats.version, stats
+        return stats
 
     def replay(self, transport: Transport, versions: Sequence[int]) -> DeltaStats:
-        """One refit step given every rank's version (module docstring); on success this
-        rank holds the step's version. Serial rounds: headers, then payloads."""
-        version = max(versions) + 1
-        anchor = self.options.anchor_every and version % self.options.anchor_every == 0
-        dense_step = anchor or FAILED in versions
+        """One refit step given every rank's version; on success this rank holds the
+        step's version. Serial rounds: headers, then payloads."""
+        version, dense_step = self.begin(versions)
         stats = DeltaStats(version=version)
-        self.version = FAILED  # until the step completes
+        mine = versions[self.rank]
         with torch.no_grad():
-            for k, (phase, rnd) in enumerate(zip(self.program.rounds, self.rounds)):
+            for k, phase in enumerate(self.program.rounds):
                 phase.pack()
-                sends = self._encode_round(k, rnd, versions, dense_step, stats)
-                headers = [torch.empty(HEADER_BYTES, dtype=torch.uint8) for _ in rnd.incoming]
-                headers = [h.to(self.program.device) for h in headers]
-                transport.exchange(
-                    [(peer, h) for peer, h, _ in sends],
-                    [(i.peer, h) for i, h in zip(rnd.incoming, headers)],
-                    k,
-                )
-                recvs, patches = self._receive_plan(k, rnd, headers, versions, stats)
+                sends = self.encode_round(k, mine, versions.__getitem__, dense_step, stats)
+                headers = self.exchange_headers(transport, k, sends, self.rounds[k].incoming)
+                recvs, patches = self.receive_plan(k, headers, mine, stats)
                 transport.exchange(
                     [(peer, p) for peer, _, p in sends if p.numel()],
                     [(peer, buf) for peer, buf in recvs if buf.numel()],
                     k,
                 )
-                for incoming, header, payload in patches:
-                    copy_pairs(incoming.repack)
-                    apply_patch(incoming.span, payload, header, incoming.unit)
+                self.patch(k, patches)
                 phase.unpack()
-        self.version = version
-        self.last = stats
-        return stats
+        return self.done(stats)
 
-    def _encode_round(self, k: int, rnd: Round, versions, dense_step: bool, stats: DeltaStats):
-        """``(peer, header bytes, payload)`` per outgoing message; baselines updated."""
-        mine = versions[self.rank]
+    def exchange_headers(self, transport: Transport, k: int, sends, incoming) -> list:
+        """Send each outgoing message's header, receive each incoming one's."""
+        headers = [torch.empty(HEADER_BYTES, dtype=torch.uint8) for _ in incoming]
+        headers = [h.to(self.device) for h in headers]
+        transport.exchange(
+            [(peer, h) for peer, h, _ in sends],
+            [(i.peer, h) for i, h in zip(incoming, headers)],
+            k,
+        )
+        return headers
+
+    def patch(self, k: int, patches) -> None:
+        """Rebuild each delta message in its span (its previous bytes, re-packed from the
+        live tensors or held, then the changed units); a colocated host then holds every
+        message it received for its guest."""
+        for incoming, header, payload in patches:
+            if header.form != DENSE:
+                held = self.held.get((k, incoming.peer))
+                if held is not None:
+                    incoming.span.copy_(held)
+                else:
+                    copy_pairs(incoming.repack)
+                apply_patch(incoming.span, payload, header, incoming.unit)
+        for incoming, _, _ in patches:
+            held = self.held.get((k, incoming.peer))
+            if held is not None:
+                held.copy_(incoming.span)
+
+    def encode_round(
+        self,
+        k: int,
+        mine: int,
+        version_of: Callable[[int], int],
+        dense_step: bool,
+        stats: DeltaStats,
+    ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """``(peer, header bytes, payload)`` per outgoing message of round ``k`` (packed);
+        ``mine``: this rank's version, ``version_of(peer)`` each receiver's. Baselines
+        then hold the round's messages."""
+        rnd = self.rounds[k]
         sends, encoded, at = [], {}, 0
         delta_to = [
-            not dense_step and mine >= 0 and versions[o.peer] == mine and o.key in self.baselines
+            not dense_step and mine >= 0 and version_of(o.peer) == mine and o.key in self.baselines
             for o in rnd.outgoing
         ]
         # Changed units of each distinct message (bits, against its baseline), plus the
@@ -226,7 +280,7 @@ class DeltaProgram:
                 form, payload, header = DENSE, o.span, Header(DENSE, UNKNOWN, 0, n)
             raw = torch.empty(HEADER_BYTES, dtype=torch.uint8)
             header.write(raw)
-            sends.append((o.peer, raw.to(self.program.device), payload))
+            sends.append((o.peer, raw.to(self.device), payload))
             stats.forms[FORM_NAMES[form]] = stats.forms.get(FORM_NAMES[form], 0) + 1
             stats.sent_bytes += HEADER_BYTES + payload.numel()
             stats.dense_bytes += n
@@ -235,11 +289,11 @@ class DeltaProgram:
                 self.baselines[o.key].copy_(o.span)
         return sends
 
-    def _receive_plan(self, k: int, rnd: Round, headers, versions, stats: DeltaStats):
-        """Where each payload lands: a DENSE one in its span, a delta in scratch (then
-        re-pack + patch)."""
+    def receive_plan(self, k: int, headers, mine: int, stats: DeltaStats):
+        """Where each payload of round ``k`` lands, given its header: a DENSE one in its
+        span, a delta in scratch (then :meth:`patch`); ``mine``: this rank's version."""
         recvs, patches, at = [], [], 0
-        for incoming, raw in zip(rnd.incoming, headers):
+        for incoming, raw in zip(self.rounds[k].incoming, headers):
             header = Header.read(raw)
             n = incoming.span.numel()
             name = FORM_NAMES[header.form]
@@ -252,8 +306,8 @@ class DeltaProgram:
                         "ranks compiled different plans"
                     )
                 recvs.append((incoming.peer, incoming.span))
+                patches.append((incoming, header, incoming.span))
                 continue
-            mine = versions[self.rank]
             if header.base != mine or header.nbytes > n:
                 raise DeltaError(
                     f"refit rank {self.rank}: round {k}: rank {incoming.peer} sent a delta "

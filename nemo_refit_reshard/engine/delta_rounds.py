@@ -47,10 +47,12 @@ class Round:
 
 
 def compile_rounds(
-    program: RankProgram, plan: RefitPlan | RankPlan
+    program: RankProgram, plan: RefitPlan | RankPlan, local_peer: int | None = None
 ) -> tuple[list[Round], list[Fixed]]:
     """Every round's messages on the wire (in the order of the phase's sends and
-    receives) and the fixed byte ranges of this rank's incoming messages."""
+    receives) and the fixed byte ranges of this rank's incoming messages.
+    ``local_peer``: a colocated guest's host, whose message is packed into the staging
+    (no wire)."""
     me = program.group_rank
     by_round: dict[int, list] = {}
     for m in plan.messages_of(me):
@@ -71,6 +73,10 @@ def compile_rounds(
             outgoing.append(Outgoing(peer, span, _unit(m), key))
         incoming = []
         for (peer, span), m in zip(phase.recvs, received, strict=True):
+            if local_peer is not None:  # a colocated host holds its guest's messages
+                if peer != local_peer:
+                    incoming.append(Incoming(peer, span, _unit(m), []))
+                continue
             runs = [
                 (staged, live)
                 for (live, staged), src in zip(phase.copies_in, phase.copies_in_from)

@@ -73,9 +73,11 @@ def _run(
     inference rank on a training rank's GPU, through the framework-neutral worker API."""
     import torch
 
+    from ..engine.delta import DeltaOptions
     from ..engine.materialize import SyntheticWeights, materialize
     from ..integrations.worker import ColocatedTrainer, ColocatedWorker, RefitEndpoint
     from .destination import destination_tensors
+    from .training import AdamTrainedWeights, refill
 
     def share(r: int) -> RankPlan:
         return RankPlan.from_json(plan_path.with_name(f"plan{r}.json").read_text())
@@ -83,7 +85,13 @@ def _run(
     if cfg.kill_rank == rank and cfg.kill_step < 0:
         os._exit(3)  # simulated crash at start-up: its peers wait for it (a grace, not a hang)
     spec, sources, destinations = build_layouts(cfg)
-    weights, s = SyntheticWeights(spec.unquantized(), cfg.seed), len(sources)
+    s = len(sources)
+    weights = (  # with deltas, Adam steps between refits (runner/training.py)
+        AdamTrainedWeights(spec.unquantized(), cfg.seed, cfg.lr)
+        if cfg.delta
+        else SyntheticWeights(spec.unquantized(), cfg.seed)
+    )
+    delta = DeltaOptions(cfg.anchor_every) if cfg.delta else None
     hosts = share(rank).colocated_hosts
     host_rank = rank if rank < s else hosts[rank - s]
     device = torch.device("cpu")
@@ -100,7 +108,8 @@ def _run(
             secret,
         )  # fmt: skip
         plan = RefitPlan.from_json(plan_path.read_text())
-        trainer = ColocatedTrainer(endpoint, tensors, plan, device)
+        trainer = ColocatedTrainer(endpoint, tensors, plan, device, delta=delta)
+        steps = []
         try:  # its staging is released on every way out (a killed rank: shm_segments.py)
             listening = trainer.listen()
             if listening is not None:
@@ -112,6 +121,9 @@ def _run(
                 if cfg.kill_rank == rank and step == cfg.kill_step + 1:
                     # simulated crash mid-step, its guest waiting on the staging: no cleanup
                     os.kill(os.getpid(), signal.SIGKILL)
+                if cfg.delta and step:  # an optimizer step before each timed refit
+                    weights.advance()
+                    refill(sources[rank], tensors, weights)
                 # As the separate-pools run: every pair starts the step together, its
                 # worker poisoned (not poisoning while the step runs).
                 if trainer.guest_rank is not None:
@@ -123,10 +135,14 @@ def _run(
                     # network and waiting for its worker is not its own work
                     timings.append([seconds, trainer.host.exchange_seconds])
                     progress.write_text(str(step))
+                    if trainer.host.delta is not None:
+                        steps.append(_delta_figures(trainer.host.delta))
             staging = trainer.host.staging_bytes
         finally:
             trainer.close()
         result["backends"][BACKEND] = {"timings": timings, "staging_bytes": staging}
+        if steps:
+            result["backends"][BACKEND]["delta"] = steps
         return
     mine = destination_tensors(cfg, spec, destinations[rank - s], rank - s, weights, device)
     worker = ColocatedWorker(mine.tensors, device)
@@ -138,8 +154,12 @@ def _run(
     try:
         worker.connect(address.read_text(), secret, share(rank), rank, cfg.timeout_s)
         ready = plan_path.with_name(f"ready{rank}")
+        checked: list[dict[str, Any]] = []
         for step in range(cfg.steps + 1):
-            mine.poison()
+            if cfg.delta and step:  # the trained weights its host now sends
+                weights.advance()
+                mine.retrain(weights)
+            mine.poison()  # with deltas too: its host holds every message it gets whole
             ready.with_suffix(".tmp").write_text(str(step))
             ready.with_suffix(".tmp").rename(ready)
             seconds = worker.refit()
@@ -147,6 +167,8 @@ def _run(
                 assert worker.guest is not None
                 timings.append([seconds, worker.guest.waited])
                 progress.write_text(str(step))
+                if cfg.delta and cfg.verify:  # every delta step must leave it exact
+                    checked.append({"mismatches": mine.mismatches()})
     finally:
         worker.close()
     # Its step began before its host's (the host starts once it is ready): the pair's
@@ -154,7 +176,23 @@ def _run(
     entry: dict[str, Any] = {"timings": timings, "staging_bytes": 0, "wall_is_host's": True}
     if cfg.verify:
         entry["mismatches"] = mine.mismatches()
+    if checked:
+        entry["delta"] = checked
     result["backends"][BACKEND] = entry
+
+
+def _delta_figures(delta: Any) -> dict[str, Any]:
+    """A host's delta figures of its last step (``engine.delta.DeltaStats``)."""
+    stats = delta.stats
+    return {
+        "version": stats.version,
+        "sent_bytes": stats.sent_bytes,
+        "dense_bytes": stats.dense_bytes,
+        "units": stats.units,
+        "changed": stats.changed,
+        "forms": stats.forms,
+        "baseline_bytes": delta.baseline_bytes,
+    }
 
 
 def _wait_ready(ready: Path, step: int, cfg: RunConfig) -> None:

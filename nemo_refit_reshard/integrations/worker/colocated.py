@@ -35,6 +35,7 @@ from multiprocessing.connection import (
 import torch
 
 from ...engine.colocated import ColocatedGuest, ColocatedHost
+from ...engine.delta import DeltaOptions
 from ...engine.refit import check_same_fingerprint
 from ...plan import Colocation, PlanError, RankPlan, RefitPlan, load_plan_json, rank_plan
 from .endpoint import RefitEndpoint
@@ -60,10 +61,12 @@ class ColocatedTrainer:
         device: torch.device | str | None = None,
         weights: WeightsState | None = None,
         guest_plan: RankPlan | None = None,
+        delta: DeltaOptions | None = None,
     ) -> None:
         """``endpoint``: the training ranks' group (``world_size`` = S, ``group_rank`` =
         this training rank). ``plan``: the full colocated plan, or this rank's slice with
-        ``guest_plan`` the slice of the worker on its GPU (None: no worker there)."""
+        ``guest_plan`` the slice of the worker on its GPU (None: no worker there).
+        ``delta``: refit with deltas (``engine/colocated_delta.py``), every rank alike."""
         if not plan.colocated_hosts:
             raise PlanError("not a colocated plan: build it with plan_refit(..., colocation=)")
         if endpoint.world_size != plan.num_sources:
@@ -96,6 +99,7 @@ class ColocatedTrainer:
             rank,
             tensors,
             self.net.device,
+            delta,
         )
         self._listener: socket.socket | None = None
 
