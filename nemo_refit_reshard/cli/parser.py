@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from . import models, plan
-from .run_args import add_run_arguments
+from .run_args import add_delta_arguments, add_run_arguments
 
 DESCRIPTION = """Command line: ``nemo-refit-reshard <command>``.
 
@@ -26,9 +26,11 @@ def make_parser() -> argparse.ArgumentParser:
     add_plan_parser(sub)
     demo = sub.add_parser("demo", help="refit between local processes, reshard vs broadcast")
     add_run_arguments(demo, steps=3)
+    add_delta_arguments(demo)
     demo.set_defaults(func=cmd_demo)
     bench = sub.add_parser("bench", help="like demo with more steps; --json for the figures")
     add_run_arguments(bench, steps=10)
+    add_delta_arguments(bench)
     bench.set_defaults(func=cmd_bench)
     add_simulate_parser(sub)
     add_gpu_check_parser(sub)

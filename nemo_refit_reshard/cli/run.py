@@ -13,11 +13,13 @@ from ..plan import plan_broadcast
 from ..runner import RunConfig, RunResult, run_colocated, run_local
 from ..runner.colocated import BACKEND as COLOCATED
 from ..runner.colocated import colocated_plan
+from .delta_report import delta_row, delta_steps, print_delta_steps
 from .plan import TimedPlan, mib, plan_summary, timed_plan
 from .run_args import run_config
 
 # What ``report["config"]`` repeats of the run's configuration.
 REPORTED_CONFIG = ("model", "train", "infer", "steps", "bucket_mb", "transport", "relay")
+DELTA_CONFIG = ("delta", "lr", "anchor_every")  # reported when --delta
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -79,11 +81,16 @@ def add_colocated(report: dict[str, Any], cfg: RunConfig, show_progress: bool) -
         "fingerprint": plan.fingerprint,
         **check(result, COLOCATED, plan.num_sources, cfg.verify),
     }
+    if cfg.delta:  # the colocated refit sends deltas too (engine/colocated_delta.py)
+        rows = delta_steps(result, COLOCATED, plan.num_sources)
+        report["backends"][COLOCATED].update(delta_row(rows))
+        if any(r["exact"] is False for r in rows):
+            report["backends"][COLOCATED]["verified"] = False
 
 
 def backend_bytes(cfg: RunConfig, timed: TimedPlan) -> dict[str, int]:
     """Bytes each backend the run times moves per refit."""
-    nbytes = {"reshard": timed.plan.stats.total_bytes}
+    nbytes = {"reshard": timed.plan.stats.total_bytes, "delta": timed.plan.stats.total_bytes}
     if "broadcast" in cfg.backends:
         bplan = plan_broadcast(timed.spec, timed.sources, timed.destinations, cfg.bucket_mb)
         nbytes["broadcast"] = bplan.total_bytes
@@ -103,8 +110,9 @@ def build_report(
 ) -> dict[str, Any]:
     """The run's report: its configuration, the plan's figures, any rank's error and,
     when no rank failed, each backend's times and check."""
+    reported = REPORTED_CONFIG + (DELTA_CONFIG if cfg.delta else ())
     report: dict[str, Any] = {
-        "config": {k: getattr(cfg, k) for k in REPORTED_CONFIG},
+        "config": {k: getattr(cfg, k) for k in reported},
         "plan": plan_summary(timed.plan, timed.seconds),
         "errors": {str(k): v for k, v in result.errors().items()},
         "backends": {},
@@ -117,6 +125,11 @@ def build_report(
             "bytes": nbytes[backend],
             **check(result, backend, timed.plan.num_sources, cfg.verify),
         }
+        if backend == "delta":
+            rows = delta_steps(result, backend, timed.plan.num_sources)
+            report["backends"][backend].update(delta_row(rows))
+            if any(r["exact"] is False for r in rows):  # every step, not only the last
+                report["backends"][backend]["verified"] = False
     return report
 
 
@@ -197,6 +210,8 @@ def print_report(report: dict[str, Any]) -> None:
             f"the interconnect, plus {mib(colocated['local_bytes'])} copied on the device "
             f"(never sent); plan {colocated['fingerprint']}"
         )
+    for name, b in report["backends"].items():
+        print_delta_steps(name, b.get("delta_steps", []), cfg.get("lr", 0.0))
     if plan.get("bytes_by_dtype"):  # a block-FP8 engine (layouts/fp8_wire.py)
         wire = ", ".join(f"{mib(n)} {d}" for d, n in sorted(plan["bytes_by_dtype"].items()))
         print(

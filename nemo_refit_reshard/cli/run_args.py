@@ -7,7 +7,7 @@ import argparse
 
 from ..runner import RunConfig
 
-BACKENDS = ("reshard", "broadcast")
+BACKENDS = ("reshard", "broadcast", "delta")  # delta: reshard sending deltas (--delta)
 # Relay modes that need to know which ranks share NVLink: only ``simulate`` has a cluster.
 CLUSTER_RELAYS = ("auto", "domain")
 
@@ -80,12 +80,38 @@ def add_run_arguments(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--json", action="store_true")
 
 
+def add_delta_arguments(p: argparse.ArgumentParser) -> None:
+    """``demo`` and ``bench``: delta refit between real optimizer steps."""
+    p.add_argument(
+        "--delta",
+        action="store_true",
+        help="Adam steps (BF16 weights, FP32 masters) between refits, and a 'delta' backend: "
+        "the reshard plan with each message sent in its smallest form (only what changed); "
+        "default backends then reshard,delta",
+    )
+    p.add_argument("--lr", type=float, default=1e-6, help="with --delta: Adam's learning rate")
+    p.add_argument(
+        "--anchor-every",
+        type=int,
+        default=0,
+        help="with --delta: a dense refit every N versions (0: only when one is needed)",
+    )
+
+
 def run_config(args: argparse.Namespace) -> RunConfig:
     """The run the arguments describe; a ``ValueError`` for a choice no command takes."""
-    backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
+    delta = getattr(args, "delta", False)
+    names = args.backends
+    if delta and names == "reshard,broadcast":  # the default: delta against dense reshard
+        names = "reshard,delta"
+    backends = tuple(b.strip() for b in names.split(",") if b.strip())
     for b in backends:
         if b not in BACKENDS:
-            raise ValueError(f"unknown backend {b!r}; choose from reshard, broadcast")
+            raise ValueError(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
+    if ("delta" in backends) != delta:
+        raise ValueError("the delta backend goes with --delta (and --delta with it)")
+    if delta and args.lr <= 0:
+        raise ValueError(f"--lr {args.lr} must be > 0")
     if args.steps < 1:
         raise ValueError("--steps must be >= 1")
     relay = args.relay
@@ -121,4 +147,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         colocated=colocated,
         device=args.device,
         host_staged=True if args.host_staged else None,
+        delta=delta,
+        lr=getattr(args, "lr", 1e-6),
+        anchor_every=getattr(args, "anchor_every", 0),
     )

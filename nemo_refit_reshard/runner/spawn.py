@@ -216,9 +216,9 @@ def _run_rank(
         "127.0.0.1", port, s + len(destinations), rank, cfg.transport, cfg.timeout_s,
         cfg.connect_timeout_s, secret=secret,
     )  # fmt: skip
-    delta = DeltaOptions(cfg.anchor_every) if cfg.delta else None
+    delta = DeltaOptions(cfg.anchor_every)
     worker = RefitWorker(
-        endpoint, tensors, device, overlap=cfg.overlap, host_staged=cfg.host_staged, delta=delta
+        endpoint, tensors, device, overlap=cfg.overlap, host_staged=cfg.host_staged
     )
     worker.join()
     result["transport"] = type(worker.transport).__name__
@@ -230,24 +230,26 @@ def _run_rank(
     progress = Path(plan_path).with_name(f"progress{rank}")
     done = 0
     for b_index, backend in enumerate(cfg.backends):
-        worker.load_plan(plan_json, backend, bplan)
+        # "delta": the reshard plan, each message in its smallest form (engine/delta.py)
+        worker.delta = delta if backend == "delta" else None
+        worker.load_plan(plan_json, "reshard" if backend == "delta" else backend, bplan)
         worker.refit()  # warm-up: gloo connects pairs lazily on first use
         timings, steps = [], []
         for step in range(cfg.steps):
-            if cfg.delta:  # an optimizer step; receivers keep what they hold
+            if cfg.delta:  # an optimizer step
                 weights.advance()
                 if is_source:
                     refill(layout, tensors, weights)
                 else:
                     mine.retrain(weights)
-            elif not is_source:
+            if not is_source and backend != "delta":  # a delta receiver keeps what it holds
                 mine.poison()
             if cfg.kill_rank == rank and b_index == 0 and step == cfg.kill_step:
                 os._exit(3)  # simulated crash: no cleanup, sockets reset
             worker.barrier()  # every rank starts the step together
             timing = worker.refit()
             timings.append([timing.seconds, timing.exchange_seconds])
-            if cfg.delta and backend == "reshard":
+            if backend == "delta":
                 steps.append(_delta_step(worker, None if is_source else mine, cfg.verify))
             done += 1
             progress.write_text(str(done))
