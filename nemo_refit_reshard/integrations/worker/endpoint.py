@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from ...engine.delta import DeltaOptions
 from ...engine.transport import DEFAULT_TIMEOUT_S
 
 TRANSPORTS = ("gloo", "cupy-nccl")  # the refit group's transports (engine/)
@@ -24,6 +25,9 @@ class RefitEndpoint:
     # framework's start-up budget: processes join as they finish starting, and a loaded
     # machine starts them slowly.
     secret: str | None = field(default=None, repr=False)  # the run's (engine/rendezvous.py)
+    # Delta refit (engine/delta.py) for every rank of the group; None: dense. It travels
+    # with the endpoint so that every route turns it on the same way on every rank.
+    delta: DeltaOptions | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -38,4 +42,7 @@ class RefitEndpoint:
 
     @classmethod
     def from_json(cls, text: str) -> RefitEndpoint:
-        return cls(**json.loads(text))
+        fields = json.loads(text)
+        if fields.get("delta") is not None:
+            fields["delta"] = DeltaOptions(**fields["delta"])
+        return cls(**fields)

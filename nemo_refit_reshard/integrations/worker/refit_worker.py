@@ -56,14 +56,14 @@ class RefitWorker:
         (``engine/host_staged.py``, gloo only); None: when the tensors are on a GPU.
         ``weights``: the tensors' version and staleness (kept across memberships).
         ``delta``: refit the reshard backend with deltas (``engine/delta.py``); every
-        rank of the group alike."""
+        rank of the group alike (default: the endpoint's)."""
         self.endpoint = endpoint
         self.tensors = tensors
         self.weights = weights if weights is not None else WeightsState()
         self._loaded: tuple | None = None
         self.overlap = overlap
         self.host_staged = host_staged
-        self.delta = delta
+        self.delta = delta if delta is not None else endpoint.delta
         first = next(iter(tensors.values()), None)
         self.device = (
             torch.device(device)
