@@ -12,21 +12,22 @@ from nemo_refit_reshard.engine.delta_codec import (
     POSITIONS,
     Header,
     apply_patch,
-    changed_counts,
-    changed_mask,
+    changed_units,
     choose_form,
     encode,
     payload_bytes,
     position_width,
+    take_units,
+    with_ranges,
 )
 
 
 def _round_trip(base: torch.Tensor, cur: torch.Tensor, unit: int, form: int) -> torch.Tensor:
     """Encode ``cur`` against ``base`` in ``form``, patch a copy of ``base``; the payload."""
-    mask = changed_mask(cur, base, unit)
-    (count,) = changed_counts([mask])
+    index = changed_units(cur, base, unit)
+    count = index.numel()
     out = torch.empty(4 * cur.numel() + 16, dtype=torch.uint8)
-    payload = encode(cur, mask, unit, form, out).clone()
+    payload = encode(cur, index, unit, form, out).clone()
     assert payload.numel() == payload_bytes(form, cur.numel(), unit, count)
     message = base.clone()
     apply_patch(message, payload, Header(form, 7, count, payload.numel()), unit)
@@ -58,12 +59,12 @@ def test_every_pattern_round_trips_bit_exactly_in_every_form(form: int) -> None:
 def test_counts_at_zero_one_last_every_other_and_all() -> None:
     base = torch.zeros(512, dtype=torch.uint8)  # 256 bf16 units
     cur = base.clone()
-    assert changed_counts([changed_mask(cur, base, 2)]) == [0]
+    assert changed_units(cur, base, 2).tolist() == []
     cur.view(-1, 2)[-1, 1] = 1  # the last unit's high byte
-    assert changed_counts([changed_mask(cur, base, 2)]) == [1]
+    assert changed_units(cur, base, 2).tolist() == [255]
     cur.view(-1, 2)[::2, 0] = 9
-    assert changed_counts([changed_mask(cur, base, 2)]) == [129]
-    assert changed_counts([changed_mask(base + 1, base, 2)]) == [256]
+    assert changed_units(cur, base, 2).tolist() == [*range(0, 256, 2), 255]
+    assert changed_units(base + 1, base, 2).tolist() == list(range(256))
 
 
 def test_bits_not_floats_are_compared() -> None:
@@ -73,8 +74,7 @@ def test_bits_not_floats_are_compared() -> None:
     base = _bf16_bytes([0.0, nan, nan, 1.0])
     cur = _bf16_bytes([-0.0, nan, nan, 1.0])
     cur.view(torch.int16)[2] ^= 1  # another NaN payload
-    mask = changed_mask(cur, base, 2)
-    assert mask.tolist() == [True, False, True, False]
+    assert changed_units(cur, base, 2).tolist() == [0, 2]
     assert torch.equal(base.view(torch.bfloat16)[1:2].isnan(), torch.tensor([True]))
     _round_trip(base, cur, 2, POSITIONS)
 
@@ -83,8 +83,7 @@ def test_fp8_bytes_compare_as_bytes() -> None:
     base = torch.arange(300, dtype=torch.int64).to(torch.uint8)
     cur = base.clone()
     cur[299] ^= 0x80  # e4m3 +x -> -x
-    mask = changed_mask(cur, base, 1)
-    assert mask.nonzero().flatten().tolist() == [299]
+    assert changed_units(cur, base, 1).tolist() == [299]
     payload = _round_trip(base, cur, 1, POSITIONS)
     # 300 units need 2-byte positions: index 299 = 0x012B little-endian, then the byte
     assert payload.tolist() == [0x2B, 0x01, int(cur[299])]
@@ -116,6 +115,29 @@ def test_bitmap_bits_are_little_endian_within_each_byte() -> None:
     assert payload.tolist() == [0b00000001, 0b00000010, 1, 2, 3, 4]
 
 
+def test_fixed_ranges_join_the_changed_units() -> None:
+    index = torch.tensor([1, 9], dtype=torch.int64)
+    assert with_ranges(index, [(4, 10), (12, 13)], 2).tolist() == [1, 2, 3, 4, 6, 9]
+    assert with_ranges(index, [], 2) is index
+
+
+def test_a_strided_live_run_takes_exactly_its_changed_elements() -> None:
+    """A run into a column slice of a live tensor (as a TP shard's rows of a wider
+    tensor): the delta writes the changed elements in place and nothing else."""
+    from nemo_refit_reshard.engine.delta_rounds import DIRECT, Incoming, RunIn, place
+
+    whole = torch.full((4, 6), 7.0, dtype=torch.bfloat16)
+    live = whole[:, 1:4]  # 4 x 3, strided
+    span = torch.zeros(24, dtype=torch.uint8)
+    run = RunIn(0, 12, span.view(torch.bfloat16).view(4, 3), live, DIRECT)
+    new = torch.tensor([-0.0, 2.5], dtype=torch.bfloat16)
+    place(Incoming(0, span, 2, [run]), torch.tensor([4, 11]), new.view(torch.uint8))
+    expected = torch.full((4, 6), 7.0, dtype=torch.bfloat16)
+    expected[1, 2], expected[3, 3] = -0.0, 2.5
+    assert torch.equal(whole.view(torch.int16), expected.view(torch.int16))
+    assert torch.equal(span, torch.zeros(24, dtype=torch.uint8))  # no staging touched
+
+
 def test_headers_are_32_bytes_and_refuse_garbage() -> None:
     raw = torch.empty(HEADER_BYTES, dtype=torch.uint8)
     Header(BITMAP, 5, 3, 9).write(raw)
@@ -123,3 +145,30 @@ def test_headers_are_32_bytes_and_refuse_garbage() -> None:
     raw.fill_(0xFF)
     with pytest.raises(ValueError, match="not a delta header"):
         Header.read(raw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("form", [POSITIONS, BITMAP])
+def test_the_cuda_path_gives_the_cpu_paths_bytes(form: int) -> None:
+    """The torch ops a GPU runs give byte for byte the payload the numpy path gives, and
+    patch a message back to the same bytes; scatters into strided live views too."""
+    from nemo_refit_reshard.engine.delta_rounds import DIRECT, Incoming, RunIn, place
+
+    g = torch.Generator().manual_seed(1)
+    base = torch.randint(0, 256, (2 * 4096,), dtype=torch.uint8, generator=g)
+    cur = base.clone()
+    cur.view(torch.int16)[::37] += 1
+    cpu = _round_trip(base, cur, 2, form)
+    cuda = torch.device("cuda")
+    index = changed_units(cur.to(cuda), base.to(cuda), 2)
+    assert index.cpu().tolist() == changed_units(cur, base, 2).tolist()
+    out = torch.empty(cur.numel(), dtype=torch.uint8, device=cuda)
+    assert torch.equal(encode(cur.to(cuda), index, 2, form, out).cpu(), cpu)
+    live = torch.zeros(64, 128, dtype=torch.bfloat16, device=cuda)[:, :64]  # strided
+    live.copy_(base.view(torch.bfloat16).view(64, 64).to(cuda))
+    span = torch.empty(base.numel(), dtype=torch.uint8, device=cuda)
+    run = RunIn(0, 4096, span.view(torch.bfloat16).view(64, 64), live, DIRECT)
+    idx, values = index, take_units(cur.to(cuda), index, 2)
+    place(Incoming(0, span, 2, [run]), idx, values)
+    assert torch.equal(live.cpu().contiguous().view(torch.uint8).view(-1), cur)

@@ -42,13 +42,16 @@ from .delta_codec import (
     HEADER_BYTES,
     Header,
     apply_patch,
-    changed_counts,
-    changed_mask,
+    changed_units,
     choose_form,
+    decode,
     encode,
+    put_units,
+    take_units,
+    with_ranges,
 )
-from .delta_rounds import Fixed, Outgoing, Round, compile_rounds
-from .program import RankProgram, copy_pairs
+from .delta_rounds import Fixed, Outgoing, compile_rounds, place
+from .program import CopyPhase, RankProgram, copy_pairs
 from .transport import Transport
 
 UNKNOWN = -1
@@ -190,8 +193,7 @@ class DeltaProgram:
                     [(peer, buf) for peer, buf in recvs if buf.numel()],
                     k,
                 )
-                self.patch(k, patches)
-                phase.unpack()
+                self.unpack(phase, patches)
         return self.done(stats)
 
     def exchange_headers(self, transport: Transport, k: int, sends, incoming) -> list:
@@ -205,22 +207,28 @@ class DeltaProgram:
         )
         return headers
 
-    def patch(self, k: int, patches) -> None:
-        """Rebuild each delta message in its span (its previous bytes, re-packed from the
-        live tensors or held, then the changed units); a colocated host then holds every
-        message it received for its guest."""
+    def unpack(self, phase: CopyPhase, patches) -> None:
+        """The round's unpack with deltas: dense messages copied as compiled, each delta
+        applied to the live tensors (``delta_rounds.place``)."""
+        for job in phase.before_in:
+            job()
+        copy_pairs([pair for i, header, _ in patches if header.form == DENSE for pair in i.pairs])
         for incoming, header, payload in patches:
+            if header.form != DENSE and header.count:
+                index, values = decode(payload, header, incoming.span.numel(), incoming.unit)
+                place(incoming, index, values)
+        for job in phase.after_in:
+            job()
+
+    def patch(self, k: int, patches) -> None:
+        """A colocated host: rebuild each delta message for its guest in its span (the
+        copy it holds, then the changed units), then hold every message received."""
+        for incoming, header, payload in patches:
+            held = self.held[(k, incoming.peer)]
             if header.form != DENSE:
-                held = self.held.get((k, incoming.peer))
-                if held is not None:
-                    incoming.span.copy_(held)
-                else:
-                    copy_pairs(incoming.repack)
+                incoming.span.copy_(held)
                 apply_patch(incoming.span, payload, header, incoming.unit)
-        for incoming, _, _ in patches:
-            held = self.held.get((k, incoming.peer))
-            if held is not None:
-                held.copy_(incoming.span)
+            held.copy_(incoming.span)
 
     def encode_round(
         self,
@@ -240,37 +248,22 @@ class DeltaProgram:
             for o in rnd.outgoing
         ]
         # Changed units of each distinct message (bits, against its baseline), plus the
-        # ranges its receiver cannot re-pack: one host sync for the round's counts.
-        variants = sorted(
-            {
-                (o.key, self.fixed_out.get((o.peer, k), ()))
-                for o, d in zip(rnd.outgoing, delta_to)
-                if d
-            }
-        )
-        changed = {}
-        for o in rnd.outgoing:
-            if any(o.key == key for key, _ in variants) and o.key not in changed:
-                changed[o.key] = changed_mask(o.span, self.baselines[o.key], o.unit)
-        masks = {
-            (key, fixed): _with_fixed(changed[key], fixed, rnd, key) for key, fixed in variants
-        }
-        keys = sorted(changed)
-        counts = changed_counts([changed[key] for key in keys] + list(masks.values()))
-        true_counts = dict(zip(keys, counts[: len(keys)]))
-        sent_counts = dict(zip(masks, counts[len(keys) :]))
-        for key in keys:
-            o = next(o for o in rnd.outgoing if o.key == key)
-            stats.units += o.span.numel() // o.unit
-            stats.changed += true_counts[key]
+        # ranges its receiver cannot re-pack.
+        changed: dict[int, torch.Tensor] = {}
+        for o, delta in zip(rnd.outgoing, delta_to):
+            if delta and o.key not in changed:
+                changed[o.key] = changed_units(o.span, self.baselines[o.key], o.unit)
+                stats.units += o.span.numel() // o.unit
+                stats.changed += changed[o.key].numel()
         for o, delta in zip(rnd.outgoing, delta_to):
             n = o.span.numel()
             if delta:
                 variant = (o.key, self.fixed_out.get((o.peer, k), ()))
                 if variant not in encoded:
-                    count = sent_counts[variant]
+                    index = with_ranges(changed[o.key], variant[1], o.unit)
+                    count = index.numel()
                     form = choose_form(n, o.unit, count)
-                    payload = encode(o.span, masks[variant], o.unit, form, self._encoded[at:])
+                    payload = encode(o.span, index, o.unit, form, self._encoded[at:])
                     if form != DENSE:
                         at += payload.numel()
                     encoded[variant] = (form, count, payload)
@@ -284,9 +277,14 @@ class DeltaProgram:
             stats.forms[FORM_NAMES[form]] = stats.forms.get(FORM_NAMES[form], 0) + 1
             stats.sent_bytes += HEADER_BYTES + payload.numel()
             stats.dense_bytes += n
-        for o in rnd.outgoing:  # after every encode of the round read the old baselines
-            if o.key in self.baselines:
-                self.baselines[o.key].copy_(o.span)
+        # The baselines become this round's messages (after every encode read them): where
+        # a message was compared, only its changed units differ.
+        for o in {o.key: o for o in rnd.outgoing if o.key in self.baselines}.values():
+            baseline, index = self.baselines[o.key], changed.get(o.key)
+            if index is None:
+                baseline.copy_(o.span)
+            else:
+                put_units(baseline, index, take_units(o.span, index, o.unit), o.unit)
         return sends
 
     def receive_plan(self, k: int, headers, mine: int, stats: DeltaStats):
@@ -324,14 +322,3 @@ class DeltaProgram:
 def _all_fixed(ranges, out: Outgoing) -> bool:
     """Ranges that cover the whole message: its receiver can re-pack none of it."""
     return bool(ranges) and sum(b - a for a, b in ranges) >= out.span.numel()
-
-
-def _with_fixed(changed: torch.Tensor, fixed, rnd: Round, key: int) -> torch.Tensor:
-    """``changed`` with the units of the byte ranges ``fixed`` marked changed too."""
-    if not fixed:
-        return changed
-    unit = next(o.unit for o in rnd.outgoing if o.key == key)
-    mask = changed.clone()
-    for a, b in fixed:
-        mask[a // unit : -(-b // unit)] = True
-    return mask

@@ -22,19 +22,22 @@ Ties go to ``DENSE``, then ``POSITIONS`` (``k = 0``: an empty ``POSITIONS`` payl
 A :class:`Header` (32 bytes: form, base version, ``k``, payload bytes) precedes every
 message in a small exchange of its own, so the receiver posts a receive of the exact
 payload size and knows how to apply it. Everything here is torch on the message's
-device; the only host sync is reading the counts (:func:`changed_counts`).
+device (CPU tensors through numpy views: faster on one core); the only host sync is the
+count of changed units (the length of :func:`changed_units`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 DENSE, POSITIONS, BITMAP = 0, 1, 2
 FORM_NAMES = {DENSE: "dense", POSITIONS: "positions", BITMAP: "bitmap"}
 HEADER_BYTES = 32
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_INT_OF_WIDTH = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 _BIT_WEIGHTS = [1 << b for b in range(8)]
 
 
@@ -102,47 +105,111 @@ def _units(message: torch.Tensor, unit: int) -> torch.Tensor:
     return message.view(-1, unit)
 
 
-def changed_mask(current: torch.Tensor, baseline: torch.Tensor, unit: int) -> torch.Tensor:
-    """``(N,)`` bool: unit ``i`` of ``current`` differs in bits from ``baseline``'s."""
+def _np_units(message: torch.Tensor, unit: int) -> np.ndarray:
+    """A CPU message's units as one numpy integer each (a view: numpy allows unaligned)."""
+    return message.numpy().view(_NP_INT_OF_WIDTH[unit])
+
+
+def changed_units(current: torch.Tensor, baseline: torch.Tensor, unit: int) -> torch.Tensor:
+    """Sorted int64 indices of the units of ``current`` whose bits differ from
+    ``baseline``'s (CPU: numpy's compare and ``flatnonzero``, several times torch's on
+    one core; CUDA: torch)."""
     if current.numel() != baseline.numel():
         raise ValueError(f"{current.numel()} bytes against a {baseline.numel()}-byte baseline")
+    if current.device.type == "cpu" and baseline.device.type == "cpu":
+        return torch.from_numpy(
+            np.flatnonzero(_np_units(current, unit) != _np_units(baseline, unit))
+        )
+    baseline = baseline.to(current.device, non_blocking=True)
     if current.storage_offset() % unit == 0 and baseline.storage_offset() % unit == 0:
         dtype = _INT_OF_WIDTH[unit]
-        return current.view(dtype) != baseline.view(dtype)
-    return (_units(current, unit) != _units(baseline, unit)).any(dim=1)
+        return torch.nonzero(current.view(dtype) != baseline.view(dtype)).squeeze(1)
+    return torch.nonzero((_units(current, unit) != _units(baseline, unit)).any(dim=1)).squeeze(1)
 
 
-def changed_counts(masks: list[torch.Tensor]) -> list[int]:
-    """``k`` of each mask, with one host sync for all of them."""
-    if not masks:
-        return []
-    return torch.stack([m.sum() for m in masks]).tolist()
+def with_ranges(index: torch.Tensor, ranges, unit: int) -> torch.Tensor:
+    """``index`` with every unit of the byte ranges ``ranges`` added (sorted, unique)."""
+    if not ranges:
+        return index
+    extra = [torch.arange(a // unit, -(-b // unit), device=index.device) for a, b in ranges]
+    return torch.unique(torch.cat([index, *extra]))
 
 
-def encode(current: torch.Tensor, mask: torch.Tensor, unit: int, form: int, out: torch.Tensor):
-    """Write the ``form`` payload of ``current`` (bytes) with changed units ``mask`` into
-    the front of ``out`` (bytes); returns the payload view. ``DENSE`` returns
+def take_units(message: torch.Tensor, index: torch.Tensor, unit: int) -> torch.Tensor:
+    """The bytes of units ``index`` of ``message``, back to back."""
+    if message.device.type == "cpu":
+        picked = _np_units(message, unit)[index.numpy()]
+        return torch.from_numpy(picked.view(np.uint8).reshape(-1))
+    return _units(message, unit)[index].reshape(-1)
+
+
+def put_units(message: torch.Tensor, index: torch.Tensor, values: torch.Tensor, unit: int) -> None:
+    """Write ``values`` (bytes, back to back) into units ``index`` of ``message``."""
+    if message.device.type == "cpu":
+        _np_units(message, unit)[index.numpy()] = values.numpy().view(_NP_INT_OF_WIDTH[unit])
+        return
+    _units(message, unit)[index] = values.view(-1, unit)
+
+
+def encode(current: torch.Tensor, index: torch.Tensor, unit: int, form: int, out: torch.Tensor):
+    """Write the ``form`` payload of ``current`` (bytes) whose units ``index`` changed
+    into the front of ``out`` (bytes); returns the payload view. ``DENSE`` returns
     ``current`` itself (nothing is copied)."""
     if form == DENSE:
         return current
     units = current.numel() // unit
-    values = _units(current, unit)[mask].reshape(-1)
-    count = values.numel() // unit
+    count = index.numel()
     if form == POSITIONS:
         width = position_width(units)
-        index = mask.nonzero().squeeze(1).to(torch.int64)
-        # little-endian: the low ``width`` bytes of each int64 index
-        packed = index.view(torch.uint8).view(-1, 8)[:, :width].reshape(-1)
         head = count * width
+        # little-endian: the low ``width`` bytes of each int64 index
+        packed = index.to(torch.int64).view(torch.uint8).view(-1, 8)[:, :width].reshape(-1)
         out[:head].copy_(packed)
     else:
         head = -(-units // 8)
-        bits = torch.zeros(head * 8, dtype=torch.uint8, device=current.device)
-        bits[:units] = mask.to(torch.uint8)
-        weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=current.device)
-        out[:head].copy_((bits.view(head, 8) * weights).sum(dim=1, dtype=torch.uint8))
-    out[head : head + values.numel()].copy_(values)
-    return out[: head + values.numel()]
+        out[:head].copy_(_bitmap(index, units, current.device))
+    out[head : head + count * unit].copy_(take_units(current, index, unit))
+    return out[: head + count * unit]
+
+
+def _bitmap(index: torch.Tensor, units: int, device: torch.device) -> torch.Tensor:
+    """``⌈units/8⌉`` bytes: bit ``i mod 8`` of byte ``⌊i/8⌋`` set for each ``i`` in ``index``."""
+    if device.type == "cpu":
+        bits = np.zeros(units, dtype=bool)
+        bits[index.numpy()] = True
+        return torch.from_numpy(np.packbits(bits, bitorder="little"))
+    bits = torch.zeros(-(-units // 8) * 8, dtype=torch.uint8, device=device)
+    bits[index] = 1
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=device)
+    return (bits.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def _unbitmap(bitmap: torch.Tensor, units: int) -> torch.Tensor:
+    """The sorted unit indices a bitmap marks."""
+    if bitmap.device.type == "cpu":
+        bits = np.unpackbits(bitmap.numpy(), count=units, bitorder="little")
+        return torch.from_numpy(np.flatnonzero(bits))
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmap.device)
+    bits = (bitmap.unsqueeze(1) >> shifts) & 1
+    return bits.reshape(-1)[:units].nonzero().squeeze(1)
+
+
+def decode(payload: torch.Tensor, header: Header, nbytes: int, unit: int):
+    """``(index, values)`` of a delta payload for a message of ``nbytes``: the sorted
+    changed units and their bytes, back to back."""
+    units = nbytes // unit
+    if header.form == POSITIONS:
+        width = position_width(units)
+        head = header.count * width
+        wide = torch.zeros(header.count, 8, dtype=torch.uint8, device=payload.device)
+        wide[:, :width] = payload[:head].view(header.count, width)
+        index = wide.view(torch.int64).squeeze(1)
+    else:
+        head = -(-units // 8)
+        index = _unbitmap(payload[:head], units)
+        if index.numel() != header.count:
+            raise ValueError(f"bitmap marks {index.numel()} units, the header {header.count}")
+    return index, payload[head : head + header.count * unit]
 
 
 def apply_patch(message: torch.Tensor, payload: torch.Tensor, header: Header, unit: int) -> None:
@@ -153,19 +220,5 @@ def apply_patch(message: torch.Tensor, payload: torch.Tensor, header: Header, un
         return
     if header.count == 0:
         return
-    units = message.numel() // unit
-    if header.form == POSITIONS:
-        width = position_width(units)
-        head = header.count * width
-        wide = torch.zeros(header.count, 8, dtype=torch.uint8, device=message.device)
-        wide[:, :width] = payload[:head].view(header.count, width)
-        index = wide.view(torch.int64).squeeze(1)
-    else:
-        head = -(-units // 8)
-        shifts = torch.arange(8, dtype=torch.uint8, device=message.device)
-        bits = (payload[:head].unsqueeze(1) >> shifts) & 1
-        index = bits.reshape(-1)[:units].nonzero().squeeze(1)
-        if index.numel() != header.count:
-            raise ValueError(f"bitmap marks {index.numel()} units, the header {header.count}")
-    values = payload[head : head + header.count * unit].view(header.count, unit)
-    _units(message, unit)[index] = values
+    index, values = decode(payload, header, message.numel(), unit)
+    put_units(message, index, values, unit)

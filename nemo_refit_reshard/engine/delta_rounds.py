@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..plan import RankPlan, RefitPlan
-from .delta_codec import unit_of
+from .delta_codec import put_units, unit_of
 from .program import TORCH_DTYPES, RankProgram
 
+_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # (sender, round, [(start, end) byte ranges of that message]) as gathered: plain JSON
 Fixed = tuple[int, int, list[tuple[int, int]]]
 
@@ -32,12 +34,36 @@ class Outgoing:
     key: int  # index of its distinct span (shared by identical replica messages)
 
 
+DIRECT, REPACK, FIXED = "direct", "repack", "fixed"
+
+
+@dataclass
+class RunIn:
+    """One unpack copy of an incoming message: units ``[start, end)`` of the message,
+    ``staged`` (its view of the span) into ``live``. How a delta reaches it (``mode``):
+    ``DIRECT``, its changed units written straight into ``live`` (one unit per element);
+    ``REPACK``, the run re-packed from ``live``, patched, unpacked (elements wider than
+    the message's unit); ``FIXED``, its bytes travel whole every step, patched into the
+    span and unpacked (a relay buffer, an FP8 engine's BF16 shadow)."""
+
+    start: int
+    end: int
+    staged: torch.Tensor
+    live: torch.Tensor
+    mode: str
+
+
 @dataclass
 class Incoming:
     peer: int
     span: torch.Tensor
     unit: int
-    repack: list[tuple[torch.Tensor, torch.Tensor]]  # (staged, live) of re-packable runs
+    runs: list[RunIn]  # in staging order
+
+    @property
+    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Its unpack's copies, ``(live, staged)``."""
+        return [(r.live, r.staged) for r in self.runs]
 
 
 @dataclass
@@ -77,16 +103,22 @@ def compile_rounds(
                 if peer != local_peer:
                     incoming.append(Incoming(peer, span, _unit(m), []))
                 continue
-            runs = [
-                (staged, live)
-                for (live, staged), src in zip(phase.copies_in, phase.copies_in_from)
-                if src == peer
-            ]
-            repack = [(s, live) for s, live in runs if _repackable(s, live, foreign)]
-            ranges = [_range(span, s) for s, live in runs if not _repackable(s, live, foreign)]
+            unit, runs = _unit(m), []
+            for (live, staged), src in zip(phase.copies_in, phase.copies_in_from):
+                if src != peer:
+                    continue
+                a, b = _range(span, staged)
+                if not _repackable(staged, live, foreign):
+                    mode = FIXED
+                elif staged.element_size() == unit and staged.is_contiguous():
+                    mode = DIRECT
+                else:
+                    mode = REPACK
+                runs.append(RunIn(a // unit, -(-b // unit), staged, live, mode))
+            ranges = [(r.start * unit, r.end * unit) for r in runs if r.mode == FIXED]
             if ranges:
                 fixed.append((peer, k, _merged(ranges, span.numel())))
-            incoming.append(Incoming(peer, span, _unit(m), repack))
+            incoming.append(Incoming(peer, span, unit, sorted(runs, key=lambda r: r.start)))
         rounds.append(Round(outgoing, incoming))
     return rounds, fixed
 
@@ -116,3 +148,35 @@ def _merged(ranges: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
         else:
             out.append((a, min(b, size)))
     return out
+
+
+def place(incoming: Incoming, index: torch.Tensor, values: torch.Tensor) -> None:
+    """Apply a decoded delta (``index``: sorted changed units, ``values``: their bytes)
+    to the live tensors its message unpacks into, run by run (``RunIn.mode``): only the
+    changed elements of a ``DIRECT`` run are written, nothing of the message is copied."""
+    unit, span = incoming.unit, incoming.span
+    cuts = torch.searchsorted(
+        index, torch.tensor([r.start for r in incoming.runs] + [span.numel() // unit])
+    ).tolist()
+    for r, lo, hi in zip(incoming.runs, cuts, cuts[1:]):
+        if lo == hi and r.mode != FIXED:
+            continue  # nothing of this run changed
+        sub, raw = index[lo:hi], values[lo * unit : hi * unit]
+        if r.mode == DIRECT:
+            _scatter(r.live, sub - r.start, raw)
+            continue
+        if r.mode == REPACK:
+            r.staged.copy_(r.live)
+        put_units(span, sub, raw, unit)
+        r.live.copy_(r.staged)
+
+
+def _scatter(live: torch.Tensor, local: torch.Tensor, raw: torch.Tensor) -> None:
+    """``live``'s elements at row-major positions ``local`` := ``raw`` (their bytes)."""
+    ints = _INTS[live.element_size()]
+    if live.device.type == "cpu":
+        target = live.view(ints).numpy()
+        target[np.unravel_index(local.numpy(), target.shape)] = raw.numpy().view(target.dtype)
+        return
+    target = live.view(ints)
+    target[torch.unravel_index(local, target.shape)] = raw.clone().view(ints)
