@@ -87,7 +87,8 @@ class _RefitMember:
 
     def refit(self, backend: str, step: int, verify: bool) -> dict[str, Any]:
         """One refit with ``backend`` (collective over the refit group): barrier, replay,
-        and with ``verify`` this rank's checksums (see ``engine/checksum.py``)."""
+        and with ``verify`` this rank's checksums (see ``engine/checksum.py``); a delta
+        refit's bytes (``engine/delta.py``) under ``"delta"``."""
         if backend not in self.refitters:
             raise ValueError(f"backend {backend!r} was not loaded; loaded: {list(self.refitters)}")
         if self.exit_at_step == step:
@@ -99,6 +100,12 @@ class _RefitMember:
             "seconds": timing.seconds,
             "exchange_seconds": timing.exchange_seconds,
         }
+        delta = self.refitters[backend].delta
+        if delta is not None:  # what this step sent, and what it would have sent dense
+            out["delta"] = {
+                "sent_bytes": delta.last.sent_bytes,
+                "dense_bytes": delta.last.dense_bytes,
+            }
         if verify:
             out["checksums"] = self._checksums()
         return out

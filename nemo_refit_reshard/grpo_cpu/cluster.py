@@ -80,6 +80,9 @@ class GrpoCluster:
         self.cfg, self.plan, self.broadcast = cfg, plan, broadcast
         self.sources, self.destinations = sources, destinations
         self.shapes = canonical_shapes
+        # The last refit's delta bytes over the training actors (sent, dense); None when
+        # it was not a delta refit.
+        self.last_delta: tuple[int, int] | None = None
         s = len(sources)
         tp = cfg.infer.tp
         self.trainers = [ActorInfo("training", r, r) for r in range(s)]
@@ -228,6 +231,7 @@ class GrpoCluster:
                         timeout,
                         setup_s,
                         meet.secret,
+                        cfg.refit.delta_options,  # every rank alike, with the endpoint
                     ).to_json()
                 ),
             )
@@ -258,8 +262,11 @@ class GrpoCluster:
     # -- refit ------------------------------------------------------------------------------
     def refit(self, backend: str, step: int) -> float:
         """One refit over every actor; the slowest rank's seconds. With ``refit.verify``,
-        compares the senders' and receivers' checksums per destination tensor."""
+        compares the senders' and receivers' checksums per destination tensor. A delta
+        refit leaves the bytes the training actors sent and what the same messages
+        weigh dense in :attr:`last_delta`."""
         verify = self.cfg.refit.verify
+        self.last_delta = None
         what = f"step {step}, refit ({backend})"
         out = self.call_all(
             self.actors,
@@ -269,8 +276,11 @@ class GrpoCluster:
             self.cfg.refit.timeout_s + self.cfg.ray.call_timeout_s,
             what,
         )
+        s = len(self.trainers)
+        if out[0].get("delta") is not None:
+            sent = sum(o["delta"]["sent_bytes"] for o in out[:s])
+            self.last_delta = (sent, sum(o["delta"]["dense_bytes"] for o in out[:s]))
         if verify:
-            s = len(self.trainers)
             bad = compare(
                 combine(o["checksums"] for o in out[:s]), combine(o["checksums"] for o in out[s:])
             )

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ..engine.delta import DeltaOptions
 from ..engine.refit import BACKENDS
 from ..layouts.megatron_rules import MegatronOptions, check_megatron_parallel
 from ..layouts.vllm import check_vllm_parallel
@@ -29,6 +30,8 @@ class RefitSettings:
     timeout_s: float = 60.0  # a dead peer surfaces as an error within this
     verify: bool = False  # checksum every destination tensor after every refit
     compare_broadcast: bool = True  # also time the other backend each step
+    delta: bool = False  # delta refit (engine/delta.py): each message in its smallest form
+    delta_anchor_every: int = 0  # with delta: a dense refit every that many versions (0: never)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -37,6 +40,41 @@ class RefitSettings:
             )
         if not self.bucket_mb > 0 or not self.timeout_s > 0:
             raise ValueError("refit.bucket_mb and refit.timeout_s must be > 0")
+        self._check_delta()
+
+    def _check_delta(self) -> None:
+        """Delta refit is the reshard backend's, alone: refused by name otherwise."""
+        if not isinstance(self.delta, bool):
+            raise ValueError(f"refit.delta={self.delta!r} must be true or false")
+        anchor = self.delta_anchor_every
+        if not isinstance(anchor, int) or isinstance(anchor, bool) or anchor < 0:
+            raise ValueError(f"refit.delta_anchor_every={anchor!r} must be an integer >= 0")
+        if not self.delta:
+            if anchor:
+                raise ValueError(
+                    f"refit.delta_anchor_every={anchor} applies to delta refits only; set "
+                    "refit.delta: true, or drop refit.delta_anchor_every"
+                )
+            return
+        if self.backend != "reshard":
+            raise ValueError(
+                f"refit.delta: true needs refit.backend: reshard (a delta refit sends the "
+                f"reshard plan's messages in their smallest form; {self.backend!r} has no "
+                "such messages); set refit.backend: reshard, or refit.delta: false"
+            )
+        if self.compare_broadcast:
+            raise ValueError(
+                "refit.delta: true with refit.compare_broadcast: true: the broadcast "
+                "comparison would write every weight before the delta refit, whose receivers "
+                "rebuild last step's messages from those weights, so the delta would go "
+                "unchecked; set refit.compare_broadcast: false (the report compares the "
+                "delta's bytes with the dense refit's)"
+            )
+
+    @property
+    def delta_options(self) -> DeltaOptions | None:
+        """What every refit endpoint carries: None for a dense refit."""
+        return DeltaOptions(anchor_every=self.delta_anchor_every) if self.delta else None
 
     @property
     def backends(self) -> tuple[str, ...]:

@@ -13,7 +13,9 @@ Per step:
    and takes one GRPO step; ``max |Δlogprob|`` compares the generator's and the
    trainer's log-probabilities of the sampled tokens;
 3. refit: with ``refit.compare_broadcast`` the other backend first (same weights, timed
-   only), then ``refit.backend``, which leaves the generator with the new weights.
+   only), then ``refit.backend``, which leaves the generator with the new weights. With
+   ``refit.delta`` each message goes in its smallest form (``engine/delta.py``); the
+   report has the bytes the training actors sent and what the step weighs dense.
 
 Step 0 is one refit per backend before the first generation: the generator starts from
 the trainer's initial weights, and gloo's lazily opened connections are not billed to
@@ -122,8 +124,10 @@ def _loop(
             train_logprobs, metrics = results[0]
             diff = float((gen_logprobs - train_logprobs).abs().max())
             seconds: dict[str, float] = {}
+            delta: tuple[int, int] | None = None
             for backend in cfg.refit.backends:
                 seconds[backend] = cluster.refit(backend, step)
+                delta = cluster.last_delta or delta
                 if after_refit is not None:
                     after_refit(RefitEvent(step, backend, cluster))
             report = StepReport(
@@ -134,6 +138,7 @@ def _loop(
                 max_logprob_diff=diff,
                 seconds=time.perf_counter() - t0,
                 metrics=metrics,
+                delta_bytes=delta,
             )
             reports.append(report)
             if bar is not None:

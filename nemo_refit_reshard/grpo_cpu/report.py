@@ -22,6 +22,9 @@ class StepReport:
     max_logprob_diff: float  # max |generator - trainer| log-prob of the sampled tokens
     seconds: float  # wall time of the whole step
     metrics: dict[str, float] = field(default_factory=dict)  # the trainer's train_step stats
+    # refit.delta: (bytes sent, bytes the same messages weigh dense), summed over the
+    # training actors (payloads and headers sent; dense without headers); else None
+    delta_bytes: tuple[int, int] | None = None
 
 
 def pop_plot_flag(argv: list[str]) -> str | None:
@@ -51,6 +54,9 @@ def format_step(r: StepReport, backend: str) -> str:
     refits = "  ".join(
         f"{b} {r.refit_seconds[b] * 1e3:6.1f} ms {_kb(r.refit_bytes[b]):>8}" for b in order
     )
+    if r.delta_bytes is not None:
+        sent, dense = r.delta_bytes
+        refits += f"  delta sent {_kb(sent)} of {_kb(dense)} dense"
     return (
         f"step {r.step:3d}  reward {r.reward:.3f}  refit {refits}  "
         f"max|Δlogprob| {r.max_logprob_diff:.1e}  step {r.seconds:5.2f} s"
@@ -73,6 +79,13 @@ def summary(reports: Sequence[StepReport], backend: str, wall_seconds: float) ->
     for b, t in times.items():
         lines.append(
             f"refit {b:9s} median {t * 1e3:6.1f} ms, {_kb(reports[0].refit_bytes[b])} per refit"
+        )
+    deltas = [r.delta_bytes for r in reports if r.delta_bytes is not None]
+    if deltas:
+        sent, dense = sum(d[0] for d in deltas), sum(d[1] for d in deltas)
+        lines.append(
+            f"delta refit: sent {_kb(sent)} of {_kb(dense)} dense over {len(deltas)} steps "
+            f"({sent / max(dense, 1):.1%})"
         )
     if "reshard" in times and "broadcast" in times:
         lines.append(
