@@ -337,12 +337,13 @@ class AdamCheck:
             t = int(state["step"])
             if t != step:
                 raise AssertionError(f"optimizer step {t}, expected {step}")
-            denom = (v.sqrt() / (1 - b2**t) ** 0.5).add_(eps)
-            update = (lr / (1 - b1**t)) * m / denom
-            want = w0 * (1 - lr * wd) - update
             # Tolerances: a few float32 roundings of each term (no cancellation blow-up).
             _near("Adam m", state["exp_avg"], m, (b1 * m0).abs() + ((1 - b1) * g).abs())
             _near("Adam v", state["exp_avg_sq"], v, b2 * v0 + (1 - b2) * g * g)
+            # The masters from the optimizer's (just checked) moments.
+            denom = (state["exp_avg_sq"].sqrt() / (1 - b2**t) ** 0.5).add_(eps)
+            update = (lr / (1 - b1**t)) * state["exp_avg"] / denom
+            want = w0 * (1 - lr * wd) - update
             _near("FP32 master", master, want, w0.abs() + update.abs())
             if not torch.equal(p.view(torch.int16), master.to(p.dtype).view(torch.int16)):
                 raise AssertionError("a BF16 parameter is not the cast of its FP32 master")
@@ -480,7 +481,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe")
     ap.add_argument("--corpus-chars", type=int, default=1_500_000)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--clip-grad", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=1234)
