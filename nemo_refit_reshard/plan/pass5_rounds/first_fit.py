@@ -5,99 +5,23 @@ bytes it receives in a round each stay within ``bucket_bytes`` (a transfer
 larger than that is cut first), so a rank's staging is at most twice the bucket.
 Rounds are filled first-fit in a fixed order, so every rank computes the same
 schedule. (Plans for a known topology without chains: ``timed.py``.)
+
+:func:`schedule` cuts the transfers into parts and groups them (``first_fit_parts.py``),
+holds relay hops back until what they forward arrives (:func:`_hold_relay_hops`), and
+places each group whole or part by part (:func:`_place`): in the first round from its
+earliest with room (:func:`_search`, :func:`_place_one`), then the hops it releases.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from ...layouts.base import Box
-from ..base import Transfer, split_box
+from ..base import Transfer
 from ..cluster import LinkModel
-
-
-def _lead_dim(box: Box) -> int | None:
-    for d, s in enumerate(box.sizes):
-        if s != 1:
-            return d
-    return None
-
-
-def _cut(t: Transfer, max_bytes: int, bucket_bytes: int) -> list[Transfer]:
-    """Cut a transfer into parts of at most ``max_bytes`` along the lead canonical dim.
-
-    ``max_bytes`` may be below the bucket (what the slowest link moves in a round's time
-    budget, when :func:`schedule` has ``links``); a single row larger
-    than it stays whole, but a row larger than the bucket is an error."""
-    if t.nbytes <= max_bytes:
-        return [t]
-    parts = -(-t.nbytes // max_bytes)
-    lead = _lead_dim(t.canonical_box)
-    if lead is None:
-        return [t]
-    rows = t.canonical_box.sizes[lead]
-    if rows < parts:
-        if -(-t.nbytes // rows) > bucket_bytes:
-            raise ValueError(
-                f"bucket of {bucket_bytes} bytes cannot hold one row of {t.canonical} "
-                f"({t.nbytes // rows} bytes); raise bucket_mb"
-            )
-        parts = rows
-    return [t.part(box) for box in split_box(t.canonical_box, parts)]
-
-
-def _fan_out_groups(
-    transfers: list[Transfer], cut_bytes: Callable[[Transfer], int], bucket_bytes: int
-) -> list[list[Transfer]]:
-    """Bucket-sized parts, grouped by the source box they read.
-
-    Parts reading the same source box (one slice for several inference replicas) form
-    a fan-out group that goes into one round whole: the replicas' messages then hold
-    the same boxes in the same order, and the engine packs them once. The sender is
-    still charged per message, so the bucket bound holds even when nothing is shared.
-    Groups bound for the same receivers sit next to each other, so a round serves few
-    receivers with large messages rather than every receiver with a small one.
-    """
-    by_box: dict[tuple, list[Transfer]] = {}
-    for t in transfers:
-        for p in _cut(t, cut_bytes(t), bucket_bytes):
-            key = (p.src, p.src_tensor, p.src_box.offsets, p.src_box.sizes, p.dtype)
-            group = by_box.get(key)
-            if group is None:
-                by_box[key] = [p]
-            else:
-                group.append(p)
-    groups = list(by_box.values())
-    for g in groups:
-        if len(g) > 1:
-            g.sort(key=lambda t: (t.dst, t.dst_tensor, t.dst_box.offsets))
-    # Stable sort: groups with equal keys keep the (deterministic) order of ``transfers``.
-    groups.sort(key=lambda g: (g[0].src, tuple(t.dst for t in g)))
-    return groups
-
-
-def _interleave(groups: list[list[Transfer]]) -> list[list[Transfer]]:
-    """Take the senders' groups in turn, each sender starting at a different receiver.
-
-    First-fit placement in sender order would give the first senders the early
-    rounds and leave the last ones a tail of late rounds (their receivers' early
-    rounds already full): rounds then run far below the busiest sender's link.
-    Taking one group per sender in turn fills every round from every sender;
-    rotating each sender's list by its index spreads their first receivers.
-    """
-    by_src: dict[int, list[list[Transfer]]] = defaultdict(list)
-    for g in groups:
-        by_src[g[0].src].append(g)
-    queues = []
-    for i, src in enumerate(sorted(by_src)):
-        gs = by_src[src]
-        k = i * len(gs) // len(by_src)
-        queues.append(gs[k:] + gs[:k])
-    out = []
-    for depth in range(max((len(q) for q in queues), default=0)):
-        out += [q[depth] for q in queues if depth < len(q)]
-    return out
+from .first_fit_parts import cut, fan_out_groups, interleave
 
 
 class FailedBefore:
@@ -125,6 +49,39 @@ class FailedBefore:
         self._last[keys] = (earliest, demands, found)
 
 
+# A part's staging per (rank, "send" | "recv"), and its link time per (rank, link,
+# direction), as (key, amount) lists.
+Wanted = list[tuple[tuple[int, str], int]]
+Timing = list[tuple[tuple, float]]
+
+
+@dataclass(slots=True)
+class _Schedule:
+    """What the steps of one :func:`schedule` share."""
+
+    bucket_bytes: int
+    links: LinkModel | None
+    members: Mapping[int, tuple[int, ...]]  # destination -> the replicas it stands for
+    copies: dict[int, int]  # destination -> how many times its sender sends each part
+    chained: bool  # relay hops given: chains pipeline (no interleaving, one part size)
+    failed: FailedBefore
+    # (src, dst) -> [(sender key, receiver key, seconds per byte)] over dst's replicas
+    link_keys: dict[tuple[int, int], list[tuple[tuple, tuple, float]]] = field(default_factory=dict)
+    tau: float = 0.0  # a round's time budget per (rank, link, direction); 0 without links
+    cut_bytes: int = 0  # the part size every transfer is cut to (with links: tau's worth)
+    slack: int = 0  # a rank with at most this much room left in a round counts it full
+    # per round: staging per (rank, direction), link time per key, the parts placed
+    used: list[dict[tuple[int, str], int]] = field(default_factory=list)
+    timed: list[dict[tuple, float]] = field(default_factory=list)
+    placed: list[list[Transfer]] = field(default_factory=list)
+    # relay hops not placed yet, by the (rank, tensor, box) that must arrive first
+    waiting: defaultdict[tuple[int, str, Box], list[Transfer]] = field(
+        default_factory=lambda: defaultdict(list)
+    )
+    # per (rank, direction): full round -> a later round to try ("next free slot" forest)
+    skip: dict[tuple[int, str], dict[int, int]] = field(default_factory=dict)
+
+
 def schedule(
     transfers: list[Transfer],
     bucket_bytes: int,
@@ -150,206 +107,246 @@ def schedule(
         raise ValueError("bucket size must be positive")
     members = members or {}
     copies = {dst: len(g) for dst, g in members.items()}
-    # (src, dst) -> [(sender key, receiver key, seconds per byte)] over dst's replicas
-    link_keys: dict[tuple[int, int], list[tuple[tuple, tuple, float]]] = {}
-
-    def keys(src: int, dst: int) -> list[tuple[tuple, tuple, float]]:
-        k = link_keys.get((src, dst))
-        if k is None:
-            assert links is not None
-            k = []
-            for d in members.get(dst, (dst,)):
-                link, spb = links.link(src, d)
-                k.append(((src, link, "out"), (d, link, "in"), spb))
-            link_keys[(src, dst)] = k
-        return k
-
-    tau, cut_bytes = 0.0, bucket_bytes
-    if links is not None:
-        pairs = {(t.src, t.dst) for t in transfers}
-        for level in forwarded or []:
-            pairs |= {(t.src, t.dst) for t in level}
-        speeds = {spb for src, dst in pairs for _, _, spb in keys(src, dst)}
-        if speeds:
-            tau = bucket_bytes * min(speeds)
-            cut_bytes = max(1, int(tau / max(speeds)))
-    timed: list[dict[tuple, float]] = []
-
-    def seconds(t: Transfer) -> float:
-        return sum(t.nbytes * spb for _, _, spb in keys(t.src, t.dst))
-
-    # Staging per round, per rank and direction: sends and receives have separate
-    # budgets, so a relay rank can receive one chunk while it forwards the previous one.
-    used: list[dict[tuple[int, str], int]] = []
-    placed: list[list[Transfer]] = []
-
-    # Relay hops wait for the part that brings their box to their sender; each is placed
-    # as soon as that part is, so hops of one box follow each other round after round
-    # while the next boxes' first hops proceed: the chain pipelines.
-    waiting: dict[tuple[int, str, Box], list[Transfer]] = defaultdict(list)
-    for level in forwarded or []:
-        for t in level:
-            for part in _cut(t, cut_bytes, bucket_bytes):
-                waiting[(part.src, part.src_tensor, part.src_box)].append(part)
-
-    # First-fit would test every round from 0 for every part: quadratic at DeepSeek-V3
-    # scale (1.4 million parts, 128 rounds). A round where a rank has at most ``slack``
-    # bytes of room left in one direction is *full* for it, and ``skip[key][r]`` jumps
-    # over full rounds (a "next free slot" forest with path compression), so the scan
-    # only tests rounds where every rank of the part still has room. Parts that fit in
-    # less than ``slack`` then go to later rounds, which costs at most 1/64 of a bucket.
-    slack = min(cut_bytes, bucket_bytes // 64)
-    skip: dict[tuple[int, str], dict[int, int]] = {}
-
-    def next_open(jumps: dict[int, int], r: int) -> int:
-        path = []
-        while r in jumps:
-            path.append(r)
-            r = jumps[r]
-        for p in path:
-            jumps[p] = r
-        return r
-
-    failed = FailedBefore()
-
-    def search(
-        wanted: list[tuple[tuple[int, str], int]], timing: list[tuple[tuple, float]], earliest: int
-    ) -> int:
-        """First round from ``earliest`` with room for every (key, bytes) and time budget."""
-        limit = tau * (1 + 1e-9)
-        keys = (*(k for k, _ in wanted), None, *(k for k, _ in timing))
-        demands = (*(b for _, b in wanted), None, *(x for _, x in timing))
-        n = len(used)
-        found = scan(failed.start(keys, demands, earliest), n, wanted, timing, limit)
-        failed.record(keys, demands, earliest, found)
-        return found if found < n else max(n, earliest)
-
-    def scan(
-        r: int,
-        n: int,
-        wanted: list[tuple[tuple[int, str], int]],
-        timing: list[tuple[tuple, float]],
-        limit: float,
-    ) -> int:
-        """The first round from ``r`` below ``n`` with room, or ``n``."""
-        while r < n:
-            jumped = False
-            for k, _ in wanted:
-                jumps = skip.get(k)
-                if jumps is not None and r in jumps:
-                    r, jumped = next_open(jumps, r), True
-                    break
-            if jumped:
-                continue
-            load = used[r]
-            if all(load.get(k, 0) + b <= bucket_bytes for k, b in wanted):
-                times = timed[r]
-                if all(times.get(k, 0.0) + x <= limit for k, x in timing):
-                    return r
-            r += 1
-        return n
-
-    def open_round(r: int) -> None:
-        while len(used) <= r:
-            used.append({})
-            placed.append([])
-            timed.append({})
-
-    def place_one(t: Transfer, earliest: int) -> int:
-        """``place`` for a lone transfer without a time budget (most parts), spelled
-        out for its two keys because it runs a million times at DeepSeek-V3 scale."""
-        send_key, recv_key = (t.src, "send"), (t.dst, "recv")
-        send = t.nbytes * copies.get(t.dst, 1)
-        recv = t.nbytes
-        send_skip, recv_skip = skip.setdefault(send_key, {}), skip.setdefault(recv_key, {})
-        r, n = earliest, len(used)
-        while r < n:
-            if r in send_skip:
-                r = next_open(send_skip, r)
-            elif r in recv_skip:
-                r = next_open(recv_skip, r)
-            else:
-                load = used[r]
-                if (
-                    load.get(send_key, 0) + send <= bucket_bytes
-                    and load.get(recv_key, 0) + recv <= bucket_bytes
-                ):
-                    break
-                r += 1
-        else:
-            r = max(n, earliest)
-            open_round(r)
-        load = used[r]
-        load[send_key] = total = load.get(send_key, 0) + send
-        if total > bucket_bytes - slack:
-            send_skip[r] = r + 1
-        load[recv_key] = total = load.get(recv_key, 0) + recv
-        if total > bucket_bytes - slack:
-            recv_skip[r] = r + 1
-        placed[r].append(t)
-        return r
-
-    def place(piece: list[Transfer], earliest: int) -> None:
-        if len(piece) == 1 and links is None:
-            r = place_one(piece[0], earliest)
-            t = piece[0]
-            if waiting:
-                for hop in waiting.pop((t.dst, t.dst_tensor, t.dst_box), []):
-                    place([hop], r + 1)
-            return
-        demand: dict[tuple[int, str], int] = {}  # staging bytes per (rank, direction)
-        for t in piece:
-            k = (t.src, "send")
-            demand[k] = demand.get(k, 0) + t.nbytes * copies.get(t.dst, 1)
-            k = (t.dst, "recv")
-            demand[k] = demand.get(k, 0) + t.nbytes
-        wanted = list(demand.items())
-        timing: list[tuple[tuple, float]] = []
-        if links is not None:
-            busy: dict[tuple, float] = defaultdict(float)
-            for t in piece:
-                for k_out, k_in, spb in keys(t.src, t.dst):
-                    busy[k_out] += t.nbytes * spb
-                    busy[k_in] += t.nbytes * spb
-            timing = list(busy.items())
-        r = search(wanted, timing, earliest)
-        open_round(r)
-        load, times = used[r], timed[r]
-        for k, b in wanted:
-            load[k] = total = load.get(k, 0) + b
-            if total > bucket_bytes - slack:
-                skip.setdefault(k, {})[r] = r + 1
-        for k, x in timing:
-            times[k] = times.get(k, 0.0) + x
-        placed[r].extend(piece)
-        for t in piece:
-            for hop in waiting.pop((t.dst, t.dst_tensor, t.dst_box), []):
-                place([hop], r + 1)
-
-    def part_bytes(t: Transfer) -> int:
-        """Largest part of ``t`` that fits one round: its sender stages it once per
-        replica of the receiver, and with a topology its link time (summed over those
-        replicas) must fit ``tau``. Relay hops must be cut exactly like the parts that
-        feed them, so chains keep the one global size."""
-        if forwarded:
-            return cut_bytes
-        limit = bucket_bytes // copies.get(t.dst, 1)
-        if links is not None:
-            limit = min(limit, int(tau / sum(spb for _, _, spb in keys(t.src, t.dst))))
-        return max(1, limit)
-
-    groups = _fan_out_groups(transfers, part_bytes, bucket_bytes)
+    st = _Schedule(bucket_bytes, links, members, copies, bool(forwarded), FailedBefore())
+    _set_round_budget(st, transfers, forwarded or [])
+    _hold_relay_hops(st, forwarded or [])
+    # A round where a rank has at most ``slack`` bytes of room left in one direction is
+    # full for it (``_place_one``): parts that fit in less then go to later rounds,
+    # which costs at most 1/64 of a bucket.
+    st.slack = min(st.cut_bytes, bucket_bytes // 64)
+    groups = fan_out_groups(transfers, lambda t: _part_bytes(st, t), bucket_bytes)
     # Chains pipeline best when each sender's boxes go out in order (measured: taking
     # senders in turn slows qwen3-32b's chain plan by 30%), so only direct and domain
     # plans interleave their senders.
-    for group in groups if forwarded else _interleave(groups):
-        # A group too big to go whole is placed part by part.
-        whole = sum(t.nbytes * copies.get(t.dst, 1) for t in group) <= bucket_bytes and (
-            links is None or sum(seconds(t) for t in group) <= tau
-        )
-        pieces = [group] if whole else [[t] for t in group]
-        for piece in pieces:
-            place(piece, 0)
-    if waiting:
-        raise AssertionError(f"{len(waiting)} relay hops never received their data")
-    return placed
+    for group in groups if st.chained else interleave(groups):
+        for piece in _pieces(st, group):
+            _place(st, piece, 0)
+    if st.waiting:
+        raise AssertionError(f"{len(st.waiting)} relay hops never received their data")
+    return st.placed
+
+
+def _keys(st: _Schedule, src: int, dst: int) -> list[tuple[tuple, tuple, float]]:
+    """The links a transfer from ``src`` to ``dst`` uses, once per replica ``dst`` stands
+    for: (sender key, receiver key, seconds per byte), cached per (src, dst)."""
+    k = st.link_keys.get((src, dst))
+    if k is None:
+        assert st.links is not None
+        k = []
+        for d in st.members.get(dst, (dst,)):
+            link, spb = st.links.link(src, d)
+            k.append(((src, link, "out"), (d, link, "in"), spb))
+        st.link_keys[(src, dst)] = k
+    return k
+
+
+def _set_round_budget(
+    st: _Schedule, transfers: list[Transfer], forwarded: list[list[Transfer]]
+) -> None:
+    """The round's time budget ``tau`` and the part size ``cut_bytes``: without links, no
+    time budget and parts of a bucket; with them, ``tau`` moves a whole bucket over the
+    fastest link the plan uses, and a part is what its slowest link moves in ``tau``."""
+    st.tau, st.cut_bytes = 0.0, st.bucket_bytes
+    if st.links is None:
+        return
+    pairs = {(t.src, t.dst) for t in transfers}
+    for level in forwarded:
+        pairs |= {(t.src, t.dst) for t in level}
+    speeds = {spb for src, dst in pairs for _, _, spb in _keys(st, src, dst)}
+    if speeds:
+        st.tau = st.bucket_bytes * min(speeds)
+        st.cut_bytes = max(1, int(st.tau / max(speeds)))
+
+
+def _hold_relay_hops(st: _Schedule, forwarded: list[list[Transfer]]) -> None:
+    """Relay hops, cut to the one part size, wait for the part that brings their box to
+    their sender; each is placed as soon as that part is (:func:`_release_hops`), so
+    hops of one box follow each other round after round while the next boxes' first
+    hops proceed: the chain pipelines."""
+    for level in forwarded:
+        for t in level:
+            for part in cut(t, st.cut_bytes, st.bucket_bytes):
+                st.waiting[(part.src, part.src_tensor, part.src_box)].append(part)
+
+
+def _part_bytes(st: _Schedule, t: Transfer) -> int:
+    """Largest part of ``t`` that fits one round: its sender stages it once per
+    replica of the receiver, and with a topology its link time (summed over those
+    replicas) must fit ``tau``. Relay hops must be cut exactly like the parts that
+    feed them, so chains keep the one global size."""
+    if st.chained:
+        return st.cut_bytes
+    limit = st.bucket_bytes // st.copies.get(t.dst, 1)
+    if st.links is not None:
+        limit = min(limit, int(st.tau / sum(spb for _, _, spb in _keys(st, t.src, t.dst))))
+    return max(1, limit)
+
+
+def _pieces(st: _Schedule, group: list[Transfer]) -> list[list[Transfer]]:
+    """A fan-out group as it is placed: whole in one round if its sender's staging fits a
+    bucket (and, with links, its link time fits ``tau``), else part by part."""
+    copies = st.copies
+    whole = sum(t.nbytes * copies.get(t.dst, 1) for t in group) <= st.bucket_bytes and (
+        st.links is None or sum(_seconds(st, t) for t in group) <= st.tau
+    )
+    return [group] if whole else [[t] for t in group]
+
+
+def _seconds(st: _Schedule, t: Transfer) -> float:
+    """The link time of ``t``, summed over the replicas its receiver stands for."""
+    return sum(t.nbytes * spb for _, _, spb in _keys(st, t.src, t.dst))
+
+
+def _place(st: _Schedule, piece: list[Transfer], earliest: int) -> None:
+    """Place ``piece`` whole in the first round from ``earliest`` with room for its
+    staging (and link time), then the relay hops it releases one round later."""
+    if len(piece) == 1 and st.links is None:
+        r = _place_one(st, piece[0], earliest)
+    else:
+        wanted, timing = _staging(st, piece), _link_time(st, piece)
+        r = _search(st, wanted, timing, earliest)
+        _open_round(st, r)
+        _load(st, r, wanted, timing)
+        st.placed[r].extend(piece)
+    _release_hops(st, piece, r)
+
+
+def _release_hops(st: _Schedule, piece: list[Transfer], r: int) -> None:
+    """The relay hops waiting for what ``piece`` delivers, each placed from round
+    ``r + 1`` (a hop sends what arrived in an earlier round)."""
+    if st.waiting:
+        for t in piece:
+            for hop in st.waiting.pop((t.dst, t.dst_tensor, t.dst_box), []):
+                _place(st, [hop], r + 1)
+
+
+def _staging(st: _Schedule, piece: list[Transfer]) -> Wanted:
+    """What ``piece`` stages per (rank, direction): a sender stages a part once per
+    replica of its receiver. Sends and receives have separate budgets, so a relay rank
+    can receive one chunk while it forwards the previous one."""
+    demand: dict[tuple[int, str], int] = {}
+    for t in piece:
+        k = (t.src, "send")
+        demand[k] = demand.get(k, 0) + t.nbytes * st.copies.get(t.dst, 1)
+        k = (t.dst, "recv")
+        demand[k] = demand.get(k, 0) + t.nbytes
+    return list(demand.items())
+
+
+def _link_time(st: _Schedule, piece: list[Transfer]) -> Timing:
+    """The seconds ``piece`` keeps each (rank, link, direction) busy; none without links."""
+    if st.links is None:
+        return []
+    busy: dict[tuple, float] = defaultdict(float)
+    for t in piece:
+        for k_out, k_in, spb in _keys(st, t.src, t.dst):
+            busy[k_out] += t.nbytes * spb
+            busy[k_in] += t.nbytes * spb
+    return list(busy.items())
+
+
+def _load(st: _Schedule, r: int, wanted: Wanted, timing: Timing) -> None:
+    """Add a piece's staging and link time to round ``r``, marking the round full for a
+    key with at most ``slack`` bytes of room left (``skip``)."""
+    load, times, full_above = st.used[r], st.timed[r], st.bucket_bytes - st.slack
+    for k, b in wanted:
+        load[k] = total = load.get(k, 0) + b
+        if total > full_above:
+            st.skip.setdefault(k, {})[r] = r + 1
+    for k, x in timing:
+        times[k] = times.get(k, 0.0) + x
+
+
+def _open_round(st: _Schedule, r: int) -> None:
+    """Rounds up to ``r`` exist (empty where new)."""
+    while len(st.used) <= r:
+        st.used.append({})
+        st.placed.append([])
+        st.timed.append({})
+
+
+def _next_open(jumps: dict[int, int], r: int) -> int:
+    """The first round from ``r`` not marked full in ``jumps``, compressing the path
+    so the next search jumps there at once."""
+    path = []
+    while r in jumps:
+        path.append(r)
+        r = jumps[r]
+    for p in path:
+        jumps[p] = r
+    return r
+
+
+def _search(st: _Schedule, wanted: Wanted, timing: Timing, earliest: int) -> int:
+    """First round from ``earliest`` with room for every (key, bytes) and time budget
+    (a new round past the last if none): the scan starts where the last search on the
+    same keys with no larger demands found no room (``FailedBefore``)."""
+    limit = st.tau * (1 + 1e-9)
+    keys = (*(k for k, _ in wanted), None, *(k for k, _ in timing))
+    demands = (*(b for _, b in wanted), None, *(x for _, x in timing))
+    n = len(st.used)
+    found = _scan(st, st.failed.start(keys, demands, earliest), n, wanted, timing, limit)
+    st.failed.record(keys, demands, earliest, found)
+    return found if found < n else max(n, earliest)
+
+
+def _scan(st: _Schedule, r: int, n: int, wanted: Wanted, timing: Timing, limit: float) -> int:
+    """The first round from ``r`` below ``n`` with room, or ``n``. First-fit would test
+    every round from 0 for every part: quadratic at DeepSeek-V3 scale (1.4 million
+    parts, 128 rounds). ``skip`` jumps over rounds full for one of the part's keys, so
+    the scan only tests rounds where every rank of the part still has room."""
+    skip, used, timed, bucket_bytes = st.skip, st.used, st.timed, st.bucket_bytes
+    while r < n:
+        jumped = False
+        for k, _ in wanted:
+            jumps = skip.get(k)
+            if jumps is not None and r in jumps:
+                r, jumped = _next_open(jumps, r), True
+                break
+        if jumped:
+            continue
+        load = used[r]
+        if all(load.get(k, 0) + b <= bucket_bytes for k, b in wanted):
+            times = timed[r]
+            if all(times.get(k, 0.0) + x <= limit for k, x in timing):
+                return r
+        r += 1
+    return n
+
+
+def _place_one(st: _Schedule, t: Transfer, earliest: int) -> int:
+    """:func:`_place` for a lone transfer without a time budget (most parts), spelled
+    out for its two keys because it runs a million times at DeepSeek-V3 scale: its
+    round."""
+    bucket_bytes, used, skip = st.bucket_bytes, st.used, st.skip
+    send_key, recv_key = (t.src, "send"), (t.dst, "recv")
+    send = t.nbytes * st.copies.get(t.dst, 1)
+    recv = t.nbytes
+    send_skip, recv_skip = skip.setdefault(send_key, {}), skip.setdefault(recv_key, {})
+    r, n = earliest, len(used)
+    while r < n:
+        if r in send_skip:
+            r = _next_open(send_skip, r)
+        elif r in recv_skip:
+            r = _next_open(recv_skip, r)
+        else:
+            load = used[r]
+            if (
+                load.get(send_key, 0) + send <= bucket_bytes
+                and load.get(recv_key, 0) + recv <= bucket_bytes
+            ):
+                break
+            r += 1
+    else:
+        r = max(n, earliest)
+        _open_round(st, r)
+    full_above = bucket_bytes - st.slack
+    load = used[r]
+    load[send_key] = total = load.get(send_key, 0) + send
+    if total > full_above:
+        send_skip[r] = r + 1
+    load[recv_key] = total = load.get(recv_key, 0) + recv
+    if total > full_above:
+        recv_skip[r] = r + 1
+    st.placed[r].append(t)
+    return r
