@@ -32,9 +32,10 @@ def _content(plan: RefitPlan) -> str:
     """The plan's fingerprint, or where its model is a config file (tests write them to
     fresh temporary folders, whose paths are part of the plan), the hash of its JSON body
     with the model named by the file's name alone."""
-    body = plan._body()
-    if "/" not in body["model"]:
+    if "/" not in plan.model:
         return plan.fingerprint
+    body = json.loads(plan.to_json())  # the body, read back from the plan's own JSON
+    body.pop("fingerprint", None)
     body["model"] = os.path.basename(body["model"])
     text = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return "content:" + hashlib.sha256(text.encode()).hexdigest()[:16]
