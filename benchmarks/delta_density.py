@@ -24,16 +24,18 @@ keeps it:
   BF16 parameter is bit-for-bit the BF16 cast of its master.
 
 A BF16 weight changes only when its master crosses a rounding boundary; Adam moves each
-master by about ``lr`` per step and BF16 spacing near w is ``2^(floor(log2|w|)-7)``, so
-``d`` is roughly ``lr / spacing`` summed over the weights' magnitudes (plus the carry from
-earlier steps). After every step each parameter's bits (``view(int16)``) are compared with
-its bits before the step; the table gives the changed fraction overall and per class.
+master by at most about ``lr`` per step and BF16 spacing near w is
+``2^(floor(log2|w|)-7)``, so ``d`` is about the mean over the weights of
+``min(1, |step| / spacing(w))``: small weights change most, norm weights (1.0) least.
+After every step each parameter's bits (``view(int16)``) are compared with its bits before
+the step; the table gives the changed fraction overall and per class.
 
 Text: the Python language/library reference shipped with CPython (``pydoc_data.topics``)
 followed by the standard library's own top-level sources, tokenized by a byte-level BPE
 trained here on that text (``tokenizers``; ``--tokenizer byte`` for raw bytes). Batches
 are random windows of the token stream (seeded); the model, data and order are the same
-for every ``--lr``.
+for every ``--lr``. ``--moe``: ``moe_ffn_hidden_size = ffn/2``, SequentialMLP experts,
+the allgather dispatcher and the aux-loss load balancing (coefficient 1e-3) of Qwen3-MoE.
 
 CPU patches (megatron-core 0.16.1 without CUDA, TE or Apex), besides
 ``integrations/megatron/cpu.apply_cpu_patches`` (RNG, ``current_device``, schedules):
@@ -454,17 +456,10 @@ def median_after_first(run_result: dict, cls: str) -> float:
 
 
 def git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
+    """HEAD of the checkout this script runs from (at start), if it is one."""
+    cmd = ["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    return out.stdout.strip() or None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -477,7 +472,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--ffn", type=int, default=704)
-    ap.add_argument("--vocab", type=int, default=32000, help="BPE vocabulary to train")
+    ap.add_argument("--vocab", type=int, default=32000, help="BPE vocabulary (at most)")
     ap.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe")
     ap.add_argument("--corpus-chars", type=int, default=1_500_000)
     ap.add_argument("--batch", type=int, default=4)
@@ -491,6 +486,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    commit = git_commit()
     import megatron.core
     from megatron.core import parallel_state as ps
 
@@ -511,7 +507,7 @@ def main(argv: list[str] | None = None) -> dict:
         dist.destroy_process_group()
     result = dict(
         args=vars(args),
-        commit=git_commit(),
+        commit=commit,
         versions=dict(
             python=sys.version.split()[0],
             torch=torch.__version__,
