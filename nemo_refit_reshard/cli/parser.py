@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from . import models, plan
+from .delta_predict import add_delta_prediction_arguments
 from .run_args import add_delta_arguments, add_run_arguments
 
 DESCRIPTION = """Command line: ``nemo-refit-reshard <command>``.
@@ -93,6 +94,7 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
         "order) or a comma list of node ids, one per refit rank (training ranks first)",
     )
     simulate.add_argument("--plot", help="write a PNG of per-GPU bytes and node traffic here")
+    add_delta_prediction_arguments(simulate)
     simulate.set_defaults(func=plan.cmd_simulate, fast_exit=True)
 
 

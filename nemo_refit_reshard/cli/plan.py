@@ -32,6 +32,7 @@ from ..plan import (
 from ..plan.result.memory import memory_report
 from ..runner import RunConfig, build_layouts
 from ..spec import ModelSpec, load_model_spec
+from .delta_predict import print_delta, simulate_delta
 from .plot import plot_simulation, require_matplotlib
 from .progress import Progress
 from .run_args import run_config
@@ -88,16 +89,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     progress = Progress("simulate")
     refit = plan_on_cluster(cfg, cluster, args.placement, progress)
     prediction = predict(refit, progress)
+    delta = simulate_delta(args, refit, prediction.refit, progress)  # None: not asked for
     # The text shows no fingerprint: serialising a 256-GPU plan to hash it takes seconds.
     with progress.step("the plan's fingerprint"):
         report = simulation_report(cfg, refit, prediction, stages_note, fingerprint=args.json)
     if args.plot:
         plot_simulation(refit.plan, prediction.refit, refit.topology, args.plot)
     if args.json:
-        print(json.dumps(report))
+        print(json.dumps(report if delta is None else {**report, "delta": delta.to_json()}))
     else:
         title, rows = simulation_title(report, refit), simulation_rows(report, refit, prediction)
         print_simulation(stages_note, title, rows, args.plot)
+        if delta is not None:
+            print_delta(delta)
     return 0
 
 
