@@ -77,7 +77,7 @@ def _run(
     from ..engine.materialize import SyntheticWeights, materialize
     from ..integrations.worker import ColocatedTrainer, ColocatedWorker, RefitEndpoint
     from .destination import destination_tensors
-    from .training import AdamTrainedWeights, refill
+    from .training import AdamTrainedWeights, delta_figures, refill
 
     def share(r: int) -> RankPlan:
         return RankPlan.from_json(plan_path.with_name(f"plan{r}.json").read_text())
@@ -136,7 +136,8 @@ def _run(
                     timings.append([seconds, trainer.host.exchange_seconds])
                     progress.write_text(str(step))
                     if trainer.host.delta is not None:
-                        steps.append(_delta_figures(trainer.host.delta))
+                        d = trainer.host.delta
+                        steps.append(delta_figures(d.stats, d.baseline_bytes))
             staging = trainer.host.staging_bytes
         finally:
             trainer.close()
@@ -179,20 +180,6 @@ def _run(
     if checked:
         entry["delta"] = checked
     result["backends"][BACKEND] = entry
-
-
-def _delta_figures(delta: Any) -> dict[str, Any]:
-    """A host's delta figures of its last step (``engine.delta.DeltaStats``)."""
-    stats = delta.stats
-    return {
-        "version": stats.version,
-        "sent_bytes": stats.sent_bytes,
-        "dense_bytes": stats.dense_bytes,
-        "units": stats.units,
-        "changed": stats.changed,
-        "forms": stats.forms,
-        "baseline_bytes": delta.baseline_bytes,
-    }
 
 
 def _wait_ready(ready: Path, step: int, cfg: RunConfig) -> None:

@@ -269,16 +269,9 @@ def _staging(refitter: Any) -> int:
 def _delta_step(worker: Any, mine: Any, verify: bool) -> dict[str, Any]:
     """One delta step's figures on this rank (``engine.delta.DeltaStats``) and, on an
     inference rank with ``verify``, the tensors that differ from the trained weights."""
-    stats = worker.refitter.delta.last
-    out = {
-        "version": stats.version,
-        "sent_bytes": stats.sent_bytes,
-        "dense_bytes": stats.dense_bytes,
-        "units": stats.units,
-        "changed": stats.changed,
-        "forms": stats.forms,
-        "baseline_bytes": worker.refitter.delta.baseline_bytes,
-    }
+    from .training import delta_figures  # in the ranks only (it loads torch)
+
+    out = delta_figures(worker.refitter.delta.last, worker.refitter.delta.baseline_bytes)
     if mine is not None and verify:
         out["mismatches"] = mine.mismatches()
     return out

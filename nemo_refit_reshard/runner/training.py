@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -86,3 +87,16 @@ def refill(layout, tensors: Mapping[str, torch.Tensor], canonical: Mapping[str, 
         for p in t.pieces:
             src = canonical[p.canonical][p.canonical_box.slices()]
             local[p.local_box.slices()] = src.reshape(p.local_box.sizes).to(local)
+
+
+def delta_figures(stats: Any, baseline_bytes: int) -> dict[str, Any]:
+    """A rank's delta figures of one step (``engine.delta.DeltaStats``), as reported."""
+    return {
+        "version": stats.version,
+        "sent_bytes": stats.sent_bytes,
+        "dense_bytes": stats.dense_bytes,
+        "units": stats.units,
+        "changed": stats.changed,
+        "forms": stats.forms,
+        "baseline_bytes": baseline_bytes,
+    }
