@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ...engine.delta import BASELINE_PLACES, DeltaOptions
 from ...spec import ModelSpec, load_model_spec
 from ..worker import TRANSPORTS
 
@@ -32,6 +33,10 @@ class ReshardEngineConfig:
     block FP8, quantizing what it loads (veRL's ``rollout.quantization: fp8``); default:
     the checkpoint's own ``quantization_config``. The wire carries the trained dtype
     either way (what the rollout's loader takes); it only adds vLLM's block rules.
+    ``delta``: send each message of the plan in its smallest form (``engine/delta.py``;
+    mode ``reshard`` only), with ``delta_anchor_every`` (a dense update every that many
+    versions; 0: only when needed) and ``delta_baseline`` (``device`` or ``host``: where
+    the actor ranks keep the copy of what they sent last).
     """
 
     model: str
@@ -45,6 +50,9 @@ class ReshardEngineConfig:
     host: str | None = None  # the IP hosting the refit group's store (None: the node's)
     mode: str = "reshard"  # or "broadcast": the gather-broadcast baseline, for comparison
     quantization: str | None = None
+    delta: bool = False
+    delta_anchor_every: int = 0
+    delta_baseline: str = "device"
 
     @classmethod
     def from_engine_kwargs(
@@ -74,9 +82,45 @@ class ReshardEngineConfig:
                 f"rollouts that quantize at load to {QUANTIZATIONS} (veRL's "
                 "rollout.quantization); leave it unset for an unquantized rollout"
             )
+        config.delta_options_at(where)  # refuses a bad delta key
         if config.bucket_mb is None:
             config = dataclasses.replace(config, bucket_mb=bucket_size / 2**20)
         return config
+
+    @property
+    def delta_options(self) -> DeltaOptions | None:
+        """The refit group's delta options (every rank's endpoint carries them); None:
+        dense."""
+        return self.delta_options_at("the engine's settings")
+
+    def delta_options_at(self, where: str) -> DeltaOptions | None:
+        """:attr:`delta_options`, refusing (naming ``where``) a non-boolean ``delta``, a
+        delta key without ``delta: true``, a bad anchor or baseline, or delta with mode
+        ``broadcast`` (the baseline moves whole tensors: nothing to patch)."""
+        anchor, baseline = self.delta_anchor_every, self.delta_baseline
+        if not isinstance(self.delta, bool):
+            raise ValueError(f"{where}.delta={self.delta!r} must be true or false")
+        if isinstance(anchor, bool) or not isinstance(anchor, int) or anchor < 0:
+            raise ValueError(f"{where}.delta_anchor_every={anchor!r} must be an integer >= 0")
+        if baseline not in BASELINE_PLACES:
+            raise ValueError(
+                f"{where}.delta_baseline={baseline!r}; choose from {list(BASELINE_PLACES)}"
+            )
+        if not self.delta:
+            defaults = {"delta_anchor_every": (anchor, 0), "delta_baseline": (baseline, "device")}
+            set_ = [key for key, (value, default) in defaults.items() if value != default]
+            if set_:
+                raise ValueError(
+                    f"{where}.{set_[0]} applies to delta refits only; set {where}.delta: "
+                    "true, or drop it"
+                )
+            return None
+        if self.mode != "reshard":
+            raise ValueError(
+                f"{where}.delta: true needs mode reshard (delta refit patches the plan's "
+                f"messages; mode {self.mode!r} sends whole tensors); drop delta or mode"
+            )
+        return DeltaOptions(anchor_every=anchor, baseline=baseline)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

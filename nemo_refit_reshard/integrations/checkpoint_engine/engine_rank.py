@@ -15,6 +15,7 @@ framework's calls onto :class:`CheckpointEngineRank`:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterable, Iterator
@@ -90,7 +91,15 @@ class CheckpointEngineRank:
             name: torch.zeros(shape, dtype=TORCH_DTYPES[dtype], device=device)
             for name, (shape, dtype) in wanted.items()
         }
-        worker = RefitWorker(endpoint, self.tensors, device)
+        # Delta refit: every rank's settings are the same text, so every rank of the group
+        # turns it on alike; an endpoint that says otherwise was built from other settings.
+        delta = self.config.delta_options
+        if endpoint.delta != delta:
+            raise PlanError(
+                f"refit rank {me}: the engine's settings say delta={delta}, its endpoint "
+                f"{endpoint.delta}; build the endpoints from the settings every rank reported"
+            )
+        worker = RefitWorker(endpoint, self.tensors, device, delta=delta)
         try:
             worker.join()
             worker.load_plan(rp, self.config.mode, self.baseline)
@@ -138,12 +147,25 @@ class CheckpointEngineRank:
         t0 = time.perf_counter()
         timing = worker.refit()
         self.steps += 1
-        return {
+        metrics: dict[str, Any] = {
             "reshard/bytes_sent": float(self.bytes_sent),
             "reshard/seconds": time.perf_counter() - t0,
             "reshard/exchange_seconds": timing.exchange_seconds,
             "reshard/plan": rp.fingerprint[:16],
         }
+        stats = self.delta_stats()
+        if stats is not None:  # what this rank sent, and what it would have sent dense
+            metrics["reshard/delta_sent_bytes"] = float(stats["sent_bytes"])
+            metrics["reshard/delta_dense_bytes"] = float(stats["dense_bytes"])
+            metrics["reshard/delta_version"] = float(stats["version"])
+        return metrics
+
+    def delta_stats(self) -> dict[str, Any] | None:
+        """This rank's last delta step (``DeltaStats`` as a dict), None without delta."""
+        refitter = self.worker.refitter if self.worker is not None else None
+        if refitter is None or refitter.delta is None:
+            return None
+        return dataclasses.asdict(refitter.delta.last)
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Rollout side: replay (blocking), then the rebuilt canonical tensors."""

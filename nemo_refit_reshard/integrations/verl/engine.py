@@ -10,6 +10,10 @@ there, before any transfer) and hands each rank its slice; ``init_process_group`
 joins our refit group (a stateless gloo or CuPy NCCL group of its own, independent
 of veRL's process groups) and compiles, once. Sending and receiving are
 :class:`~nemo_refit_reshard.integrations.checkpoint_engine.CheckpointEngineRank`'s.
+With ``delta: true`` in the settings every endpoint carries the delta options
+(``engine/delta.py``): each update sends each message in its smallest form. A rollout
+rank re-packs from its own receive buffers (they persist across updates, whatever vLLM
+does with its weights), so vLLM's sleep needs nothing here.
 """
 
 from __future__ import annotations
@@ -83,13 +87,16 @@ class ReshardCheckpointEngine(CheckpointEngine):
         # update; the group, and so its endpoint, stays); shipped with each endpoint.
         (ip, port), secret = masters[0]["address"], masters[0]["secret"]
 
+        delta = config.delta_options  # delta refit travels with every rank's endpoint
+
         def endpoints(ranks: Iterable[int]) -> list[str]:
             return [
                 RefitEndpoint(
-                    ip, port, a + r, g, config.transport, config.timeout_s, secret=secret
+                    ip, port, a + r, g, config.transport, config.timeout_s, secret=secret,
+                    delta=delta,
                 ).to_json()
                 for g in ranks
-            ]
+            ]  # fmt: skip
 
         actor = {"endpoint": endpoints(range(a)), "plan": list(slices[:a]), "settings": [text] * a}
         rollout = {
@@ -104,6 +111,13 @@ class ReshardCheckpointEngine(CheckpointEngine):
             self.rank.join(RefitEndpoint.from_json(endpoint), self.rank.slice)  # type: ignore[arg-type]
             return
         self.rank.join(RefitEndpoint.from_json(endpoint), RankPlan.from_json(plan), settings)
+
+    def delta_stats(self) -> dict[str, Any] | None:
+        """This rank's last delta update (``DeltaStats`` fields: ``sent_bytes``,
+        ``dense_bytes``, ``forms``, ``received``, ...); None without ``delta``. veRL's
+        metrics carry one actor rank's (``reshard/delta_sent_bytes``, ...); ask every
+        rank with ``execute_checkpoint_engine(["delta_stats"] * n)``."""
+        return self.rank.delta_stats()
 
     def finalize(self) -> None:
         """Keeps the group and buffers: the next update replays the same plan."""
