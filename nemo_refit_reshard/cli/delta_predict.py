@@ -47,17 +47,19 @@ def simulate_delta(
 def print_delta(d: DeltaPrediction) -> None:
     """Dense and delta figures side by side, after ``simulate``'s table."""
     width = 31
-    print(f"  {'delta refit at density ' + f'{d.density:g}':{width}} {'dense':>14} {'delta':>14}")
+    title = f"delta refit at density {d.density:g}"
+    print(f"  {title:{width}} {'dense':>17} {'delta':>17}")
     rows = [
         ("bytes per step", mib(d.dense_bytes), mib(d.delta_bytes)),
         ("bytes through the busiest rank", mib(d.dense_busiest_bytes), mib(d.delta_busiest_bytes)),
         ("predicted refit", ms(d.dense_seconds), ms(d.delta_seconds)),
-        ("  of it wire / memory work", "", f"{ms(d.wire_seconds)} / {ms(d.memory_seconds)}"),
+        ("  of it on the wire", "", ms(d.wire_seconds)),
+        ("  of it memory work (HBM)", "", ms(d.memory_seconds)),
         ("delta / dense", "", "-" if d.ratio is None else f"{d.ratio:.3f}x"),
         ("baseline memory per rank, max", mib(0), mib(max(d.baseline_bytes, default=0))),
     ]
     for name, dense, delta in rows:
-        print(f"  {name:{width}} {dense:>14} {delta:>14}")
+        print(f"  {name:{width}} {dense:>17} {delta:>17}")
     print(
         f"  ({d.messages} messages, each a 32-byte header + its smallest form; "
         f"memory work at {d.hbm_gbps:g} GB/s HBM)"
