@@ -54,6 +54,9 @@ from ..result.refit_plan import RefitPlan
 from .predict import Prediction, predict_refit
 
 HEADER_BYTES = 32
+# Full passes over a message's n bytes: a sender's compare/encode (staging, baseline
+# read, baseline write), a receiver's re-pack of a delta message (live read, staging write)
+SENDER_PASSES, RECEIVER_PASSES = 3, 2
 DEFAULT_HBM_GBPS = 3350.0  # H100 SXM (HBM3); GB/s = 10**9 bytes/s
 
 
@@ -244,12 +247,12 @@ def predict_delta(
                 continue
             if (w.src, w.key) not in compared:
                 compared.add((w.src, w.key))
-                send_mem[w.src] += 3 * w.nbytes
+                send_mem[w.src] += SENDER_PASSES * w.nbytes
             if (w.src, w.key, w.fixed) not in encoded and payload < w.nbytes:
                 encoded.add((w.src, w.key, w.fixed))
                 send_mem[w.src] += payload
             if payload < w.nbytes:
-                recv_mem[w.dst] += 2 * w.nbytes + payload + k * w.unit
+                recv_mem[w.dst] += RECEIVER_PASSES * w.nbytes + payload + k * w.unit
         wire_s += _round_time(headers, topology) + _round_time(payloads, topology)
         memory_s += (max(send_mem.values(), default=0) + max(recv_mem.values(), default=0)) / hbm
     gb = dense.gpu_bytes
