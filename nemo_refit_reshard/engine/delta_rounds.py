@@ -22,6 +22,7 @@ from .delta_codec import put_units, unit_of
 from .program import TORCH_DTYPES, RankProgram
 
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_INTS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 # (sender, round, [(start, end) byte ranges of that message]) as gathered: plain JSON
 Fixed = tuple[int, int, list[tuple[int, int]]]
 
@@ -174,9 +175,18 @@ def place(incoming: Incoming, index: torch.Tensor, values: torch.Tensor) -> None
 def _scatter(live: torch.Tensor, local: torch.Tensor, raw: torch.Tensor) -> None:
     """``live``'s elements at row-major positions ``local`` := ``raw`` (their bytes)."""
     ints = _INTS[live.element_size()]
-    if live.device.type == "cpu":
-        target = live.view(ints).numpy()
-        target[np.unravel_index(local.numpy(), target.shape)] = raw.numpy().view(target.dtype)
+    if live.device.type != "cpu":
+        target = live.view(ints)
+        target[torch.unravel_index(local, target.shape)] = raw.clone().view(ints)
         return
-    target = live.view(ints)
-    target[torch.unravel_index(local, target.shape)] = raw.clone().view(ints)
+    values = raw.numpy().view(_NP_INTS[live.element_size()])
+    if live.is_contiguous():
+        live.view(ints).view(-1).numpy()[local.numpy()] = values
+        return
+    # A strided view (a shard's columns of a wider tensor): the elements' offsets in the
+    # storage, written through one flat view of it (several times numpy's n-d indexing).
+    positions = live.storage_offset() + sum(
+        i * stride for i, stride in zip(np.unravel_index(local.numpy(), live.shape), live.stride())
+    )
+    whole = live.untyped_storage().nbytes() // live.element_size()
+    torch.as_strided(live.view(ints), (whole,), (1,), 0).numpy()[positions] = values
