@@ -177,7 +177,8 @@ def test_refit_block() -> None:
         refit_config(config(transprot="gloo"))
     assert str(err.value) == (
         "refit has unknown key(s) ['transprot']; known: backend, transport, timeout_s, "
-        "bucket_mb, host, make_vocab_size_divisible_by"
+        "bucket_mb, host, make_vocab_size_divisible_by, delta, delta_anchor_every, "
+        "delta_baseline"
     )
     with pytest.raises(NemoRlConfigError) as err:
         refit_config(config(transport="nvlink"))

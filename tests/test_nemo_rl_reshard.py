@@ -286,6 +286,9 @@ print(json.dumps(out))
         "timeout_s": 600,
         "bucket_mb": 512,
         "make_vocab_size_divisible_by": 128,
+        "delta": False,  # refit.delta=true: tests/test_delta_nemo_rl.py
+        "delta_anchor_every": 0,
+        "delta_baseline": "device",
     }
     assert (dense["model"], dense["megatron"], dense["vllm"], dense["transport"]) == (
         "Qwen/Qwen3-8B",

@@ -15,6 +15,9 @@ Our own block sits at the top level of the YAML (``MasterConfig`` keeps extra ke
       bucket_mb: 512
       host: null              # the refit group's rendezvous IP (default: node IP)
       make_vocab_size_divisible_by: 128   # Megatron-Bridge's vocabulary padding
+      delta: false            # reshard only: each message in its smallest form
+      delta_anchor_every: 0   # with delta: a dense refit every that many versions
+      delta_baseline: device  # with delta: senders' baselines on the GPU, or host
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ...engine.delta import BASELINE_PLACES, DeltaOptions
 from ...engine.transport import DEFAULT_TIMEOUT_S
 from ...spec.parallel import InferParallel, TrainParallel
 from ..worker import TRANSPORTS
@@ -56,6 +60,9 @@ class RefitConfig:
     bucket_mb: float = 512
     host: str | None = None
     make_vocab_size_divisible_by: int = 128
+    delta: bool = False  # delta refit (engine/delta.py), on every rank of the group
+    delta_anchor_every: int = 0  # a dense refit every that many versions (0: only needed)
+    delta_baseline: str = "device"  # where senders keep their baselines: device | host
 
     @classmethod
     def from_config(cls, block: Mapping[str, Any] | None) -> RefitConfig:
@@ -73,7 +80,38 @@ class RefitConfig:
         _positive("refit.timeout_s", cfg.timeout_s, integer=False)
         _positive("refit.bucket_mb", cfg.bucket_mb, integer=False)
         _positive("refit.make_vocab_size_divisible_by", cfg.make_vocab_size_divisible_by)
+        cfg.delta_options  # noqa: B018 - validates the delta keys
         return cfg
+
+    @property
+    def delta_options(self) -> DeltaOptions | None:
+        """What the refit group's endpoint carries to every rank: None for a dense refit;
+        a delta key set without ``delta: true``, or delta with another backend, is an
+        error (never ignored)."""
+        anchor, baseline = self.delta_anchor_every, self.delta_baseline
+        if not isinstance(self.delta, bool):
+            raise NemoRlConfigError(f"refit.delta={self.delta!r} must be true or false")
+        if not isinstance(anchor, int) or isinstance(anchor, bool) or anchor < 0:
+            raise NemoRlConfigError(f"refit.delta_anchor_every={anchor!r} must be an integer >= 0")
+        _choose("refit.delta_baseline", baseline, BASELINE_PLACES)
+        if not self.delta:
+            set_ = [f"{k}={v!r}" for k, v, d in (
+                ("delta_anchor_every", anchor, 0), ("delta_baseline", baseline, "device")
+            ) if v != d]  # fmt: skip
+            if set_:
+                raise NemoRlConfigError(
+                    f"refit.{', refit.'.join(set_)} applies to delta refits only; set "
+                    "refit.delta=true, or drop it"
+                )
+            return None
+        if self.backend != "reshard":
+            raise NemoRlConfigError(
+                f"refit.delta=true needs refit.backend=reshard (delta refit sends the "
+                f"reshard plan's messages in their smallest form; NeMo RL's "
+                f"{self.backend} refit sends whole tensors); set refit.backend=reshard, or "
+                "refit.delta=false"
+            )
+        return DeltaOptions(anchor_every=anchor, baseline=baseline)
 
 
 def _size(cfg: Mapping[str, Any], where: str, key: str) -> int:

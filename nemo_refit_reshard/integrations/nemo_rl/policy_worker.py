@@ -12,7 +12,8 @@ gather: no Megatron-Bridge export, no collective inside Megatron's groups. The d
                                      hosts the group's store, and the run's secret
     reshard_join(endpoint_json)   -> joins the refit group as refit rank self.rank
     reshard_load_plan(slice_json) -> checks the slice against the live tensors, compiles
-    reshard_step()                -> one refit (collective); timing
+    reshard_step()                -> one refit (collective); timing (and, for a delta
+                                     refit, the bytes sent and their dense weight)
     reshard_close()
 
 and, in a colocated deployment (``policy.generation.colocated.enabled``), instead of
@@ -186,10 +187,16 @@ class ReshardPolicyWorkerMixin:
         out = {"group_rank": float(refit.endpoint.group_rank)}
         if isinstance(refit, ColocatedTrainer):
             refit.refit()
+            delta = refit.host.delta.stats if refit.host.delta is not None else None
         else:
             timing = refit.refit()
             out["exchange_seconds"] = timing.exchange_seconds
             out["host_seconds"] = timing.host_seconds
+            assert refit.refitter is not None
+            delta = refit.refitter.delta.last if refit.refitter.delta is not None else None
+        if delta is not None:  # what this rank sent, and what it would have sent dense
+            out["delta_sent_bytes"] = float(delta.sent_bytes)
+            out["delta_dense_bytes"] = float(delta.dense_bytes)
         state.steps += 1
         return {**out, "seconds": time.perf_counter() - t0}
 

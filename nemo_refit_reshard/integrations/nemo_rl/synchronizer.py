@@ -17,7 +17,9 @@ there after NeMo RL's ``setup``. Lifecycle:
     one ``reshard_step`` on every policy worker and one ``refit_step`` in every vLLM
     worker, all at once: the policy's live shards go straight into vLLM's live
     parameters, in place. ``is_stale`` is true until a sync succeeds and again from the
-    moment one fails.
+    moment one fails. With ``refit.delta`` (carried by the group's endpoint to every
+    rank) each message goes in its smallest form (``engine/delta.py``); the metrics then
+    add the bytes the policy ranks sent and what the same messages weigh dense.
 
 Colocated (``policy.generation.colocated.enabled``, NeMo RL's default): the workers
 also report which GPU they are on; each vLLM worker's GPU must hold one policy rank
@@ -160,6 +162,7 @@ class ReshardWeightSynchronizer(WeightSynchronizer):
             transport=self._refit.transport,
             timeout_s=self._refit.timeout_s,
             secret=r.secret,
+            delta=self._refit.delta_options,  # every rank alike, colocated or not
         ).to_json()
 
     def _init_colocated(self, plan: NemoRlPlan, engines: int) -> None:
@@ -247,10 +250,15 @@ class ReshardWeightSynchronizer(WeightSynchronizer):
         self._stale = False
         self.steps += 1
         timings = [r for res in results for r in (res if isinstance(res, list) else [res])]
-        return {
+        metrics = {
             "reshard/bytes": float(self.plan.plan.stats.total_bytes),
             "reshard/max_rank_seconds": max(t["seconds"] for t in timings),
         }
+        if self._refit.delta:  # the policy ranks send every message: their sums
+            sent = results[: self.plan.num_policy]
+            metrics["reshard/delta_sent_bytes"] = sum(r["delta_sent_bytes"] for r in sent)
+            metrics["reshard/delta_dense_bytes"] = sum(r["delta_dense_bytes"] for r in sent)
+        return metrics
 
     @property
     def is_stale(self) -> bool:
