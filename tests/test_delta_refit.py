@@ -50,14 +50,19 @@ def _snapshot(group: DeltaGroup) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "model, train, infer",
-    [("qwen3", "tp=2", "tp=2,dp=2"), ("qwen3_moe", "tp=1,ep=2,dp=2", "tp=2")],
-    ids=["dense", "moe"],
+    "model, train, infer, bucket_mb",
+    [
+        ("qwen3", "tp=2", "tp=2,dp=2", 512),
+        ("qwen3", "tp=2", "tp=2,dp=2", 0.01),  # dozens of rounds over one staging
+        ("qwen3_moe", "tp=1,ep=2,dp=2", "tp=2", 512),
+    ],
+    ids=["dense", "dense-many-rounds", "moe"],
 )
 def test_five_adam_steps_arrive_bit_exact_in_exactly_the_predicted_bytes(
-    tmp_path: Path, model: str, train: str, infer: str
+    tmp_path: Path, model: str, train: str, infer: str, bucket_mb: float
 ) -> None:
-    group = DeltaGroup(MODELS[model], tmp_path, train, infer)
+    group = DeltaGroup(MODELS[model], tmp_path, train, infer, bucket_mb=bucket_mb)
+    assert (group.plan.num_rounds > 10) == (bucket_mb < 1)
     try:
         group.refit()  # version 0: dense, every baseline filled
         assert group.mismatches() == [[]] * len(group.destinations)

@@ -87,7 +87,7 @@ def compile_rounds(
     foreign = {program.relay_buffer.untyped_storage().data_ptr()}
     if program.fp8_receiver is not None:
         foreign.add(program.fp8_receiver.scratch.untyped_storage().data_ptr())
-    spans: dict[tuple[int, int], int] = {}
+    spans: dict[tuple[int, int, int], int] = {}
     rounds, fixed = [], []
     for k, phase in enumerate(program.rounds):
         messages = by_round.get(k, [])
@@ -96,7 +96,9 @@ def compile_rounds(
         received = [m for m in messages if m.dst == me]
         outgoing = []
         for (peer, span), m in zip(phase.sends, sent, strict=True):
-            key = spans.setdefault((span.data_ptr(), span.numel()), len(spans))
+            # Identical replica messages of one round share a span; rounds reuse the
+            # staging, so the round is part of what makes a message distinct.
+            key = spans.setdefault((k, span.data_ptr(), span.numel()), len(spans))
             outgoing.append(Outgoing(peer, span, _unit(m), key))
         incoming = []
         for (peer, span), m in zip(phase.recvs, received, strict=True):
