@@ -4,14 +4,10 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
 
-from ..plan import Prediction
+from ..plan import Prediction, RefitPlan, Topology
 from ..plan.analysis.delta import DeltaPrediction, predict_delta
 from .progress import Progress
-
-if TYPE_CHECKING:
-    from .plan import ClusterRefit
 
 
 def add_delta_prediction_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,15 +29,17 @@ def add_delta_prediction_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def simulate_delta(
-    args: argparse.Namespace, refit: ClusterRefit, dense: Prediction, progress: Progress
+    args: argparse.Namespace,
+    plan: RefitPlan,
+    topology: Topology,
+    dense: Prediction,
+    progress: Progress,
 ) -> DeltaPrediction | None:
     """The delta prediction ``--delta-density`` asks for; ``None`` without it."""
     if args.delta_density is None:
         return None
     with progress.step(f"the delta refit at density {args.delta_density:g}"):
-        return predict_delta(
-            refit.plan, refit.topology, args.delta_density, args.hbm_gbps, dense=dense
-        )
+        return predict_delta(plan, topology, args.delta_density, args.hbm_gbps, dense=dense)
 
 
 def print_delta(d: DeltaPrediction) -> None:

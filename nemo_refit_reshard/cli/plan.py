@@ -89,7 +89,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     progress = Progress("simulate")
     refit = plan_on_cluster(cfg, cluster, args.placement, progress)
     prediction = predict(refit, progress)
-    delta = simulate_delta(args, refit, prediction.refit, progress)  # None: not asked for
+    # None: not asked for
+    delta = simulate_delta(args, refit.plan, refit.topology, prediction.refit, progress)
     # The text shows no fingerprint: serialising a 256-GPU plan to hash it takes seconds.
     with progress.step("the plan's fingerprint"):
         report = simulation_report(cfg, refit, prediction, stages_note, fingerprint=args.json)

@@ -220,7 +220,12 @@ class ColocatedHost:
             raise
         self.delta: ColocatedDelta | None = None
         if delta is not None:
-            self.delta = ColocatedDelta(self, own, guest, delta)
+            guest_share = None
+            if guest is not None and self.guest is not None:
+                guest_share = (self.guest, guest)
+            self.delta = ColocatedDelta(
+                rank, hosts, (self.own, own), guest_share, self.device, delta
+            )
         self.signals: Signals | None = None
         self.waited = 0.0  # the last step's seconds waiting for the guest
         self.exchange_seconds = 0.0  # the last step's seconds on the network and the guest

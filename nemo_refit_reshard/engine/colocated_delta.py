@@ -12,14 +12,14 @@ baselines and its held messages move together).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+
+import torch
 
 from ..plan import PlanError, RankPlan, RefitPlan
 from .delta import DeltaOptions, DeltaProgram, DeltaStats
+from .program import RankProgram
 from .transport import Transport
-
-if TYPE_CHECKING:
-    from .colocated import ColocatedHost
 
 
 class ColocatedDelta:
@@ -27,17 +27,22 @@ class ColocatedDelta:
 
     def __init__(
         self,
-        host: ColocatedHost,
-        own: RefitPlan | RankPlan,
-        guest: RefitPlan | RankPlan | None,
+        rank: int,
+        hosts: Sequence[int],
+        own: tuple[RankProgram, RefitPlan | RankPlan],
+        guest: tuple[RankProgram, RefitPlan | RankPlan] | None,
+        device: torch.device,
         options: DeltaOptions,
     ) -> None:
-        self.host = host
-        self.own = DeltaProgram(host.own, own, options)
+        """Training rank ``rank`` (``hosts[d]``: the training rank on inference rank
+        ``d``'s GPU): its own program and plan share, its guest's (None: no guest)."""
+        self.rank, self.hosts = rank, hosts
+        self.num_sources = own[1].num_sources
+        self.own = DeltaProgram(own[0], own[1], options)
         self.own.learn_fixed([])  # a held message needs no re-pack: nothing is fixed
         self.guest: DeltaProgram | None = None
-        if guest is not None and host.guest is not None:
-            self.guest = DeltaProgram(host.guest, guest, options, host.rank, host.device)
+        if guest is not None:
+            self.guest = DeltaProgram(guest[0], guest[1], options, rank, device)
         self.versions: list[int] = []
         self.stats = DeltaStats()
         self.dense_step = False
@@ -74,12 +79,12 @@ class ColocatedDelta:
     def round(self, network: Transport, k: int) -> None:
         """Round ``k`` on the network (packed): headers, then payloads, then the guest's
         messages rebuilt in the staging."""
-        host, s = self.host, self.host.num_sources
-        mine = self.versions[host.rank]
+        hosts, s = self.hosts, self.num_sources
+        mine = self.versions[self.rank]
         sends = self.own.encode_round(
-            k, mine, lambda d: self.versions[host.hosts[d - s]], self.dense_step, self.stats
+            k, mine, lambda d: self.versions[hosts[d - s]], self.dense_step, self.stats
         )
-        sends = [(host.hosts[peer - s], header, payload) for peer, header, payload in sends]
+        sends = [(hosts[peer - s], header, payload) for peer, header, payload in sends]
         incoming = self.guest.rounds[k].incoming if self.guest is not None else []
         headers = self.own.exchange_headers(network, k, sends, incoming)
         recvs, patches = [], []
