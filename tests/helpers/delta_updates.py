@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,6 +39,13 @@ def policy_at(spec: ModelSpec, step: int, seed: int, dtype: torch.dtype) -> dict
     for s in range(1, step + 1):
         change_some(tensors, s, seed)
     return tensors
+
+
+def bf16_policy(config: Mapping[str, Any], step: int, seed: int) -> dict[str, torch.Tensor]:
+    """:func:`policy_at` in BF16 for an HF ``config.json`` (a Ray actor's call)."""
+    from nemo_refit_reshard.spec import spec_from_hf_config
+
+    return policy_at(spec_from_hf_config(dict(config), name="test"), step, seed, torch.bfloat16)
 
 
 def write_policy_steps(spec: ModelSpec, directory: Path, steps: int, seed: int) -> list[str]:

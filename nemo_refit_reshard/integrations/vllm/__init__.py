@@ -11,6 +11,7 @@ from .config import (
     check_supported,
     engine_layout,
 )
+from .discarded_weights import refit_delta_stats, refit_forget_weights, watch_weights
 from .worker import (
     ReshardWorkerExtension,
     check_moe_backends,
@@ -36,10 +37,13 @@ __all__ = [
     "refit_check_plan",
     "refit_close",
     "refit_connect_colocated",
+    "refit_delta_stats",
     "refit_describe",
+    "refit_forget_weights",
     "refit_join",
     "refit_load_plan",
     "refit_require_fresh",
     "refit_status",
     "refit_step",
+    "watch_weights",
 ]

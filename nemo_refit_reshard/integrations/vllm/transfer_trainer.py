@@ -40,7 +40,7 @@ unpacks the staging it receives into. Same phases, same client calls.
 from __future__ import annotations
 
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, ClassVar
 
 from vllm.distributed.weight_transfer.base import (
@@ -49,6 +49,7 @@ from vllm.distributed.weight_transfer.base import (
     VLLMWeightSyncClient,
 )
 
+from ...engine.delta import DeltaOptions
 from ...engine.rendezvous import (
     Rendezvous,
     broadcast_text,
@@ -86,7 +87,11 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     ``quantization_config`` when it quantizes weights the trainer holds unquantized (an
     FP8 checkpoint's, or the ``hf_overrides`` a framework starts vLLM with): a block-FP8
     one makes trainer ranks send e4m3 + scales where they hold whole blocks
-    (``layouts/fp8_wire.py``); any other is refused by name.
+    (``layouts/fp8_wire.py``); any other is refused by name. ``delta``: send each
+    message in its smallest form (``engine/delta.py``), carried by the endpoint to every
+    worker; ``delta_anchor_every`` (a dense update every that many versions, 0: only when
+    needed) and ``delta_baseline`` (``"device"`` or ``"host"``: where trainer ranks keep
+    what they sent last) go with it.
     """
 
     backend: ClassVar[str] = BACKEND
@@ -105,6 +110,9 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     colocated: bool = False
     colocated_hosts: list[int] | None = None
     quantization: dict[str, Any] | None = None
+    delta: bool = False
+    delta_anchor_every: int = 0
+    delta_baseline: str = "device"
 
 
 def _installed_vllm() -> str:
@@ -146,8 +154,29 @@ def _endpoint(info: ReshardTrainerInitInfo, world_size: int, trainers: int) -> R
     r = _shared_rendezvous(info, trainers)
     return RefitEndpoint(
         r.ip, r.port, world_size, info.rank, info.transport, info.timeout_s,
-        info.connect_timeout_s, r.secret,
+        info.connect_timeout_s, r.secret, delta_options(info),
     )  # fmt: skip
+
+
+def delta_options(info: ReshardTrainerInitInfo) -> DeltaOptions | None:
+    """The init info's delta options (None: dense); a non-boolean ``delta`` or a delta
+    key set without ``delta=True`` is refused by name."""
+    anchor, baseline = info.delta_anchor_every, info.delta_baseline
+    if not isinstance(info.delta, bool):
+        raise ValueError(f"ReshardTrainerInitInfo.delta={info.delta!r} must be True or False")
+    if not info.delta:
+        if (anchor, baseline) != (0, "device"):
+            raise ValueError(
+                "ReshardTrainerInitInfo.delta_anchor_every / delta_baseline apply to delta "
+                "refits only; set delta=True, or drop them"
+            )
+        return None
+    if isinstance(anchor, bool) or not isinstance(anchor, int):
+        raise ValueError(f"ReshardTrainerInitInfo.delta_anchor_every={anchor!r}: an integer >= 0")
+    try:
+        return DeltaOptions(anchor_every=anchor, baseline=baseline)
+    except ValueError as err:
+        raise ValueError(f"ReshardTrainerInitInfo: {err}") from None
 
 
 def _payload(
@@ -239,6 +268,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
             )
         if source.rank != init_info.rank:
             raise ValueError(f"source is rank {source.rank}, init info rank {init_info.rank}")
+        delta_options(init_info)  # a bad delta option fails before planning
         plan = build_plan(init_info, source)
         check_same_plan(plan.fingerprint, source.world_size)  # before rank 0 ships its slices
         if plan.colocated_hosts:
@@ -346,6 +376,17 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
         )
         if self.is_sender:
             self.client.finish_weight_update(weight_version=version)
+
+    def delta_stats(self) -> dict[str, Any] | None:
+        """This trainer rank's last delta update (``DeltaStats`` fields: ``sent_bytes``,
+        ``dense_bytes``, ``forms``, ...); None without delta."""
+        if isinstance(self.refit, ColocatedTrainer):
+            delta = self.refit.host.delta
+            return asdict(delta.stats) if delta is not None else None
+        refitter = self.refit.refitter
+        if refitter is None or refitter.delta is None:
+            return None
+        return asdict(refitter.delta.last)
 
     def shutdown(self) -> None:
         self.refit.close()

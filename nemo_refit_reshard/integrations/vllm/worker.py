@@ -38,15 +38,10 @@ from ..worker import (
     describe_tensors,
     device_name,
 )
-from .config import (
-    IN_PLACE_FP8_LINEAR_KERNELS,
-    IN_PLACE_FP8_MOE_BACKENDS,
-    IN_PLACE_MOE_BACKENDS,
-    EngineLayout,
-    UnsupportedVllmOption,
-    engine_layout,
-)
+from .config import EngineLayout, UnsupportedVllmOption, engine_layout
 from .derived import DerivedWeights, check_derived, derived_parameter_names
+from .discarded_weights import refit_delta_stats, refit_forget_weights, watch_weights
+from .kernel_checks import check_fp8_kernels, check_moe_backends
 
 _STATE = "_nemo_refit_reshard"
 
@@ -86,58 +81,6 @@ def engine_rank(worker: Any) -> int:
     edp = int(getattr(par, "data_parallel_rank", 0) or 0)
     pp, tp = int(par.pipeline_parallel_size), int(par.tensor_parallel_size)
     return (edp * pp + get_pp_group().rank_in_group) * tp + get_tensor_model_parallel_rank()
-
-
-def _first_four(bad: list[str]) -> str:
-    """The first offending layers, and how many more (a refusal stays one readable line)."""
-    return ", ".join(bad[:4]) + (f" (+{len(bad) - 4} more)" if len(bad) > 4 else "")
-
-
-def check_moe_backends(model: torch.nn.Module) -> None:
-    """Refuse MoE layers whose backend re-lays the weights after loading."""
-    bad = []
-    for name, module in model.named_modules():
-        method = getattr(module, "quant_method", None)
-        backend = getattr(method, "unquantized_backend", None)
-        if backend is None:
-            continue
-        label = getattr(backend, "name", str(backend))
-        if label not in IN_PLACE_MOE_BACKENDS:
-            bad.append(f"{name}: {label}")
-    if bad:
-        raise UnsupportedVllmOption(
-            "MoE backends that re-lay w13/w2 after loading cannot be refit in place: "
-            + _first_four(bad)
-            + f"; supported: {sorted(IN_PLACE_MOE_BACKENDS)} (select one with vLLM's MoE "
-            "backend setting)"
-        )
-
-
-def check_fp8_kernels(model: torch.nn.Module) -> None:
-    """Refuse block-FP8 layers whose kernel processes weights or scales after loading
-    (``config.IN_PLACE_FP8_LINEAR_KERNELS`` / ``IN_PLACE_FP8_MOE_BACKENDS``): a refit that
-    quantizes in place writes what a load gives, which only those kernels use as is."""
-    bad = []
-    for name, module in model.named_modules():
-        method = getattr(module, "quant_method", None)
-        kind = type(method).__name__
-        if kind == "Fp8LinearMethod":
-            label = type(getattr(method, "fp8_linear", None)).__name__
-            if label not in IN_PLACE_FP8_LINEAR_KERNELS:
-                bad.append(f"{name}: {label}")
-        elif kind == "Fp8MoEMethod":
-            backend = getattr(method, "fp8_backend", None)
-            label = getattr(backend, "name", str(backend))
-            if label not in IN_PLACE_FP8_MOE_BACKENDS:
-                bad.append(f"{name}: MoE backend {label}")
-    if bad:
-        raise UnsupportedVllmOption(
-            "block-FP8 kernels that re-lay or requantize weights after loading cannot be "
-            "refit in place: "
-            + _first_four(bad)
-            + f"; in place: linear {sorted(IN_PLACE_FP8_LINEAR_KERNELS)}, MoE "
-            f"{sorted(IN_PLACE_FP8_MOE_BACKENDS)} (e.g. VLLM_USE_DEEP_GEMM=0)"
-        )
 
 
 # vLLM's attention layers of a quantized engine register KV-cache scales (Fp8KVCacheMethod,
@@ -428,3 +371,14 @@ class ReshardWorkerExtension:
 
     def refit_close(self) -> None:
         refit_close(self)
+
+    def init_worker_extension(self) -> None:
+        """vLLM's hook, once per worker after device init: a call that loses the weights
+        (``sleep(level=2)``, ...) makes the next refit dense (``discarded_weights.py``)."""
+        watch_weights(self)
+
+    def refit_forget_weights(self) -> int:
+        return refit_forget_weights(self)
+
+    def refit_delta_stats(self) -> dict[str, Any] | None:
+        return refit_delta_stats(self)
