@@ -127,9 +127,11 @@ def test_density_zero_sends_headers_only() -> None:
     # all NIC (the pools on nodes 0 and 1), 50 GB/s, 10 us a message. Headers: round 0
     # rank 1's three, round 1 rank 0's two; payloads: round 1's 24 B only
     assert d.wire_seconds == pytest.approx(6e-5 + (96 + 64 + 24) / 50e9, rel=1e-12)
-    # HBM bytes, busiest sender + busiest receiver per round: round 0 3 * 200 + (2 * 200 +
-    # 2 * 60); round 1 (3 * 216 + 24) + 3 * 200 + (2 * 216 + 24 + 8 * 2)
-    memory = 600 + 520 + 672 + 600 + 472
+    # HBM bytes, busiest sender + busiest receiver per round (a sender reads staging and
+    # baseline, writes the payload and its k changed units back; a receiver reads the
+    # payload, scatters k units and patches + unpacks its fixed bytes): round 0
+    # 2 * 200 + 0; round 1 rank 0 (2 * 216 + 8 * 2 + 24) + 2 * 200, rank 2 24 + 8 * 2 + 2 * 16
+    memory = 400 + 0 + (432 + 16 + 24 + 400) + (24 + 16 + 32)
     assert d.memory_seconds == pytest.approx(memory / 3350e9, rel=1e-12)
     # tiny messages: the header exchange's latency makes the delta slower than dense
     assert d.delta_seconds == d.wire_seconds + d.memory_seconds > d.dense_seconds
@@ -163,3 +165,26 @@ def test_cli_without_density_reports_no_delta(capsys) -> None:
     assert "delta" not in json.loads(capsys.readouterr().out)
     assert main(SIMULATE) == 0
     assert "delta refit" not in capsys.readouterr().out
+
+
+def test_forwarders_send_deltas_from_baselines_of_their_own() -> None:
+    """Along a relay chain inference ranks forward: their messages are deltas too, each
+    keyed by its receiver, with baselines of their own (host memory, as the engine)."""
+    from nemo_refit_reshard.layouts import refit_layouts
+    from nemo_refit_reshard.plan import plan_refit
+    from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
+    from tests.helpers.model_configs import MODELS
+
+    spec = spec_from_hf_config(MODELS["qwen3"])
+    sources, destinations = refit_layouts(
+        spec, TrainParallel.parse("tp=2"), InferParallel.parse("tp=2,dp=4")
+    )
+    plan = plan_refit(spec, sources, destinations, relay="chain")
+    forwarded = [w for msgs in wire_messages(plan) for w in msgs if w.src >= plan.num_sources]
+    assert forwarded and all(w.key == ("forwarded to", w.dst) for w in forwarded)
+    memory = baseline_memory(plan)
+    for src in {w.src for w in forwarded}:
+        mine = [w for w in forwarded if w.src == src]
+        assert memory[src] == sum(w.nbytes for w in mine)
+    d = predict_delta(plan, _topology(plan), 0.0)
+    assert d.delta_bytes == 32 * d.messages  # nothing changed: headers only, forwards too

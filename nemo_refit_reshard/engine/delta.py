@@ -8,10 +8,11 @@ step, on the same plan and programs (``engine/program.py``):
   its *baseline* (that message's payload last step; identical replica messages share
   one), encodes it in its smallest form (``engine/delta_codec.py``) and then makes the
   message its new baseline. Baselines are the only memory delta adds: one copy of what
-  the rank sends, on its device or in host memory (``DeltaOptions.baseline``).
-* a **receiver** keeps no copy: for a delta message it re-packs the message's previous
-  content from its live tensors into the receive span (the unpack's copies reversed),
-  patches the changed units in, and unpacks as today.
+  the rank sends, on its device or in host memory (``DeltaOptions.baseline``); an
+  inference rank that forwards along a chain keeps its baselines in host memory.
+* a **receiver** keeps no copy: it writes the changed units of a delta straight into
+  its live tensors (``delta_rounds.place``); bytes it could not rebuild from them are
+  *fixed* and travel every step.
 
 Every round exchanges the 32-byte headers first, then the payloads at their exact
 sizes (a DENSE payload is the staging span itself, received in place).
@@ -21,10 +22,9 @@ the step its live tensors hold; :data:`UNKNOWN` for a new, restarted or emptied 
 (a colocated engine woken from sleep mode), :data:`FAILED` after a failed step. A step
 begins with every rank's version (one all-gather) and applies version
 ``max(versions) + 1``. A message goes as a delta only if its sender and receiver hold
-the same version ``>= 0``, its sender is a training rank and its receiver can re-pack it
-(its runs land in live tensors of the wire dtype: not a relay buffer, not an FP8
-engine's BF16 shadow); otherwise dense. Any :data:`FAILED` rank makes the whole step
-dense, as does every ``anchor_every``-th version. A failed step leaves its ranks
+the same version ``>= 0`` (its fixed bytes always travel); otherwise dense. Any
+:data:`FAILED` rank makes the whole step dense, as does every ``anchor_every``-th
+version. A failed step leaves its ranks
 :data:`FAILED` (baselines half-updated, weights torn).
 """
 
@@ -135,22 +135,20 @@ class DeltaProgram:
     def learn_fixed(self, fixed: Sequence[Sequence[Fixed]]) -> None:
         """Every rank's ``fixed_in`` (by refit rank): the byte ranges of this rank's
         messages that always travel (their receiver cannot re-pack them). Allocate the
-        baselines of the messages that can travel as deltas: a training rank's, each
-        distinct one once (an inference rank forwarding along a chain keeps no copy of
-        the model: it sends dense)."""
+        baselines of the messages that can travel as deltas, each distinct one once."""
         self.fixed_out = {
             (dst, k): tuple((a, b) for a, b in ranges)
             for dst, entries in enumerate(fixed)
             for src, k, ranges in entries
             if src == self.rank
         }
-        if not self.is_source:
-            return
         for k, rnd in enumerate(self.rounds):
             for out in rnd.outgoing:
                 if out.key in self.baselines or _all_fixed(self.fixed_out.get((out.peer, k)), out):
                     continue
-                self.baselines[out.key] = self._baseline(out.span.numel())
+                # An inference rank forwarding along a chain keeps its baselines in host
+                # memory: no second copy of the model on an inference GPU.
+                self.baselines[out.key] = self._baseline(out.span.numel(), not self.is_source)
 
     def _baseline(self, nbytes: int, host: bool = False) -> torch.Tensor:
         host = host or self.options.baseline == "host"

@@ -13,9 +13,9 @@ transfers' dtypes), ``N = n / u`` units, ``k`` of them changed::
 At density ``D`` a message has ``k = F + round(D (N - F))`` changed units, ``F`` its
 *fixed* units: bytes its receiver cannot re-pack from live tensors (a relay buffer's,
 an FP8 engine's BF16 shadows), sent every step (``F = 0`` in a BF16 plan without
-relay buffers, so ``k = round(D N)``; ``round`` is Python's, halves to even). Only a
-training rank keeps baselines: a message an inference rank forwards (relay runs and
-chains) goes dense, ``wire = 32 + n``.
+relay buffers, so ``k = round(D N)``; ``round`` is Python's, halves to even). An
+inference rank that forwards (relay runs and chains) sends deltas too, from baselines
+it keeps in host memory: its messages to one receiver in one round as one message.
 
 Time. Rounds run one after another, each in four serial steps::
 
@@ -25,13 +25,12 @@ Time. Rounds run one after another, each in four serial steps::
 ``round_time`` is the cluster model's (``cluster.round_time``): the headers are one
 32-byte message per message of the round (one more latency per message and link),
 the payloads the non-empty ones (``k = 0`` sends a header only). Memory traffic at
-the GPU's HBM bandwidth: a sender compares and encodes each *distinct* outgoing
-message once (``S += 3 n + payload``: read the staging and the baseline, write the
-baseline, write the payload); a receiver of a non-dense payload re-packs the message's
-previous content and applies it (``R += 2 n + payload + k u``: read live + write
-staging, read the payload, scatter ``k`` units). Both are upper bounds of the engine
-(it writes back only changed baseline units, and writes one-unit elements straight
-into live tensors).
+the GPU's HBM bandwidth, as the engine does it: a sender compares and encodes each
+*distinct* outgoing message once (``S += 2 n + payload + k u``: read the staging and
+the baseline, write the payload, write the ``k`` changed units back into the
+baseline); a receiver of a non-dense payload writes the changed units straight into
+its live tensors (``R += payload + k u + 2 F``: read the payload, scatter ``k`` units,
+and patch and unpack its fixed bytes).
 
 Memory. A training rank keeps one baseline per distinct outgoing message of each round
 (identical messages to several replicas share one: ``engine/program.py``'s
@@ -54,9 +53,9 @@ from ..result.refit_plan import RefitPlan
 from .predict import Prediction, predict_refit
 
 HEADER_BYTES = 32
-# Full passes over a message's n bytes: a sender's compare/encode (staging, baseline
-# read, baseline write), a receiver's re-pack of a delta message (live read, staging write)
-SENDER_PASSES, RECEIVER_PASSES = 3, 2
+# Full passes over a message's n bytes: a sender's compare (staging and baseline read);
+# a receiver writes only changed units (engine/delta_rounds.place), no full pass
+SENDER_PASSES, RECEIVER_PASSES = 2, 0
 DEFAULT_HBM_GBPS = 3350.0  # H100 SXM (HBM3); GB/s = 10**9 bytes/s
 
 
@@ -88,8 +87,8 @@ def changed_units(units: int, fixed: int, density: float) -> int:
 @dataclass(frozen=True)
 class WireMessage:
     """One message of the expanded plan as the delta refit sees it. ``key`` names its
-    content among its sender's messages of the round (``None``: sent dense by a
-    forwarder, no baseline); ``fixed`` is in bytes."""
+    content among its sender's messages of the round (a forwarder's: its receiver);
+    ``fixed`` is in bytes."""
 
     src: int
     dst: int
@@ -104,14 +103,19 @@ def wire_messages(plan: RefitPlan) -> list[list[WireMessage]]:
     ``RefitPlan.traffic``), with its unit, fixed bytes and content key."""
     expansion = Expansion(plan.class_rounds, plan.replica_groups, plan.relay_chains)
     shadows = _shadow_test(plan)
-    dense: dict[tuple[int, int, int], int] = defaultdict(int)
+    forwarded: dict[tuple[int, int, int], list[int]] = {}  # (round, src, dst) -> [n, u, F]
     out: list[list[WireMessage]] = [[] for _ in range(expansion.num_rounds)]
     for msgs in plan.class_rounds:
         for m in msgs:
             described: dict[bool, tuple[int, int, tuple]] = {}
             for r, src, dst, fwd in expansion.deliveries(m):
-                if src >= plan.num_sources:  # a forwarder: dense, merged per pair
-                    dense[(r, src, dst)] += expansion.size(m, dst, fwd)
+                if src >= plan.num_sources:  # a forwarder: one message per pair and round
+                    unit, fixed, _ = _describe(
+                        m if dst == m.dst else m.shared, dst == m.dst, dst, shadows
+                    )  # type: ignore[arg-type]
+                    acc = forwarded.setdefault((r, src, dst), [0, unit, 0])
+                    acc[0] += expansion.size(m, dst, fwd)
+                    acc[1], acc[2] = min(acc[1], unit), acc[2] + fixed
                     continue
                 whole = dst == m.dst
                 if whole not in described:
@@ -120,8 +124,8 @@ def wire_messages(plan: RefitPlan) -> list[list[WireMessage]]:
                 unit, fixed, key = described[whole]
                 nbytes = expansion.size(m, dst, False)
                 out[r].append(WireMessage(src, dst, nbytes, unit, fixed, key))
-    for (r, src, dst), nbytes in dense.items():
-        out[r].append(WireMessage(src, dst, nbytes, 1, nbytes, None))
+    for (r, src, dst), (nbytes, unit, fixed) in forwarded.items():
+        out[r].append(WireMessage(src, dst, nbytes, unit, fixed, ("forwarded to", dst)))
     return out
 
 
@@ -247,12 +251,13 @@ def predict_delta(
                 continue
             if (w.src, w.key) not in compared:
                 compared.add((w.src, w.key))
-                send_mem[w.src] += SENDER_PASSES * w.nbytes
+                send_mem[w.src] += SENDER_PASSES * w.nbytes + k * w.unit
             if (w.src, w.key, w.fixed) not in encoded and payload < w.nbytes:
                 encoded.add((w.src, w.key, w.fixed))
                 send_mem[w.src] += payload
             if payload < w.nbytes:
                 recv_mem[w.dst] += RECEIVER_PASSES * w.nbytes + payload + k * w.unit
+                recv_mem[w.dst] += 2 * w.fixed
         wire_s += _round_time(headers, topology) + _round_time(payloads, topology)
         memory_s += (max(send_mem.values(), default=0) + max(recv_mem.values(), default=0)) / hbm
     gb = dense.gpu_bytes
