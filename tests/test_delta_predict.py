@@ -188,3 +188,18 @@ def test_forwarders_send_deltas_from_baselines_of_their_own() -> None:
         assert memory[src] == sum(w.nbytes for w in mine)
     d = predict_delta(plan, _topology(plan), 0.0)
     assert d.delta_bytes == 32 * d.messages  # nothing changed: headers only, forwards too
+
+
+def test_plan_delta_reports_the_baselines_per_rank(capsys) -> None:
+    assert main(["plan", "--delta", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    held = summary["delta_baseline_bytes"]
+    assert len(held) == summary["sources"] + summary["destinations"]
+    # small-qwen3, tp=2,pp=2 -> tp=2,dp=2: each training rank sends its quarter of the
+    # model once (both inference replicas' messages are identical: one baseline)
+    assert held[: summary["sources"]] == [17301504, 17184256, 17301504, 17186304]
+    assert held[summary["sources"] :] == [0, 0, 0, 0]
+    assert main(["plan", "--delta"]) == 0
+    assert "delta refit: baselines           up to 16.5 MiB per training rank" in (
+        capsys.readouterr().out
+    )

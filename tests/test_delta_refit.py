@@ -13,6 +13,7 @@ from nemo_refit_reshard.engine.checksum import combine, receiver_checksums, send
 from nemo_refit_reshard.engine.delta import FAILED, DeltaOptions
 from nemo_refit_reshard.engine.delta_codec import HEADER_BYTES, choose_form, payload_bytes
 from nemo_refit_reshard.engine.program import TORCH_DTYPES
+from nemo_refit_reshard.plan.analysis.delta import baseline_memory
 from tests.helpers.delta_threads import DeltaGroup
 from tests.helpers.hf_models import hf_config
 from tests.helpers.model_configs import BLOCK_FP8, FP8_DIMS, MODELS
@@ -63,6 +64,9 @@ def test_five_adam_steps_arrive_bit_exact_in_exactly_the_predicted_bytes(
 ) -> None:
     group = DeltaGroup(MODELS[model], tmp_path, train, infer, bucket_mb=bucket_mb)
     assert (group.plan.num_rounds > 10) == (bucket_mb < 1)
+    # the baselines the engine keeps are the ones `plan --delta` reports (computed apart)
+    kept = [group.delta(r).baseline_bytes for r in range(group.world)]
+    assert kept == baseline_memory(group.plan)
     try:
         group.refit()  # version 0: dense, every baseline filled
         assert group.mismatches() == [[]] * len(group.destinations)
@@ -133,6 +137,8 @@ def test_inference_ranks_forwarding_along_a_chain_send_deltas_from_host_baseline
             if any(rnd.outgoing for rnd in group.delta(r).rounds)
         ]
         assert forwarders, "the plan has no chain"
+        kept = [group.delta(r).baseline_bytes for r in range(group.world)]
+        assert kept == baseline_memory(group.plan)
         group.refit()
         for _ in range(3):
             group.train_step()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..plan import Prediction, RefitPlan, Topology
-from ..plan.analysis.delta import DeltaPrediction, predict_delta
+from ..plan.analysis.delta import DeltaPrediction, baseline_memory, predict_delta
 from .progress import Progress
 
 
@@ -72,3 +72,18 @@ def mib(n: float) -> str:
 def ms(seconds: float) -> str:
     """Seconds as milliseconds, to the microsecond."""
     return f"{seconds * 1e3:.3f} ms"
+
+
+def delta_memory_row(summary: dict) -> str:
+    """``plan --delta``'s row: the baselines a delta refit of the plan keeps per rank
+    (training ranks on the device or pinned host memory; forwarding inference ranks in
+    host memory)."""
+    held, sources = summary["delta_baseline_bytes"], summary["sources"]
+    text = f"up to {mib(max(held[:sources], default=0))} per training rank"
+    forwarding = max(held[sources:], default=0)
+    if forwarding:
+        text += f", {mib(forwarding)} host memory per forwarding inference rank"
+    return text
+
+
+__all__ = ["baseline_memory", "delta_memory_row", "print_delta", "simulate_delta"]

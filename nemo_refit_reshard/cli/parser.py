@@ -74,6 +74,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="build the transfer plan and print its stats")
     add_run_arguments(p, steps=1)
     p.add_argument("--out", help="write the plan JSON here")
+    p.add_argument(
+        "--delta", action="store_true", help="also report a delta refit's baselines per rank"
+    )
     p.set_defaults(func=plan.cmd_plan, fast_exit=True)
 
 

@@ -32,7 +32,7 @@ from ..plan import (
 from ..plan.result.memory import memory_report
 from ..runner import RunConfig, build_layouts
 from ..spec import ModelSpec, load_model_spec
-from .delta_predict import print_delta, simulate_delta
+from .delta_predict import baseline_memory, delta_memory_row, print_delta, simulate_delta
 from .plot import plot_simulation, require_matplotlib
 from .progress import Progress
 from .run_args import run_config
@@ -54,6 +54,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "fingerprint": colocated.fingerprint,
             "memory": memory_report(colocated),
         }
+    if getattr(args, "delta", False):
+        summary["delta_baseline_bytes"] = baseline_memory(timed.plan)
     if args.out:
         write_plan_file(args.out, timed.plan.to_json())
     if args.json:
@@ -68,6 +70,8 @@ def memory_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [("max extra bytes of one rank", mem_row(summary["memory"]))]
     if "colocated" in summary:
         rows.append(("colocated: max extra bytes", mem_row(summary["colocated"]["memory"])))
+    if "delta_baseline_bytes" in summary:
+        rows.append(("delta refit: baselines", delta_memory_row(summary)))
     return rows
 
 

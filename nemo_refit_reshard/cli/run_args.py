@@ -110,7 +110,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
             raise ValueError(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
     if ("delta" in backends) != delta:
         raise ValueError("the delta backend goes with --delta (and --delta with it)")
-    if delta and args.lr <= 0:
+    if delta and getattr(args, "lr", 1e-6) <= 0:
         raise ValueError(f"--lr {args.lr} must be > 0")
     if args.steps < 1:
         raise ValueError("--steps must be >= 1")
