@@ -77,7 +77,8 @@ def _run(
     from ..engine.materialize import SyntheticWeights, materialize
     from ..integrations.worker import ColocatedTrainer, ColocatedWorker, RefitEndpoint
     from .destination import destination_tensors
-    from .training import AdamTrainedWeights, delta_figures, refill
+    from .spawn import TRAJECTORY
+    from .training import TrajectoryWeights, delta_figures, refill
 
     def share(r: int) -> RankPlan:
         return RankPlan.from_json(plan_path.with_name(f"plan{r}.json").read_text())
@@ -87,7 +88,7 @@ def _run(
     spec, sources, destinations = build_layouts(cfg)
     s = len(sources)
     weights = (  # with deltas, Adam steps between refits (runner/training.py)
-        AdamTrainedWeights(spec.unquantized(), cfg.seed, cfg.lr)
+        TrajectoryWeights(spec.unquantized(), str(plan_path.with_name(TRAJECTORY)))
         if cfg.delta
         else SyntheticWeights(spec.unquantized(), cfg.seed)
     )

@@ -23,7 +23,10 @@ from typing import Any
 
 from ..engine.rendezvous import new_rendezvous
 from ..plan import RefitPlan, plan_broadcast, plan_refit, rank_plan
+from ..spec import load_model_spec
 from .config import RunConfig, build_layouts
+
+TRAJECTORY = "trajectory"  # beside the plan: a delta run's weights, step by step
 
 
 @dataclass
@@ -76,6 +79,11 @@ def spawn_ranks(
     meet = new_rendezvous()
     with tempfile.TemporaryDirectory() as tmp:
         plan_path = write_plans(plan, world, tmp)
+        if cfg.delta:  # the optimizer runs once, here; the ranks map its weights
+            from .training import AdamTrainedWeights, write_trajectory
+
+            trained = AdamTrainedWeights(load_model_spec(cfg.model).unquantized(), cfg.seed, cfg.lr)
+            write_trajectory(trained, cfg.steps * rounds_of_steps, os.path.join(tmp, TRAJECTORY))
         ctx = mp.start_processes(
             worker,
             args=(json.dumps(asdict(cfg)), plan_path, meet.port, tmp, meet.secret),
@@ -188,14 +196,14 @@ def _run_rank(
     from ..engine.materialize import SyntheticWeights, materialize
     from ..integrations.worker import RefitEndpoint, RefitWorker
     from .destination import destination_tensors
-    from .training import AdamTrainedWeights, refill
+    from .training import TrajectoryWeights, refill
 
     # Each worker reads only its own slice of the plan (written by the driver).
     plan_json = Path(plan_path).with_name(f"plan{rank}.json").read_text()
     spec, sources, destinations = build_layouts(cfg)
     # the trained weights; with deltas, Adam steps between refits (runner/training.py)
     weights = (
-        AdamTrainedWeights(spec.unquantized(), cfg.seed, cfg.lr)
+        TrajectoryWeights(spec.unquantized(), str(Path(plan_path).with_name(TRAJECTORY)))
         if cfg.delta
         else SyntheticWeights(spec.unquantized(), cfg.seed)
     )

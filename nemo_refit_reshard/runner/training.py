@@ -20,10 +20,13 @@ policy gradient; ``benchmarks/delta_density.py`` measures a real model's).
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..engine.program import TORCH_DTYPES
@@ -69,6 +72,50 @@ class AdamTrainedWeights(Mapping[str, torch.Tensor]):
     def advance(self) -> None:
         """One more optimizer step (applied to each tensor when next read)."""
         self.step += 1
+
+    def __iter__(self) -> Iterator[str]:
+        return (t.name for t in self.spec)
+
+    def __len__(self) -> int:
+        return len(self.spec)
+
+
+def write_trajectory(weights: AdamTrainedWeights, steps: int, folder: str) -> None:
+    """Write the canonical weights after 0..``steps`` Adam steps, one raw file per tensor
+    and step, for every rank of a local run to map (:class:`TrajectoryWeights`): the
+    driver runs the optimizer once, and no rank holds its state (a 246M model's masters
+    and moments are 12 bytes a parameter: more than a 2-core machine's memory over 12
+    ranks)."""
+    for step in range(steps + 1):
+        out = Path(folder, str(step))
+        out.mkdir(parents=True, exist_ok=True)
+        for name in weights:
+            weights[name].contiguous().view(torch.uint8).numpy().tofile(out / name)
+        weights.advance()
+
+
+class TrajectoryWeights(Mapping[str, torch.Tensor]):
+    """The canonical weights after :attr:`step` optimizer steps, mapped from the files
+    :func:`write_trajectory` wrote (read-only pages the ranks share)."""
+
+    def __init__(self, spec: ModelSpec, folder: str) -> None:
+        self.spec, self.folder, self.step = spec, folder, 0
+        self._mapped: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._mapped:
+            t = self.spec.tensor(name)
+            path = Path(self.folder, str(self.step), name)
+            raw = np.memmap(path, dtype=np.uint8, mode="r")
+            with warnings.catch_warnings():  # read-only pages, never written through
+                warnings.simplefilter("ignore", UserWarning)
+                tensor = torch.from_numpy(raw)
+            self._mapped[name] = tensor.view(TORCH_DTYPES[t.dtype]).view(t.shape)
+        return self._mapped[name]
+
+    def advance(self) -> None:
+        self.step += 1
+        self._mapped.clear()
 
     def __iter__(self) -> Iterator[str]:
         return (t.name for t in self.spec)
