@@ -30,15 +30,16 @@ from collections.abc import Callable
 from typing import Any
 
 _WATCHED = "_nemo_refit_reshard_watched"
+# The attribute under which worker.py keeps a vLLM worker's refit state (defined here, so
+# that this module needs nothing of worker.py, which imports it).
+STATE_ATTR = "_nemo_refit_reshard"
 
 
 def _refit_workers(worker: Any) -> list[Any]:
     """The RefitWorkers of this vLLM worker: its own (``worker.py`` functions) and its
     ``reshard`` weight-transfer engine's (which runs the same functions on itself)."""
-    from .worker import _STATE
-
     holders = [worker, getattr(worker, "weight_transfer_engine", None)]
-    states = [getattr(h, _STATE, None) for h in holders if h is not None]
+    states = [getattr(h, STATE_ATTR, None) for h in holders if h is not None]
     return [s.refit for s in states if s is not None and s.refit is not None]
 
 

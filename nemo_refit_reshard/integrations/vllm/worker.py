@@ -40,10 +40,10 @@ from ..worker import (
 )
 from .config import EngineLayout, UnsupportedVllmOption, engine_layout
 from .derived import DerivedWeights, check_derived, derived_parameter_names
-from .discarded_weights import refit_delta_stats, refit_forget_weights, watch_weights
+from .discarded_weights import STATE_ATTR, refit_delta_stats, refit_forget_weights, watch_weights
 from .kernel_checks import check_fp8_kernels, check_moe_backends
 
-_STATE = "_nemo_refit_reshard"
+_STATE = STATE_ATTR
 
 
 @dataclass
