@@ -84,6 +84,7 @@ def spawn_ranks(
 
             trained = AdamTrainedWeights(load_model_spec(cfg.model).unquantized(), cfg.seed, cfg.lr)
             write_trajectory(trained, cfg.steps * rounds_of_steps, os.path.join(tmp, TRAJECTORY))
+            del trained  # its masters and moments: not needed while the ranks run
         ctx = mp.start_processes(
             worker,
             args=(json.dumps(asdict(cfg)), plan_path, meet.port, tmp, meet.secret),
