@@ -31,18 +31,18 @@ def test_demo_delta_separate_pools_and_colocated(qwen3_config: str, capsys) -> N
         "--infer",
         "tp=2,dp=2",
     ]
-    assert main([*argv, "--steps", "3", "--lr", "1e-5", "--colocated", "--json"]) == 0
+    assert main([*argv, "--steps", "5", "--lr", "1e-5", "--colocated", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert list(report["backends"]) == ["reshard", "delta", "reshard-colocated"]
     assert report["config"]["delta"] is True and report["config"]["lr"] == 1e-5
     for name in ("delta", "reshard-colocated"):
         steps = report["backends"][name]["delta_steps"]
-        assert [s["exact"] for s in steps] == [True, True, True]
+        assert [s["exact"] for s in steps] == [True] * 5  # five Adam steps, every one checked
         assert all(0 < s["changed"] < 1 for s in steps)
         assert all(s["sent_bytes"] < s["dense_bytes"] for s in steps)
         assert report["backends"][name]["verified"] is True
     delta = report["backends"]["delta"]
-    assert delta["bytes"] == sorted(s["sent_bytes"] for s in delta["delta_steps"])[1]
+    assert delta["bytes"] == sorted(s["sent_bytes"] for s in delta["delta_steps"])[2]
 
 
 @pytest.mark.parametrize(
