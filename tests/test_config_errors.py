@@ -22,7 +22,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_cpu.py"
         ("refit.backend=bogus", "error: unknown refit.backend 'bogus'; choose one of: reshard, "
          "broadcast"),
         ("refit.nope=1", "error: refit.nope=1: refit has no key 'nope'; choose one of: backend, "
-         "bucket_mb, compare_broadcast, timeout_s, verify"),
+         "bucket_mb, compare_broadcast, delta, delta_anchor_every, timeout_s, verify"),
         ("train.tp=3", "error: train (tp=3,pp=1,vpp=1,cp=1,dp=1,ep=1,etp=3): tp=3 must divide "
          "num_attention_heads=4 (Megatron's rule)"),
         ("infer.tp=3", "error: infer (tp=3,pp=1,dp=2,engine_dp=1,ep=1): tp=3 must divide "
