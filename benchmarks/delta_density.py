@@ -63,7 +63,6 @@ import contextlib
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -78,6 +77,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from nemo_refit_reshard.engine.rendezvous import free_port  # noqa: E402
 from nemo_refit_reshard.integrations.megatron import cpu as megatron_cpu  # noqa: E402
 from nemo_refit_reshard.integrations.megatron.live import unwrap  # noqa: E402
 from nemo_refit_reshard.spec.config import ArchConfig, MoeConfig  # noqa: E402
@@ -490,9 +490,7 @@ def main(argv: list[str] | None = None) -> dict:
     import megatron.core
     from megatron.core import parallel_state as ps
 
-    with socket.socket() as s:  # a free port for the world of one
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # for the world of one
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
     megatron_cpu.apply_cpu_patches()

@@ -13,7 +13,6 @@ from the group's store, exactly its slice's bytes.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from nemo_refit_reshard.engine.rendezvous import free_address
 from tests.helpers import vllm_env
 from tests.helpers.model_configs import MODELS
 from tests.helpers.nodes import node
@@ -75,9 +75,7 @@ def test_vllm_native_trainer_ranks_on_two_nodes_each_worker_gets_only_its_slice(
 def test_vllm_native_each_worker_receives_only_its_own_plan_slice(tmp_path: Path) -> None:
     """The driver set the port and secret (no port to pick): each worker's plan bytes are
     exactly its own slice, read from the group's store; the RPC arguments carry none."""
-    with socket.socket() as sock:
-        sock.bind((node(0), 0))
-        port = sock.getsockname()[1]
+    port = free_address(node(0))[1]
     r = _vllm_native(tmp_path, False, port=port, secret="ab" * 32)
     assert r["ok"], r["traceback"]
     _check_workers(r, False)

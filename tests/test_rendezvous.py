@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from nemo_refit_reshard.engine.rendezvous import (
     RendezvousError,
+    free_address,
     free_port,
     new_secret,
     refit_store,
@@ -38,6 +39,22 @@ def _host_then(join, secret: str | None, timeout_s: float = 60.0):
     host = refit_store("127.0.0.1", port, 0, 2, timeout_s, secret)
     thread.join()
     return host, out
+
+
+@pytest.mark.parametrize("ip", ["127.0.0.1", "0.0.0.0"])
+def test_a_picked_port_is_held_until_its_store_binds_it(ip: str) -> None:
+    """The port is held in TIME_WAIT: a socket without ``SO_REUSEADDR`` (as the kernel's
+    ephemeral choices are) cannot take it, while a ``TCPStore`` binds it at once."""
+    _, port = free_address(ip)
+    with socket.socket() as other, pytest.raises(OSError) as err:
+        other.bind((ip, port))
+    assert err.value.errno == 98  # EADDRINUSE: held, where a merely free port binds
+    store = dist.TCPStore(
+        ip, port, 1, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    store.set("k", "v")
+    assert store.port == port and store.get("k") == b"v"
 
 
 def test_the_same_secret_joins_and_shares_keys() -> None:

@@ -60,13 +60,22 @@ def new_rendezvous(ip: str = "127.0.0.1", port: int | None = None) -> Rendezvous
 
 
 def free_address(ip: str = "127.0.0.1") -> tuple[str, int]:
-    """``(ip, port)`` with a port free on ``ip`` now: where a refit group's rank 0 can
-    host its store (another process may take the port before it binds; rendezvous then
-    fails with the address named). Only the process that will host the store may call
-    it: ``ip`` must be an address of its own node, and no other node can bind it."""
-    with socket.socket() as s:
+    """``(ip, port)`` with a port free on ``ip`` and reserved for about a minute: where a
+    refit group's rank 0 (or any ``TCPStore``) can host its store.
+
+    Why reserved: a port merely free when picked can be taken before its store binds it --
+    by the kernel's ephemeral choice for another process's outgoing connection or
+    ``bind(port 0)`` (gloo's pair listeners, Ray's gRPC), which is how a run fails with
+    ``EADDRINUSE``. So the port is left holding a connection in ``TIME_WAIT``: the kernel
+    then hands it to no ephemeral request, while a socket that sets ``SO_REUSEADDR``
+    (``TCPStore`` does; so does :func:`refit_store`) binds it at once, from any process.
+
+    Only the process on the node that will host the store may call it: ``ip`` must be an
+    address of its own node, and no other node can bind it."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((ip, 0))
+            listener.bind((ip, 0))
         except OSError as err:
             raise OSError(
                 err.errno,
@@ -74,11 +83,21 @@ def free_address(ip: str = "127.0.0.1") -> tuple[str, int]:
                 "node. Only the process hosting the refit group's store (refit rank 0) picks "
                 "the port, on its own node's address; the others receive it",
             ) from err
-        return ip, int(s.getsockname()[1])
+        listener.listen(1)
+        port = int(listener.getsockname()[1])
+        with socket.socket(listener.family) as client:
+            # A wildcard address ("" or 0.0.0.0: every interface) is reached on loopback.
+            client.connect((ip if ip not in ("", "0.0.0.0") else "127.0.0.1", port))
+            accepted, _ = listener.accept()
+            # The side that closes first keeps TIME_WAIT: the accepted socket, whose local
+            # port is the one picked.
+            accepted.close()
+        return ip, port
 
 
 def free_port() -> int:
-    """A port free on the loopback interface now (local runs and tests)."""
+    """A port reserved on the loopback interface (local runs and tests; see
+    :func:`free_address`)."""
     return free_address("127.0.0.1")[1]
 
 

@@ -30,7 +30,6 @@ import dataclasses
 import json
 import math
 import os
-import socket
 import sys
 import traceback
 from typing import Any
@@ -39,6 +38,7 @@ import torch
 import torch.multiprocessing as mp
 
 from nemo_refit_reshard.engine.program import TORCH_DTYPES
+from nemo_refit_reshard.engine.rendezvous import free_address
 from tests.helpers.nodes import as_node, node
 
 TIMEOUT_S = 600.0
@@ -194,9 +194,8 @@ def main(spec_path: str, result_path: str) -> int:
     ctx = mp.get_context("spawn")
     inboxes = [ctx.Queue() for _ in range(d)]
     outbox, out = ctx.Queue(), ctx.Queue()
-    with socket.socket() as sock:  # torch.distributed's own store listens on every address
-        sock.bind(("", 0))
-        port0 = sock.getsockname()[1]
+    # torch.distributed's own store listens on every address
+    port0 = free_address("0.0.0.0")[1]
     procs = [
         ctx.Process(target=trainer, args=(r, spec_json, port0, inboxes, outbox, out))
         for r in range(s)
