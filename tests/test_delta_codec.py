@@ -8,12 +8,14 @@ import torch
 from nemo_refit_reshard.engine.delta_codec import (
     BITMAP,
     DENSE,
+    GAPS,
     HEADER_BYTES,
     POSITIONS,
     Header,
     apply_patch,
     changed_units,
     choose_form,
+    count_long_gaps,
     encode,
     payload_bytes,
     position_width,
@@ -28,7 +30,8 @@ def _round_trip(base: torch.Tensor, cur: torch.Tensor, unit: int, form: int) -> 
     count = index.numel()
     out = torch.empty(4 * cur.numel() + 16, dtype=torch.uint8)
     payload = encode(cur, index, unit, form, out).clone()
-    assert payload.numel() == payload_bytes(form, cur.numel(), unit, count)
+    long_gaps = count_long_gaps(index)
+    assert payload.numel() == payload_bytes(form, cur.numel(), unit, count, long_gaps)
     message = base.clone()
     apply_patch(message, payload, Header(form, 7, count, payload.numel()), unit)
     assert torch.equal(message, cur)
@@ -39,7 +42,7 @@ def _bf16_bytes(values: list[float]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.bfloat16).view(torch.uint8)
 
 
-@pytest.mark.parametrize("form", [DENSE, POSITIONS, BITMAP])
+@pytest.mark.parametrize("form", [DENSE, POSITIONS, BITMAP, GAPS])
 def test_every_pattern_round_trips_bit_exactly_in_every_form(form: int) -> None:
     g = torch.Generator().manual_seed(0)
     base = torch.randint(0, 256, (1030,), dtype=torch.uint8, generator=g)  # 515 bf16 units
@@ -49,6 +52,7 @@ def test_every_pattern_round_trips_bit_exactly_in_every_form(form: int) -> None:
         "first": lambda u: u[0, 0].bitwise_xor_(1),
         "last": lambda u: u[-1, 1].bitwise_xor_(128),
         "every other": lambda u: u[::2, 0].bitwise_xor_(3),
+        "far apart": lambda u: u[[3, 300, 301, 514], 1].bitwise_xor_(1),  # long gaps
     }
     for change in patterns.values():
         cur = base.clone()
@@ -98,12 +102,51 @@ def test_payload_sizes_and_the_chosen_form() -> None:
     assert payload_bytes(DENSE, 2000, 2, 10) == 2000
     assert payload_bytes(POSITIONS, 2000, 2, 10) == 40
     assert payload_bytes(BITMAP, 2000, 2, 10) == 145
+    assert payload_bytes(GAPS, 2000, 2, 10) == 30
+    assert payload_bytes(GAPS, 2000, 2, 10, long_gaps=3) == 42
     assert choose_form(2000, 2, 0) == POSITIONS  # nothing changed: an empty payload
-    assert choose_form(2000, 2, 10) == POSITIONS
-    assert choose_form(2000, 2, 100) == BITMAP  # 400 vs 325
-    assert choose_form(2000, 2, 1000) == DENSE  # 4000 and 2125 vs 2000
+    assert choose_form(2000, 2, 10) == GAPS  # 30 vs 40
+    assert choose_form(2000, 2, 10, long_gaps=3) == POSITIONS  # 42 vs 40
+    assert choose_form(2000, 2, 10, long_gaps=2) == GAPS  # 38 vs 40
+    assert choose_form(2000, 2, 100) == GAPS  # 300 vs 400 and 325
+    assert choose_form(2000, 2, 400, long_gaps=0) == BITMAP  # 925 vs 1200
+    assert choose_form(2000, 2, 1000) == DENSE  # 4000, 2125 and 3000 vs 2000
     assert choose_form(2000, 2, 937) == BITMAP  # 1999 bytes
     assert choose_form(2000, 2, 938) == DENSE  # 2001 bytes
+
+
+def test_gaps_are_one_byte_up_to_255_then_four_bytes_after_the_units() -> None:
+    """Units 254 (gap 255 from -1: one byte), 255 (gap 1) and 600 (gap 345: a 0 byte,
+    then 345 as uint32 after the gap bytes); the values come first."""
+    base = torch.zeros(2 * 700, dtype=torch.uint8)  # 700 bf16 units
+    cur = base.clone()
+    for unit, value in ((254, 5), (255, 6), (600, 7)):
+        cur.view(-1, 2)[unit, 0] = value
+    index = changed_units(cur, base, 2)
+    assert index.tolist() == [254, 255, 600] and count_long_gaps(index) == 1
+    payload = _round_trip(base, cur, 2, GAPS)
+    assert payload.tolist() == [5, 0, 6, 0, 7, 0, 255, 1, 0, 345 % 256, 345 // 256, 0, 0]
+
+
+def test_the_gpu_gap_code_gives_the_numpy_bytes_on_cpu_tensors() -> None:
+    """The torch ops the GPU path runs, on CPU tensors: the same gap bytes and indices."""
+    from nemo_refit_reshard.engine.delta_codec import _gaps, _gaps_torch, _ungap, _ungap_torch
+
+    index = torch.tensor([0, 1, 255, 256, 70_000, 70_255, 4_000_000_000])
+    short, wide = _gaps(index)
+    assert short.tolist() == [1, 1, 254, 1, 0, 255, 0]
+    assert wide.numpy().view("<u4").tolist() == [70_000 - 256, 4_000_000_000 - 70_255]
+    t_short, t_wide = _gaps_torch(index)
+    assert torch.equal(t_short, short) and torch.equal(t_wide, wide)
+    payload = torch.cat([short, wide])
+    assert _ungap(payload, 7).tolist() == index.tolist()
+    assert _ungap_torch(payload, 7).tolist() == index.tolist()
+
+
+def test_a_first_change_past_255_units_is_a_long_gap() -> None:
+    assert count_long_gaps(torch.tensor([254, 600])) == 1  # only 600 - 254
+    assert count_long_gaps(torch.tensor([255])) == 1  # 256 from -1
+    assert count_long_gaps(torch.tensor([], dtype=torch.int64)) == 0
 
 
 def test_bitmap_bits_are_little_endian_within_each_byte() -> None:
@@ -149,7 +192,7 @@ def test_headers_are_32_bytes_and_refuse_garbage() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("form", [POSITIONS, BITMAP])
+@pytest.mark.parametrize("form", [POSITIONS, BITMAP, GAPS])
 def test_the_cuda_path_gives_the_cpu_paths_bytes(form: int) -> None:
     """The torch ops a GPU runs give byte for byte the payload the numpy path gives, and
     patch a message back to the same bytes; scatters into strided live views too."""
@@ -159,6 +202,7 @@ def test_the_cuda_path_gives_the_cpu_paths_bytes(form: int) -> None:
     base = torch.randint(0, 256, (2 * 4096,), dtype=torch.uint8, generator=g)
     cur = base.clone()
     cur.view(torch.int16)[::37] += 1
+    cur[2000:3200] = base[2000:3200]  # a gap of more than 255 units
     cpu = _round_trip(base, cur, 2, form)
     cuda = torch.device("cuda")
     index = changed_units(cur.to(cuda), base.to(cuda), 2)

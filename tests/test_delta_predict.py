@@ -21,6 +21,7 @@ from nemo_refit_reshard.plan import (
 from nemo_refit_reshard.plan.analysis.delta import (
     baseline_memory,
     changed_units,
+    long_gaps,
     payload_bytes,
     position_width,
     predict_delta,
@@ -44,7 +45,7 @@ def test_everything_changed_sends_dense() -> None:
 
 
 def test_one_byte_units() -> None:
-    # N = 100, w = 1, bitmap 13 bytes: positions 2k, bitmap 13 + k, dense 100
+    # N = 100, w = 1, bitmap 13 bytes: positions 2k, bitmap 13 + k, gaps 2k, dense 100
     assert payload_bytes(100, 1, 10) == 20  # positions (bitmap 23)
     assert payload_bytes(100, 1, 13) == 26  # positions (bitmap 26: a tie, same bytes)
     assert payload_bytes(100, 1, 40) == 53  # bitmap (positions 80)
@@ -54,14 +55,18 @@ def test_one_byte_units() -> None:
 
 def test_position_width_thresholds() -> None:
     assert [position_width(n) for n in (1, 256, 257, 65536, 65537)] == [1, 1, 2, 2, 4]
-    # N = 256 (w = 1) and N = 257 (w = 2), BF16 units, k = 3
+    # N = 256 (w = 1) and N = 257 (w = 2), BF16 units, k = 3: gaps 3 (2 + 1) + 4 e, e =
+    # round(3 (1 - 3/N)^255) = round(0.15) = 0, ties positions at N = 256, beats them after
     assert payload_bytes(512, 2, 3) == 3 * (1 + 2)
-    assert payload_bytes(514, 2, 3) == 3 * (2 + 2)
-    # N = 65536 (w = 2) and 65537 (w = 4), k = 100; bitmap 8192 / 8193 + 200
+    assert payload_bytes(514, 2, 3) == 3 * (2 + 1)
+    # N = 65536 (w = 2) and 65537 (w = 4), k = 100; bitmap 8192 / 8193 + 200; gaps 300 +
+    # 4 e, e = round(100 (1 - 100/N)^255) = round(67.7) = 68: 572
+    assert long_gaps(65536, 100) == 68
     assert payload_bytes(2 * 65536, 2, 100) == 100 * (2 + 2)
-    assert payload_bytes(2 * 65537, 2, 100) == 100 * (4 + 2)
-    # k = 3000 of N = 65537: bitmap 8193 + 6000 = 14193 beats positions 18000
-    assert payload_bytes(2 * 65537, 2, 3000) == 14193
+    assert payload_bytes(2 * 65537, 2, 100) == 300 + 4 * 68
+    # k = 3000 of N = 65537 (4.6 %): e = 0, gaps 9000 beat bitmap 8193 + 6000 = 14193
+    assert long_gaps(65537, 3000) == 0
+    assert payload_bytes(2 * 65537, 2, 3000) == 9000
 
 
 def test_changed_units_rounds_the_density_and_adds_fixed_units() -> None:

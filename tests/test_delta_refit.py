@@ -11,7 +11,12 @@ import torch
 
 from nemo_refit_reshard.engine.checksum import combine, receiver_checksums, sender_checksums
 from nemo_refit_reshard.engine.delta import FAILED, DeltaOptions
-from nemo_refit_reshard.engine.delta_codec import HEADER_BYTES, choose_form, payload_bytes
+from nemo_refit_reshard.engine.delta_codec import (
+    HEADER_BYTES,
+    choose_form,
+    count_long_gaps,
+    payload_bytes,
+)
 from nemo_refit_reshard.engine.program import TORCH_DTYPES
 from nemo_refit_reshard.plan.analysis.delta import baseline_memory
 from tests.helpers.delta_threads import DeltaGroup
@@ -23,15 +28,16 @@ STEPS = 5
 
 def _expected_wire(group: DeltaGroup, before: dict[str, torch.Tensor]) -> int:
     """What the training ranks must send: per message of the plan, a header plus the
-    smallest form given how many of its units changed since ``before`` — counted from
-    the canonical weights, not from the engine."""
+    smallest form given which of its units changed since ``before`` — found from the
+    canonical weights (a message packs its transfers back to back, each row-major), not
+    from the engine."""
     total = 0
     for r in range(group.num_sources):
         for m in group.plan.messages_of(r):
             if m.src != r:
                 continue
             unit = min(TORCH_DTYPES[t.dtype].itemsize for t in m.transfers)
-            changed = 0
+            positions, at = [], 0
             for t in m.transfers:
                 dtype = TORCH_DTYPES[t.dtype]
                 old = before[t.canonical][t.canonical_box.slices()].to(dtype)
@@ -39,10 +45,12 @@ def _expected_wire(group: DeltaGroup, before: dict[str, torch.Tensor]) -> int:
                 ints = {1: torch.int8, 2: torch.int16, 4: torch.int32}[dtype.itemsize]
                 diff = old.contiguous().view(ints) != new.contiguous().view(ints)
                 assert dtype.itemsize == unit, "one dtype per message in these models"
-                changed += int(diff.sum())
-            total += HEADER_BYTES + payload_bytes(
-                choose_form(m.nbytes, unit, changed), m.nbytes, unit, changed
-            )
+                positions.append(torch.nonzero(diff.reshape(-1)).squeeze(1) + at)
+                at += diff.numel()
+            index = torch.cat(positions)
+            k, long_gaps = index.numel(), count_long_gaps(index)
+            form = choose_form(m.nbytes, unit, k, long_gaps)
+            total += HEADER_BYTES + payload_bytes(form, m.nbytes, unit, k, long_gaps)
     return total
 
 
@@ -67,6 +75,7 @@ def test_five_adam_steps_arrive_bit_exact_in_exactly_the_predicted_bytes(
     # the baselines the engine keeps are the ones `plan --delta` reports (computed apart)
     kept = [group.delta(r).baseline_bytes for r in range(group.world)]
     assert kept == baseline_memory(group.plan)
+    forms: set[str] = set()
     try:
         group.refit()  # version 0: dense, every baseline filled
         assert group.mismatches() == [[]] * len(group.destinations)
@@ -81,6 +90,8 @@ def test_five_adam_steps_arrive_bit_exact_in_exactly_the_predicted_bytes(
             stats = group.delta(0).last
             assert 0 < stats.changed < stats.units
             assert "dense" not in stats.forms
+            forms.update(f for r in range(group.num_sources) for f in group.delta(r).last.forms)
+        assert "gaps" in forms  # the changes of a few Adam steps lie close together
     finally:
         group.close()
 

@@ -44,6 +44,7 @@ from .delta_codec import (
     apply_patch,
     changed_units,
     choose_form,
+    count_long_gaps,
     decode,
     encode,
     put_units,
@@ -260,7 +261,7 @@ class DeltaProgram:
                 if variant not in encoded:
                     index = with_ranges(changed[o.key], variant[1], o.unit)
                     count = index.numel()
-                    form = choose_form(n, o.unit, count)
+                    form = choose_form(n, o.unit, count, count_long_gaps(index))
                     payload = encode(o.span, index, o.unit, form, self._encoded[at:])
                     if form != DENSE:
                         at += payload.numel()

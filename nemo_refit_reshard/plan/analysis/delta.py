@@ -7,8 +7,14 @@ Size of one message (the single source of truth for predictions; the engine's co
 transfers' dtypes), ``N = n / u`` units, ``k`` of them changed::
 
     w            = 1 if N <= 256, 2 if N <= 65536, else 4   (bytes of one position)
-    payload(n,k) = min(n, k (w + u), ceil(N / 8) + k u)     (dense, positions, bitmap)
+    e            = round(k (1 - k/N)^255)                   (gaps past 255 units)
+    payload(n,k) = min(n, k (w + u), ceil(N / 8) + k u,     (dense, positions, bitmap,
+                       k (u + 1) + 4 e)                      gaps)
     wire(n, k)   = 32 + payload(n, k)                       (a 32-byte header first)
+
+``e`` is the expected count of gaps longer than 255 units when the ``k`` changes fall
+independently at density ``k/N`` (a gap is longer with probability ``(1 - k/N)^255``);
+the engine counts its own.
 
 At density ``D`` a message has ``k = F + round(D (N - F))`` changed units, ``F`` its
 *fixed* units: bytes its receiver cannot re-pack from live tensors (a relay buffer's,
@@ -53,6 +59,7 @@ from ..result.refit_plan import RefitPlan
 from .predict import Prediction, predict_refit
 
 HEADER_BYTES = 32
+MAX_GAP = 255  # the longest gap one byte of a GAPS payload holds
 # Full passes over a message's n bytes: a sender's compare (staging and baseline read);
 # a receiver writes only changed units (engine/delta_rounds.place), no full pass
 SENDER_PASSES, RECEIVER_PASSES = 2, 0
@@ -66,12 +73,20 @@ def position_width(units: int) -> int:
     return 2 if units <= 65536 else 4
 
 
+def long_gaps(units: int, changed: int) -> int:
+    """``round(k (1 - k/N)^255)``: gaps past 255 units among ``k`` changes spread
+    independently over ``N`` units."""
+    return round(changed * (1 - changed / units) ** MAX_GAP) if units else 0
+
+
 def payload_bytes(nbytes: int, unit: int, changed: int) -> int:
-    """``min(n, k (w + u), ceil(N / 8) + k u)``: the smallest form's payload."""
+    """``min(n, k (w + u), ceil(N / 8) + k u, k (u + 1) + 4 e)``: the smallest form's
+    payload."""
     units = nbytes // unit
     positions = changed * (position_width(units) + unit)
     bitmap = -(-units // 8) + changed * unit
-    return min(nbytes, positions, bitmap)
+    gaps = changed * (unit + 1) + 4 * long_gaps(units, changed)
+    return min(nbytes, positions, bitmap, gaps)
 
 
 def wire_bytes(nbytes: int, unit: int, changed: int) -> int:
