@@ -20,17 +20,25 @@ import pytest
 from nemo_refit_reshard.spec import spec_from_hf_config
 from tests.helpers import vllm_env
 from tests.helpers.checkpoints import write_steps
+from tests.helpers.delta_updates import write_policy_steps
 from tests.helpers.model_configs import MODELS
 from tests.helpers.requires import requires
 
 pytestmark = [pytest.mark.slow, requires(vllm_env.nemo_rl_skip_reason)]
 
 
-def drive(tmp: Path, model: str, tp: int, engines: int, steps: int, **kwargs: Any) -> dict:
+def drive(
+    tmp: Path, model: str, tp: int, engines: int, steps: int, sparse: bool = False, **kwargs: Any
+) -> dict:
+    """``sparse``: each step changes ~1 % of the weights (``write_policy_steps``), as RL
+    steps do; else every step's weights are new."""
     cfg = MODELS[model]
     (tmp / "config.json").write_text(json.dumps(cfg))
     spec = spec_from_hf_config(cfg)
-    checkpoints = write_steps(spec, tmp, range(steps), seed=900)
+    if sparse:
+        checkpoints = write_policy_steps(spec, tmp, steps, seed=900)
+    else:
+        checkpoints = write_steps(spec, tmp, range(steps), seed=900)
     engine_kwargs = {
         "model": str(tmp),
         "infer": f"tp={tp}",
@@ -71,6 +79,29 @@ def test_refit_through_nemo_rl_synchronizer(tmp_path: Path) -> None:
     assert second["stale_after"] is False
     for step in out["steps"]:
         assert step["differ"] == [[]] * 4, step
+
+
+def test_delta_through_nemo_rl_synchronizer(tmp_path: Path) -> None:
+    """``delta: true`` in the engine's settings: three refits of sparse updates, each
+    vLLM parameter equal to vLLM's own load of that step's checkpoint; the first dense
+    (version 0), the later ones patches from both policy ranks (under a fifth of dense),
+    applied by every vLLM rank; NeMo RL's metrics carry the delta's bytes."""
+    out = drive(tmp_path, "qwen3_moe", tp=2, engines=2, steps=3, sparse=True, delta=True)
+    assert "error" not in out, out.get("traceback")
+    for k, step in enumerate(out["steps"]):
+        assert step["differ"] == [[]] * 4, (k, step["differ"])
+        assert [s["version"] for s in step["delta"]] == [k] * 6, step["delta"]
+        policy, vllm = step["delta"][:2], step["delta"][2:]
+        sent = sum(s["sent_bytes"] for s in policy)
+        dense = sum(s["dense_bytes"] for s in policy)
+        assert step["metrics"]["reshard/delta_version"] == k
+        assert step["metrics"]["reshard/delta_sent_bytes"] == policy[0]["sent_bytes"]
+        if k == 0:
+            assert all(set(s["forms"]) == {"dense"} for s in policy), policy
+            continue
+        assert 0 < sent < dense / 5, (k, sent, dense)
+        for s in vllm:  # every vLLM rank applied patches to its own parameters
+            assert set(s["received"]) - {"dense"}, s
 
 
 def test_unknown_setting_is_named(tmp_path: Path) -> None:

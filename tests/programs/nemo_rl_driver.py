@@ -73,6 +73,13 @@ class PolicyWorker:
     async def checkpoint_engine_rpc(self, checkpoint_method: str, method_kwargs=None):
         return await self.worker.checkpoint_engine_rpc(checkpoint_method, method_kwargs)
 
+    def delta_stats(self) -> dict | None:
+        """The engine's last delta step on this rank (None without delta)."""
+        return self.worker.checkpoint_engine.rank.delta_stats()
+
+    def metrics(self) -> dict:
+        return self.worker.checkpoint_engine.last_metrics
+
 
 @ray.remote
 class VllmWorkerProcess:
@@ -160,6 +167,10 @@ class VllmWorkerProcess:
         if tags is None or "weights" in tags:
             for n, p in self.model.named_parameters():
                 p.data.copy_(self.asleep[n])
+
+    def delta_stats(self) -> dict | None:
+        """The engine's last delta step on this rank (None without delta)."""
+        return self.worker.checkpoint_engine.rank.delta_stats()
 
     def calls_made(self) -> list[str]:
         return list(self.calls)
@@ -327,12 +338,18 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
         differ = ray.get(
             [p.compare.remote(spec["checkpoints"][step]) for ps in processes for p in ps]
         )
+        delta = ray.get(
+            [p.delta_stats.remote() for p in policy]
+            + [p.delta_stats.remote() for ps in processes for p in ps]
+        )
         steps.append(
             {
                 "seconds": time.perf_counter() - t0,
                 "stale_before": stale_before,
                 "stale_after": sync.is_stale,
                 "differ": differ,
+                "delta": delta,
+                "metrics": ray.get(policy[0].metrics.remote()),
             }
         )
     result["steps"] = steps

@@ -85,6 +85,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
         endpoint = RefitEndpoint(
             ip, port, train + rollout, group_rank, self.config.transport, self.config.timeout_s,
             secret=metadata[0]["secret"],
+            delta=self.config.delta_options,  # the settings every worker checked alike
         )  # fmt: skip
         self.rank.join(endpoint, plan.slices[group_rank], text)
 
