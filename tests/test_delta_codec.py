@@ -18,6 +18,7 @@ from nemo_refit_reshard.engine.delta_codec import (
     count_long_gaps,
     encode,
     payload_bytes,
+    payload_values,
     position_width,
     take_units,
     with_ranges,
@@ -32,6 +33,9 @@ def _round_trip(base: torch.Tensor, cur: torch.Tensor, unit: int, form: int) -> 
     payload = encode(cur, index, unit, form, out).clone()
     long_gaps = count_long_gaps(index)
     assert payload.numel() == payload_bytes(form, cur.numel(), unit, count, long_gaps)
+    values = payload_values(payload, form, cur.numel(), unit, count)
+    expected = cur if form == DENSE else take_units(cur, index, unit)
+    assert torch.equal(values, expected)  # the changed units, found inside the payload
     message = base.clone()
     apply_patch(message, payload, Header(form, 7, count, payload.numel()), unit)
     assert torch.equal(message, cur)

@@ -47,6 +47,7 @@ from .delta_codec import (
     count_long_gaps,
     decode,
     encode,
+    payload_values,
     put_units,
     take_units,
     with_ranges,
@@ -277,12 +278,20 @@ class DeltaProgram:
             stats.sent_bytes += HEADER_BYTES + payload.numel()
             stats.dense_bytes += n
         # The baselines become this round's messages (after every encode read them): where
-        # a message was compared, only its changed units differ.
+        # a message was compared, only its changed units differ; a payload that carries
+        # exactly those units gives their bytes (no second gather).
         for o in {o.key: o for o in rnd.outgoing if o.key in self.baselines}.values():
             baseline, index = self.baselines[o.key], changed.get(o.key)
             if index is None:
                 baseline.copy_(o.span)
-            else:
+                continue
+            form, count, payload = encoded.get((o.key, ()), (None, 0, None))
+            if form == DENSE:
+                baseline.copy_(o.span)
+            elif form is not None:
+                values = payload_values(payload, form, o.span.numel(), o.unit, count)
+                put_units(baseline, index, values, o.unit)
+            else:  # every variant sent carried fixed ranges too
                 put_units(baseline, index, take_units(o.span, index, o.unit), o.unit)
         return sends
 

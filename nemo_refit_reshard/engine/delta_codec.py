@@ -186,7 +186,7 @@ def encode(current: torch.Tensor, index: torch.Tensor, unit: int, form: int, out
     count = index.numel()
     if form == GAPS:
         values = count * unit
-        out[:values].copy_(take_units(current, index, unit))
+        _take_into(current, index, unit, out[:values])
         gaps, long_gaps = _gaps(index)
         out[values : values + count].copy_(gaps)
         end = values + count + long_gaps.numel()
@@ -201,8 +201,28 @@ def encode(current: torch.Tensor, index: torch.Tensor, unit: int, form: int, out
     else:
         head = -(-units // 8)
         out[:head].copy_(_bitmap(index, units, current.device))
-    out[head : head + count * unit].copy_(take_units(current, index, unit))
+    _take_into(current, index, unit, out[head : head + count * unit])
     return out[: head + count * unit]
+
+
+def _take_into(message: torch.Tensor, index: torch.Tensor, unit: int, out: torch.Tensor) -> None:
+    """:func:`take_units` written straight into ``out`` (no temporary on CPU)."""
+    if message.device.type == "cpu":
+        np.take(_np_units(message, unit), index.numpy(), out=_np_units(out, unit))
+        return
+    out.copy_(take_units(message, index, unit))
+
+
+def payload_values(payload: torch.Tensor, form: int, nbytes: int, unit: int, count: int):
+    """The changed units' bytes inside a payload of ``form`` (``count`` of them) for a
+    message of ``nbytes``: a view, nothing copied."""
+    if form == DENSE:
+        return payload
+    if form == GAPS:
+        return payload[: count * unit]
+    units = nbytes // unit
+    head = count * position_width(units) if form == POSITIONS else -(-units // 8)
+    return payload[head : head + count * unit]
 
 
 def _gaps(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
