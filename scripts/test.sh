@@ -13,6 +13,8 @@
 # one made for another Python environment is rebuilt:
 #   .venv-vllm        vLLM 0.33.0's model classes on CPU     scripts/setup_vllm_cpu.sh, ~1 min
 #   .venv-verl        veRL 0.9.1                             scripts/setup_verl_cpu.sh, ~3 min
+#   .venv-sglang      SGLang 0.5.23's model classes on CPU   scripts/setup_sglang_cpu.sh, ~2 min,
+#                                                            1.4 GB (triton)
 #   .venv-nemo-rl     NeMo RL + vLLM 0.25.1                  scripts/setup_nemo_rl_cpu.sh, ~3 min
 #   .venv-nemo-rl312  the same on Python 3.12 (NeMo RL's     ~10 min, most of it a ~2.6 GB
 #                     GRPO module needs it)                  torch download
@@ -41,6 +43,7 @@ fi
 
 bash scripts/setup_vllm_cpu.sh
 bash scripts/setup_verl_cpu.sh
+bash scripts/setup_sglang_cpu.sh
 if [ -n "${NEMO_RL_SOURCE:-}" ]; then
     # The Python 3.11 one over the running environment: NEMO_RL_PYTHON is for the other.
     NEMO_RL_PYTHON="" bash scripts/setup_nemo_rl_cpu.sh "$NEMO_RL_SOURCE" .venv-nemo-rl

@@ -123,6 +123,29 @@ def test_layout_follows_the_vllm_version(version: str, expert: str, capsys) -> N
     assert f"model.layers.0.mlp.{expert}.w13_weight" in names
 
 
+def test_layout_of_an_sglang_rank(capsys) -> None:
+    """SGLang's rank 1 of tp=4: a KV head of 8 per rank, q heads 8..15 (qwen3-8b:
+    32 heads, 8 KV heads, head_dim 128)."""
+    argv = ["layout", "--framework", "sglang", "--model", "qwen3-8b", "--parallel", "tp=4"]
+    assert main([*argv, "--rank", "1", "--filter", "layers.0.self_attn.qkv"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "sglang rank 1 of 4 (dp=0, engine_dp=0, pp=0, tp=1); model qwen3-8b"
+    assert out[3:6] == [
+        "    [0:1024, 0:4096] <- model.layers.0.self_attn.q_proj.weight[1024:2048, 0:4096]",
+        "    [1024:1280, 0:4096] <- model.layers.0.self_attn.k_proj.weight[256:512, 0:4096]",
+        "    [1280:1536, 0:4096] <- model.layers.0.self_attn.v_proj.weight[256:512, 0:4096]",
+    ]
+
+
+def test_layout_sglang_refuses_what_it_has_not_proven(capsys) -> None:
+    argv = ["layout", "--framework", "sglang", "--model", "qwen3-30b-a3b", "--parallel", "tp=4"]
+    assert main(argv) == 2
+    assert (
+        "error: SGLang layouts cover llama, qwen2, qwen3 (dense) so far; qwen3-30b-a3b is "
+        "family 'qwen3_moe' with experts: use the vLLM engine for it"
+    ) in capsys.readouterr().err
+
+
 def test_layout_unknown_vllm_version_exits_2(capsys) -> None:
     argv = ["layout", "--framework", "vllm", "--model", "small-qwen3", "--vllm-version", "0.9.2"]
     assert main(argv) == 2

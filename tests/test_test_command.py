@@ -17,7 +17,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SKIP_LINE = "NeMo RL tests skipped: set NEMO_RL_SOURCE=<clone or git URL> (NeMo RL is not on PyPI)"
-SETUPS = ("setup_vllm_cpu.sh", "setup_verl_cpu.sh", "setup_nemo_rl_cpu.sh")
+SETUPS = ("setup_vllm_cpu.sh", "setup_verl_cpu.sh", "setup_sglang_cpu.sh", "setup_nemo_rl_cpu.sh")
 
 
 def _tree(tmp_path: Path) -> Path:
@@ -72,6 +72,7 @@ def test_without_nemo_rl_source_one_line_says_how_and_the_rest_runs(tmp_path: Pa
     assert [line.split()[0] for line in lines if line.startswith("setup_")] == [
         "setup_vllm_cpu.sh",
         "setup_verl_cpu.sh",
+        "setup_sglang_cpu.sh",
     ]
     assert _pytest_args(lines) == ["-m", "pytest", "-q"]
 

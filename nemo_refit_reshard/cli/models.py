@@ -20,6 +20,7 @@ from ..layouts import (
     megatron_layout,
     vllm_layout,
 )
+from ..layouts.sglang import sglang_layout
 from ..spec import (
     InferParallel,
     ModelSpec,
@@ -29,7 +30,7 @@ from ..spec import (
     preset_configs,
 )
 
-FRAMEWORKS = ("megatron", "vllm", "dtensor")
+FRAMEWORKS = ("megatron", "vllm", "sglang", "dtensor")
 
 
 def cmd_layout(args: argparse.Namespace) -> int:
@@ -61,6 +62,8 @@ def build_layout(args: argparse.Namespace, spec: ModelSpec) -> RankLayout:
         return megatron_rank_layout(args, spec)
     if args.framework == "vllm":
         return vllm_rank_layout(args, spec)
+    if args.framework == "sglang":  # dense families, tp and replicas (layouts/sglang.py)
+        return sglang_layout(spec, InferParallel.parse(args.parallel), args.rank)
     return dtensor_rank_layout(args, spec)
 
 

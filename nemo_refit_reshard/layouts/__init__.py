@@ -14,6 +14,7 @@ from .dtensor import (
 from .megatron import MegatronOptions, megatron_layout, megatron_layouts, megatron_padded_vocab
 from .megatron_grid import megatron_layer_chunks, megatron_position
 from .refit import refit_layouts
+from .sglang import check_sglang_parallel, sglang_layout
 from .vllm import vllm_layout, vllm_layouts, vllm_padded_vocab
 from .vllm_grid import vllm_pp_indices
 from .vllm_releases import (
@@ -25,6 +26,8 @@ from .vllm_releases import (
 )
 
 __all__ = [
+    "check_sglang_parallel",
+    "sglang_layout",
     "DEFAULT_VLLM_VERSION",
     "VLLM_RELEASES",
     "VllmRelease",

@@ -1,7 +1,12 @@
 """SGLang 0.5.23's model classes on CPU (the venv of scripts/setup_sglang_cpu.sh).
 
-Foundation only: what makes ``sglang.srt.models.qwen3`` and ``qwen3_moe`` import on a CPU
-torch. Stand-ins (each one unavoidable, each listed here):
+What makes ``sglang.srt.models.qwen3`` and ``qwen3_moe`` import on a CPU torch
+(:func:`import_sglang_models`), and :func:`build_model`: SGLang's runtime context
+published with its own ``ServerArgs`` and ``publish`` (this rank's place given as SGLang's
+launcher gives it, ``SpawnRanks``), SGLang's own parallel state over gloo
+(``init_distributed_environment``, ``initialize_model_parallel``), and the model class
+SGLang's registry resolves for ``config.json``, built for one tensor-parallel rank.
+Stand-ins (each one unavoidable, each listed here):
 
 1. ``torchvision``: SGLang's ``sglang.srt.configs`` imports ``torchvision.transforms`` at
    module level (InternVL / DeepSeek-VL2 / DeepSeek-OCR preprocessing), and transformers'
@@ -11,9 +16,10 @@ torch. Stand-ins (each one unavoidable, each listed here):
    answers every ``torchvision.*`` import with an empty module whose attributes are inert
    classes, except ``InterpolationMode`` (an enum: SGLang's transformers patches read its
    members). No text model path calls torchvision.
-
-Not done yet (see the helper's report): SGLang's parallel state over gloo, the global
-server args, building Qwen3 and ``load_weights``.
+2. ``vllm._custom_ops.rotary_embedding``: off CUDA (and outside SGLang's CPU engine mode,
+   which needs ``sgl_kernel``'s compiled CPU kernels), SGLang's ``RotaryEmbedding`` binds
+   vLLM's CUDA rotary kernel as its fallback at construction. Only a forward pass calls
+   it, which these tests do not run; the stand-in raises if called.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
+from typing import Any
 
 
 class InterpolationMode(enum.Enum):
@@ -68,6 +75,50 @@ def stub_torchvision() -> None:
     """Install stand-in 1 before anything imports sglang (idempotent)."""
     if not any(isinstance(f, _TorchvisionFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _TorchvisionFinder())
+
+
+def _not_run(*args: object, **kwargs: object) -> None:
+    raise RuntimeError("stand-in for vLLM's CUDA rotary kernel: not run on CPU")
+
+
+def stub_rotary_kernel() -> None:
+    """Install stand-in 2 (idempotent)."""
+    if "vllm._custom_ops" in sys.modules:
+        return
+    vllm = types.ModuleType("vllm")
+    vllm.__path__ = []  # type: ignore[attr-defined]
+    vllm.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
+    ops = types.ModuleType("vllm._custom_ops")
+    ops.rotary_embedding = _not_run  # type: ignore[attr-defined]
+    vllm._custom_ops = ops  # type: ignore[attr-defined]
+    sys.modules.update({"vllm": vllm, "vllm._custom_ops": ops})
+
+
+def build_model(model_dir: str, tp: int, rank: int, port: int) -> Any:
+    """SGLang's model class for ``config.json`` in ``model_dir``, tensor-parallel rank
+    ``rank`` of ``tp`` (every rank a process; they meet at ``127.0.0.1:port``), float32
+    parameters on CPU, as SGLang's own code builds them."""
+    stub_torchvision()
+    stub_rotary_kernel()
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.models.registry import ModelRegistry
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+    from transformers import AutoConfig
+
+    args = ServerArgs(model_path=model_dir, device="cpu", tp_size=tp, skip_tokenizer_init=True)
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank, dp_rank=0, gpu_id=0))
+    parallel_state.init_distributed_environment(
+        world_size=tp,
+        rank=rank,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+        local_rank=rank,
+        backend="gloo",
+    )
+    parallel_state.initialize_model_parallel(backend="gloo")
+    config = AutoConfig.from_pretrained(model_dir)
+    model_cls, _ = ModelRegistry.resolve_model_cls(config.architectures)
+    return model_cls(config)
 
 
 def import_sglang_models() -> None:

@@ -1,4 +1,5 @@
-"""Where the CPU vLLM (and veRL) installs live, and running a program under them.
+"""Where the CPU vLLM (and veRL, NeMo RL, SGLang) installs live, and running a program
+under them.
 
 The vLLM tests run vLLM in its own processes, with the Python of the environment
 ``scripts/setup_vllm_cpu.sh`` made (``.venv-vllm``, or ``$NRR_VLLM_PYTHON``): vLLM
@@ -62,6 +63,22 @@ def installed_vllm_version() -> str | None:
 def skip_reason() -> str | None:
     probe = "from importlib.metadata import version; version('vllm')"  # fast: no import
     return _missing(vllm_python(), "vLLM", probe, SETUP_HINT)
+
+
+SGLANG_SETUP_HINT = (
+    "run bash scripts/test.sh, which builds .venv-sglang (about 2 minutes; or "
+    "scripts/setup_sglang_cpu.sh alone), to install SGLang for these tests"
+)
+
+
+def sglang_python() -> str | None:
+    """The interpreter with SGLang installed (``.venv-sglang`` or ``$NRR_SGLANG_PYTHON``)."""
+    return _venv_python("NRR_SGLANG_PYTHON", ".venv-sglang")
+
+
+def sglang_skip_reason() -> str | None:
+    probe = "from importlib.metadata import version; version('sglang')"  # fast: no import
+    return _missing(sglang_python(), "SGLang", probe, SGLANG_SETUP_HINT)
 
 
 VERL_SETUP_HINT = (
