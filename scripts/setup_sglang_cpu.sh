@@ -33,6 +33,10 @@ quiet "${PIP[@]}" --no-deps "sglang==$VERSION" "apache-tvm-ffi==0.1.11" \
     aiohttp aiohappyeyeballs aiosignal frozenlist multidict propcache yarl starlette \
     pyzmq msgspec pybase64 einops gguf compressed-tensors loguru dill psutil pillow \
     sentencepiece triton
+# Pure-Python packages whose own requirements are pure Python too (no torch): with their
+# dependencies. The OpenAI protocol types (openai at SGLang's pin, partial-json-parser)
+# are imported by the scheduler's batch module, fastapi and uvicorn by ServerArgs' chain.
+quiet "${PIP[@]}" "openai==2.8.0" partial-json-parser fastapi uvicorn
 PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)" quiet "$PY" -c \
     "from tests.helpers.sglang_cpu import import_sglang_models; import_sglang_models()"
 mark_done "$VENV" "sglang-$VERSION"

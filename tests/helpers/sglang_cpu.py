@@ -122,7 +122,15 @@ def build_model(model_dir: str, tp: int, rank: int, port: int) -> Any:
 
 
 def import_sglang_models() -> None:
-    """Import SGLang's Qwen3 dense and MoE model modules on CPU."""
+    """Import on CPU what the tests build: SGLang's Llama, Qwen2, Qwen3 and Qwen3-MoE
+    model modules, its server args, runtime context, parallel state and registry."""
     stub_torchvision()
+    stub_rotary_kernel()
+    import sglang.srt.distributed.parallel_state  # noqa: F401
+    import sglang.srt.models.llama  # noqa: F401
+    import sglang.srt.models.qwen2  # noqa: F401
     import sglang.srt.models.qwen3  # noqa: F401
     import sglang.srt.models.qwen3_moe  # noqa: F401
+    import sglang.srt.models.registry  # noqa: F401
+    import sglang.srt.runtime_context  # noqa: F401
+    import sglang.srt.server_args  # noqa: F401
