@@ -26,13 +26,15 @@ make_venv "$VENV"
 # level on the way to sglang.srt.models.qwen3 / qwen3_moe (aiohttp, starlette, pyzmq,
 # msgspec, pybase64: the server/IPC utils; einops, gguf, compressed-tensors: layers and
 # quantization registry; loguru, dill, psutil, pillow, sentencepiece: utils and configs;
-# triton: layers import triton kernels at module level, the wheel imports without a GPU).
+# triton: layers import triton kernels at module level, the wheel imports without a GPU;
+# orjson, IPython, traitlets: utils; found by building this venv over a fresh venv that
+# holds only this project's `.[test]` install).
 # torchvision is NOT installed: only CUDA wheels exist here and they fail to load on the
 # CPU torch; tests/helpers/sglang_cpu.py stands it in.
 quiet "${PIP[@]}" --no-deps "sglang==$VERSION" "apache-tvm-ffi==0.1.11" \
     aiohttp aiohappyeyeballs aiosignal frozenlist multidict propcache yarl starlette \
     pyzmq msgspec pybase64 einops gguf compressed-tensors loguru dill psutil pillow \
-    sentencepiece triton
+    sentencepiece triton orjson IPython traitlets
 # Pure-Python packages whose own requirements are pure Python too (no torch): with their
 # dependencies. The OpenAI protocol types (openai at SGLang's pin, partial-json-parser)
 # are imported by the scheduler's batch module, fastapi and uvicorn by ServerArgs' chain.
