@@ -2,7 +2,7 @@
 # Everything CI tests, in one command (.ci/run runs exactly this after the install):
 # builds the framework venvs the tests need and lacks, then runs the suite.
 #
-#   bash scripts/test.sh [PYTEST ARGS...]          # the whole suite (~15 min on 2 cores)
+#   bash scripts/test.sh [PYTEST ARGS...]          # the whole suite (~22 min on 2 cores)
 #   bash scripts/test.sh --fast [PYTEST ARGS...]   # -m "not slow": the tier for editing
 #
 # Run it with the Python the project is installed in (`pip install torch==2.13.0 -e
