@@ -138,11 +138,11 @@ def test_layout_of_an_sglang_rank(capsys) -> None:
 
 
 def test_layout_sglang_refuses_what_it_has_not_proven(capsys) -> None:
-    argv = ["layout", "--framework", "sglang", "--model", "qwen3-30b-a3b", "--parallel", "tp=4"]
+    argv = ["layout", "--framework", "sglang", "--model", "deepseek-v3", "--parallel", "tp=8"]
     assert main(argv) == 2
     assert (
-        "error: SGLang layouts cover llama, qwen2, qwen3 (dense) so far; qwen3-30b-a3b is "
-        "family 'qwen3_moe' with experts: use the vLLM engine for it"
+        "error: SGLang layouts cover llama, qwen2, qwen3, qwen3_moe so far; deepseek-v3 is "
+        "family 'deepseek_v3' with MLA: use the vLLM engine for it"
     ) in capsys.readouterr().err
 
 

@@ -12,6 +12,7 @@ the content check fails when ranks are swapped.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -27,12 +28,16 @@ from tests.helpers.model_configs import MODELS
 from tests.helpers.requires import requires
 
 P = InferParallel
+# Every layer an MoE block, as in Qwen3-MoE checkpoints (SGLang 0.5.23 builds experts in
+# every layer; the test config's dense layer 1 is refused below).
+CONFIGS = {**MODELS, "qwen3_moe_sparse": {**MODELS["qwen3_moe"], "mlp_only_layers": []}}
 CASES = [
     ("llama", P()),
     ("llama", P(tp=2)),
     ("llama", P(tp=4)),  # 2 KV heads over 4 ranks: each replicated twice
     ("qwen2", P(tp=4)),  # qkv biases, KV replication
     ("qwen3", P(tp=2)),  # q/k norms, tied embeddings, vocabulary padded 100 -> 128
+    ("qwen3_moe_sparse", P(tp=2)),  # every expert sliced over the tp ranks
 ]
 
 
@@ -41,7 +46,7 @@ def _id(case: tuple[str, InferParallel]) -> str:
 
 
 def _spec(model: str) -> ModelSpec:
-    return spec_from_hf_config(MODELS[model], name=model)
+    return spec_from_hf_config(CONFIGS[model], name=model)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +58,7 @@ def sglang_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     builds = []
     for model in sorted({m for m, _ in CASES}):
         (work / model).mkdir()
-        (work / model / "config.json").write_text(json.dumps(MODELS[model]))
+        (work / model / "config.json").write_text(json.dumps(CONFIGS[model]))
         save_file(random_tensors(_spec(model), 0), str(work / f"{model}.safetensors"))
     for case in CASES:
         model, par = case
@@ -126,12 +131,13 @@ def test_a_wrong_shard_is_caught(sglang_runs: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     "model, par, message",
     [
-        ("qwen3_moe", P(tp=2), "SGLang layouts cover llama, qwen2, qwen3 (dense) so far"),
-        ("deepseek_v3", P(tp=2), "with MLA: use the vLLM engine for it"),
+        ("qwen3_moe", P(tp=2), "has dense MLP layers [1] (mlp_only_layers / decoder_sparse"),
+        ("qwen3_moe_sparse", P(tp=8), "tp=8 exceeds num_experts=4 (SGLang's rule)"),
+        ("deepseek_v3", P(tp=2), "family 'deepseek_v3' with MLA: use the vLLM engine for it"),
         ("qwen3_fp8", P(tp=2), "do not cover FP8 engines yet"),
         ("qwen3", P(tp=2, pp=2), "drop pp/engine_dp/ep for SGLang"),
     ],
 )
 def test_what_is_not_proven_is_refused_by_name(model: str, par: InferParallel, message: str):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         check_sglang_parallel(_spec(model), par)

@@ -12,9 +12,15 @@ over ``tp / num_key_value_heads`` ranks, ``MergedColumnParallelLinear`` stacks
 and ``VocabParallelEmbedding`` pads the vocabulary to a multiple of 64 and splits the
 padded rows. So the provider is vLLM's, named ``sglang``.
 
-Not yet proven here, and refused by name: MoE (SGLang's ``FusedMoE`` with its own
-expert-parallel and MoE-TP widths), MLA (DeepSeek-V3, Kimi-K2), DP attention
-(``--enable-dp-attention``: attention TP = tp / dp), pipeline parallelism and FP8.
+Qwen3-MoE with tensor parallelism only: SGLang's ``FusedMoE`` holds every expert, each
+sliced over the tp ranks, as ``mlp.experts.w13_weight`` / ``w2_weight`` — vLLM 0.11's
+layout (before vLLM moved them under ``experts.routed_experts``). SGLang 0.5.23 builds
+an MoE block in *every* layer (it reads no ``mlp_only_layers``), so a config with dense
+layers is refused: SGLang would hold experts where the checkpoint has a dense MLP.
+
+Not yet proven here, and refused by name: expert parallelism and SGLang's MoE-TP widths,
+MLA (DeepSeek-V3, Kimi-K2), DP attention (``--enable-dp-attention``: attention TP =
+tp / dp), pipeline parallelism and FP8.
 """
 
 from __future__ import annotations
@@ -28,18 +34,31 @@ from .vllm import vllm_layout
 from .vllm_releases import VllmOptions
 
 SGLANG_VERSION = "0.5.23"
-SGLANG_FAMILIES = ("llama", "qwen2", "qwen3")  # proven against SGLang's classes
+SGLANG_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # proven against SGLang's classes
+# vLLM's release whose MoE names SGLang's match (``experts.w13_weight``)
+_MOE_NAMES_OF = "0.11.0"
 
 
 def check_sglang_parallel(spec: ModelSpec, parallel: InferParallel) -> None:
     """Raise ``ValueError`` for what this provider has not proven against SGLang."""
     a = spec.arch
-    if a.family not in SGLANG_FAMILIES or a.moe is not None or a.mla is not None:
+    if a.family not in SGLANG_FAMILIES or a.mla is not None:
         raise ValueError(
-            f"SGLang layouts cover {', '.join(SGLANG_FAMILIES)} (dense) so far; "
-            f"{spec.name} is family {a.family!r}{' with experts' if a.moe else ''}"
-            f"{' with MLA' if a.mla else ''}: use the vLLM engine for it"
+            f"SGLang layouts cover {', '.join(SGLANG_FAMILIES)} so far; {spec.name} is "
+            f"family {a.family!r}{' with MLA' if a.mla else ''}: use the vLLM engine for it"
         )
+    if a.moe is not None:
+        if a.moe.sparse_layers != tuple(range(a.num_layers)):
+            dense = sorted(set(range(a.num_layers)) - set(a.moe.sparse_layers))
+            raise ValueError(
+                f"{spec.name} has dense MLP layers {dense} (mlp_only_layers / "
+                "decoder_sparse_step): SGLang 0.5.23 builds experts in every Qwen3-MoE "
+                "layer, so its parameters would not match the checkpoint there"
+            )
+        if parallel.tp > a.moe.num_experts:
+            raise ValueError(
+                f"tp={parallel.tp} exceeds num_experts={a.moe.num_experts} (SGLang's rule)"
+            )
     if a.quant is not None:
         raise ValueError("SGLang layouts do not cover FP8 engines yet; serve BF16 weights")
     if parallel.pp > 1 or parallel.engine_dp > 1 or parallel.expert_parallel:
@@ -54,5 +73,7 @@ def sglang_layout(
 ) -> RankLayout:
     """The local tensors and canonical pieces of SGLang inference rank ``rank``."""
     check_sglang_parallel(spec, parallel)
-    layout = vllm_layout(spec, parallel, rank, VllmOptions(params_dtype=params_dtype))
+    version = _MOE_NAMES_OF if spec.arch.moe is not None else None
+    opts = VllmOptions(params_dtype=params_dtype, vllm_version=version)
+    layout = vllm_layout(spec, parallel, rank, opts)
     return dataclasses.replace(layout, framework="sglang")
