@@ -147,6 +147,20 @@ def test_the_gpu_gap_code_gives_the_numpy_bytes_on_cpu_tensors() -> None:
     assert _ungap_torch(payload, 7).tolist() == index.tolist()
 
 
+def test_a_gaps_payload_that_disagrees_with_its_header_is_refused() -> None:
+    """Gaps past the message's end, or a payload of another length than its gap bytes
+    say, raise before anything is written."""
+    from nemo_refit_reshard.engine.delta_codec import decode
+
+    values = torch.tensor([5, 0, 6, 0], dtype=torch.uint8)  # two bf16 units
+    past_end = torch.cat([values, torch.tensor([200, 100], dtype=torch.uint8)])
+    with pytest.raises(ValueError, match="gaps reach unit 299 of a 256-unit message"):
+        decode(past_end, Header(GAPS, 0, 2, 6), 512, 2)
+    missing_long = torch.cat([values, torch.tensor([1, 0], dtype=torch.uint8)])
+    with pytest.raises(ValueError, match="has 2 gap bytes, not 6"):
+        decode(missing_long, Header(GAPS, 0, 2, 6), 512, 2)
+
+
 def test_a_first_change_past_255_units_is_a_long_gap() -> None:
     assert count_long_gaps(torch.tensor([254, 600])) == 1  # only 600 - 254
     assert count_long_gaps(torch.tensor([255])) == 1  # 256 from -1

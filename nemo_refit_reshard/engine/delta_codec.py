@@ -253,6 +253,7 @@ def _ungap(payload: torch.Tensor, count: int) -> torch.Tensor:
     gaps = payload[:count].numpy().astype(np.int64)
     long = gaps == 0
     n = int(np.count_nonzero(long))
+    _check_gap_bytes(payload, count, n)
     gaps[long] = payload[count : count + 4 * n].numpy().view("<u4")
     return torch.from_numpy(np.cumsum(gaps) - 1)
 
@@ -261,11 +262,22 @@ def _ungap_torch(payload: torch.Tensor, count: int) -> torch.Tensor:
     """:func:`_ungap` in torch ops (any device; the GPU's path)."""
     gaps = payload[:count].to(torch.int64)
     long = gaps == 0
-    n = int(long.sum())  # the one host sync of a GAPS decode
+    n = int(long.sum())  # a host sync of a GAPS decode
+    _check_gap_bytes(payload, count, n)
     wide = torch.zeros(n, 8, dtype=torch.uint8, device=payload.device)
     wide[:, :4] = payload[count : count + 4 * n].view(n, 4)
     gaps[long] = wide.view(torch.int64).squeeze(1)
     return torch.cumsum(gaps, 0) - 1
+
+
+def _check_gap_bytes(payload: torch.Tensor, count: int, long_gaps: int) -> None:
+    """A ``GAPS`` payload holds exactly its ``count`` gap bytes and ``4·long_gaps`` bytes of
+    long gaps after the values: anything else is not the payload its header describes."""
+    if payload.numel() != count + 4 * long_gaps:
+        raise ValueError(
+            f"a gaps payload with {count} gaps, {long_gaps} of them long, has "
+            f"{payload.numel()} gap bytes, not {count + 4 * long_gaps}"
+        )
 
 
 def _bitmap(index: torch.Tensor, units: int, device: torch.device) -> torch.Tensor:
@@ -297,6 +309,8 @@ def decode(payload: torch.Tensor, header: Header, nbytes: int, unit: int):
     if header.form == GAPS:
         values = header.count * unit
         index = _ungap(payload[values:], header.count)
+        if header.count and int(index[-1]) >= units:
+            raise ValueError(f"gaps reach unit {int(index[-1])} of a {units}-unit message")
         return index, payload[:values]
     if header.form == POSITIONS:
         width = position_width(units)
