@@ -157,7 +157,8 @@ def plan_title(cfg: RunConfig, timed: TimedPlan) -> str:
     plan = timed.plan
     title = (
         f"plan {plan.fingerprint}: {timed.spec.name}, training {cfg.train} ({plan.num_sources}"
-        f" ranks) -> inference {cfg.infer} ({plan.num_destinations} ranks)"
+        f" ranks) -> {engine_word(cfg.infer_engine)}inference {cfg.infer} "
+        f"({plan.num_destinations} ranks)"
     )
     quant = timed.spec.arch.quant
     if quant is not None:  # layouts/fp8_wire.py
@@ -167,6 +168,11 @@ def plan_title(cfg: RunConfig, timed: TimedPlan) -> str:
             f"blocks, the rest quantized by the inference ranks; on the wire: {by_dtype}"
         )
     return title
+
+
+def engine_word(engine: str) -> str:
+    """The titles name the inference engine when it is not the default (vLLM)."""
+    return "" if engine == "vllm" else {"sglang": "SGLang "}.get(engine, f"{engine} ")
 
 
 def plan_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
@@ -351,6 +357,7 @@ def simulation_report(
         "model": refit.spec.name,
         "train": cfg.train,
         "infer": cfg.infer,
+        "infer_engine": cfg.infer_engine,
         "relay": cfg.relay if choice is None else f"auto: {choice.chosen}",
         "relay_choice": None if choice is None else choice.reason,
         "pipeline_stages_note": stages_note,
@@ -380,7 +387,8 @@ def simulation_title(report: dict[str, Any], refit: ClusterRefit) -> str:
     plan = refit.plan
     return (
         f"simulate {report['model']}: training {report['train']} ({plan.num_sources} GPUs on "
-        f"{report['training_nodes']} nodes) -> inference {report['infer']} "
+        f"{report['training_nodes']} nodes) -> {engine_word(report['infer_engine'])}"
+        f"inference {report['infer']} "
         f"({plan.num_destinations} GPUs on {report['inference_nodes']} nodes), "
         f"relay {report['relay']}"
     )

@@ -14,11 +14,13 @@ from ..runner import RunConfig, RunResult, run_colocated, run_local
 from ..runner.colocated import BACKEND as COLOCATED
 from ..runner.colocated import colocated_plan
 from .delta_report import delta_row, delta_steps, print_delta_steps
-from .plan import TimedPlan, mib, plan_summary, timed_plan
+from .plan import TimedPlan, engine_word, mib, plan_summary, timed_plan
 from .run_args import run_config
 
 # What ``report["config"]`` repeats of the run's configuration.
-REPORTED_CONFIG = ("model", "train", "infer", "steps", "bucket_mb", "transport", "relay")
+REPORTED_CONFIG = (
+    "model", "train", "infer", "infer_engine", "steps", "bucket_mb", "transport", "relay",
+)  # fmt: skip
 DELTA_CONFIG = ("delta", "lr", "anchor_every")  # reported when --delta
 
 
@@ -187,7 +189,8 @@ def print_report(report: dict[str, Any]) -> None:
     cfg, plan = report["config"], report["plan"]
     print(
         f"refit {cfg['model']}: training {cfg['train']} ({plan['sources']} ranks) -> "
-        f"inference {cfg['infer']} ({plan['destinations']} ranks), gloo on localhost, "
+        f"{engine_word(cfg['infer_engine'])}inference {cfg['infer']} "
+        f"({plan['destinations']} ranks), gloo on localhost, "
         f"{cfg['steps']} timed steps"
     )
     base = report["backends"].get("broadcast", {}).get("median_s")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..layouts.refit import INFER_ENGINES
 from ..runner import RunConfig
 
 BACKENDS = ("reshard", "broadcast", "delta")  # delta: reshard sending deltas (--delta)
@@ -41,6 +42,13 @@ def add_run_arguments(p: argparse.ArgumentParser, steps: int) -> None:
         help="Megatron num_layers_in_last_pipeline_stage",
     )
     p.add_argument("--infer-dtype", default=None, help="inference params dtype")
+    p.add_argument(
+        "--infer-engine",
+        choices=INFER_ENGINES,
+        default="vllm",
+        help="whose parameter layouts the inference ranks hold: vLLM's (default) or "
+        "SGLang's (--infer tp=,dp= and what layouts/sglang.py proves)",
+    )
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--backends", default="reshard,broadcast")
     p.add_argument("--timeout", type=float, default=600, help="seconds any wait may take")
@@ -139,6 +147,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         seed=args.seed,
         train_dtype=args.train_dtype,
         infer_dtype=args.infer_dtype,
+        infer_engine=args.infer_engine,
         transport=args.transport,
         first_stage_layers=args.first_stage_layers,
         last_stage_layers=args.last_stage_layers,

@@ -12,7 +12,7 @@ from ..spec import InferParallel, ModelSpec, TrainParallel, load_model_spec
 @dataclass
 class RunConfig:
     """One local refit run (``demo``, ``bench``, tests, benchmarks): Megatron training
-    ranks refit into vLLM inference ranks, every rank a process on this machine. It
+    ranks refit into vLLM (or SGLang) inference ranks, every rank a process on this machine. It
     travels to the ranks as JSON, so every field is a plain value."""
 
     model: str = "small-qwen3"
@@ -28,6 +28,7 @@ class RunConfig:
     first_stage_layers: int | None = None  # Megatron num_layers_in_first_pipeline_stage
     last_stage_layers: int | None = None  # Megatron num_layers_in_last_pipeline_stage
     infer_dtype: str | None = None
+    infer_engine: str = "vllm"  # or "sglang": whose layouts the inference ranks hold
     verify: bool = True
     transport: str = "gloo"  # or "cupy-nccl" (one GPU per rank, round robin over devices)
     kill_rank: int | None = None  # fault injection: this group rank dies ...
@@ -62,7 +63,9 @@ def build_layouts(cfg: RunConfig) -> tuple[ModelSpec, list[RankLayout], list[Ran
         num_layers_in_last_pipeline_stage=cfg.last_stage_layers,
     )
     vllm = VllmOptions(params_dtype=cfg.infer_dtype)
-    sources, destinations = refit_layouts(spec, train, infer, megatron, vllm, cfg.fp8_on_wire)
+    sources, destinations = refit_layouts(
+        spec, train, infer, megatron, vllm, cfg.fp8_on_wire, cfg.infer_engine
+    )
     return spec, sources, destinations
 
 

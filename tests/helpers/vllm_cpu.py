@@ -16,8 +16,10 @@ Everything else — ``VllmConfig``, the model registry, the layers and their
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -133,6 +135,8 @@ def vllm_config(hf_config: dict[str, Any], r: EngineRank, dtype: str | None = No
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
 
     model_dir = tempfile.mkdtemp(prefix="vllm-cpu-model-")
+    # vLLM reads config.json again while it builds the model: removed when the process ends.
+    atexit.register(shutil.rmtree, model_dir, ignore_errors=True)
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(hf_config, f)
     model = ModelConfig(

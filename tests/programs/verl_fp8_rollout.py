@@ -34,9 +34,11 @@ from its installed package).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import tempfile
 import traceback
@@ -148,12 +150,16 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     quant = import_verl_quantization(spec["verl"])
     # veRL's quantizer logs from global rank 0: a vLLM worker has torch.distributed up.
-    store = tempfile.mkstemp(prefix="verl-fp8-pg-")[1]
+    fd, store = tempfile.mkstemp(prefix="verl-fp8-pg-")
+    os.close(fd)
+    # FileStore removes it when the group is destroyed; this is for when it is not.
+    atexit.register(lambda: os.path.exists(store) and os.unlink(store))
     torch.distributed.init_process_group(
         "gloo", init_method=f"file://{store}", rank=0, world_size=1
     )
     quant.apply_vllm_quant_patches()  # veRL does this before the engine builds
     model_dir = tempfile.mkdtemp(prefix="verl-fp8-model-")
+    atexit.register(shutil.rmtree, model_dir, ignore_errors=True)
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(spec["config"], f)
     engine = ReshardEngineConfig(**{**spec["engine"], "model": model_dir})
