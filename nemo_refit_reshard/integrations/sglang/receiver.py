@@ -1,0 +1,221 @@
+"""Refit inside SGLang's scheduler processes: one rank's operations on SGLang's model.
+
+Every function takes SGLang's model, as SGLang hands it to a custom weight loader
+(``loader.py``: ``WeightUpdater.update_weights_from_tensor`` calls
+``custom_loader(model, named_tensors)`` in every tensor-parallel rank). This rank's
+state — its refit-group membership, the compiled plan and the weights' version — lives
+on the model object, so it survives from one ``update_weights_from_tensor`` call to the
+next, as the vLLM receiver keeps it on vLLM's worker. Each rank runs, in order::
+
+    refit_describe(model)                        -> this rank's live parameters
+    refit_join(model, endpoint_json, first_rank) -> joins the refit group
+    refit_load_plan(model, plan, fingerprint)    -> checks and compiles its plan slice
+    refit_step(model, step)                      -> one refit, in place
+    refit_close(model)
+
+Parameters are written **in place** (``RefitWorker`` unpacks into the live tensors):
+their storage never moves, so CUDA graphs SGLang captured stay valid.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ...engine.program import live_tensor_problems
+from ...plan import PlanError, RankPlan, RefitPlan, load_plan_json
+from ..worker import RefitEndpoint, RefitWorker, WeightsState, describe_tensors, device_name
+
+STATE_ATTR = "_nemo_refit_reshard_state"
+
+# What SGLang derives from the loaded weights in ``post_load_weights`` (DeepSeek MLA's
+# per-head ``w_kc``/``w_vc``, ``layouts/sglang.py::sglang_derived_tensors``): never sent,
+# recomputed by SGLang's own method after every refit.
+DERIVED_SUFFIXES = (".w_kc", ".w_vc")
+
+
+@dataclass
+class _RankState:
+    engine_rank: int
+    params: dict[str, torch.Tensor]  # written in place
+    refit: RefitWorker | None = None
+    weights: WeightsState = field(default_factory=WeightsState)  # across memberships
+    steps: int = 0
+    errors: list[str] = field(default_factory=list)  # what the loader caught (loader.py)
+
+
+def sglang_version() -> str:
+    import sglang
+
+    return str(sglang.__version__)
+
+
+def engine_rank() -> int:
+    """This rank's place in its engine: SGLang's tensor-parallel rank. Pipeline
+    parallelism is refused: the SGLang layouts (``layouts/sglang.py``) are tp only."""
+    from sglang.srt.distributed import parallel_state as ps
+
+    if ps.get_pp_group().world_size != 1:
+        raise PlanError("SGLang with pipeline parallelism: the refit plans tp only")
+    return int(ps.get_tensor_model_parallel_rank())
+
+
+def refit_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter a refit writes: all of the model's but the derived ones."""
+    return {n: p for n, p in model.named_parameters() if not n.endswith(DERIVED_SUFFIXES)}
+
+
+def _state(model: torch.nn.Module) -> _RankState:
+    state = getattr(model, STATE_ATTR, None)
+    if state is None:
+        state = _RankState(engine_rank=engine_rank(), params=refit_parameters(model))
+        # object.__setattr__: nn.Module's __setattr__ would register nothing here, but
+        # going around it keeps the state out of any module bookkeeping.
+        object.__setattr__(model, STATE_ATTR, state)
+    return state
+
+
+def refit_describe(model: torch.nn.Module) -> dict[str, Any]:
+    """This rank's live parameters and where it sits, for the driver to check the plan."""
+    s = _state(model)
+    first = next(iter(s.params.values()))
+    return {
+        "sglang_version": sglang_version(),
+        "engine_rank": s.engine_rank,
+        "device": str(first.device),
+        "gpu": device_name(first.device),
+        "tensors": describe_tensors(s.params),
+    }
+
+
+def refit_join(model: torch.nn.Module, endpoint_json: str, first_rank: int) -> int:
+    """Join the refit group as rank ``first_rank + engine rank``; returns that rank.
+    Every rank receives the same arguments (one ``update_weights_from_tensor``
+    payload for the whole engine), so the endpoint's ``group_rank`` is ignored."""
+    s = _state(model)
+    refit_close(model)  # joining again replaces the previous membership
+    endpoint = replace(
+        RefitEndpoint.from_json(endpoint_json), group_rank=first_rank + s.engine_rank
+    )
+    s.refit = RefitWorker(endpoint, s.params, weights=s.weights)
+    s.refit.join()
+    return endpoint.group_rank
+
+
+def _read_plan(plan: str | Mapping[str, str], group_rank: int) -> str:
+    """JSON text; a path (``{rank}`` is this rank's refit rank); or a mapping from refit
+    rank (as a string) to JSON text."""
+    if isinstance(plan, Mapping):
+        if str(group_rank) not in plan:
+            raise PlanError(
+                f"the plan slices shipped to this engine are for refit ranks "
+                f"{sorted(plan, key=int)}, not for this rank's {group_rank}"
+            )
+        return plan[str(group_rank)]
+    if plan.strip().startswith("{"):
+        return plan
+    path = plan.format(rank=group_rank)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"refit plan file {path!r} does not exist on this rank")
+    with open(path) as f:
+        return f.read()
+
+
+def refit_check_plan(
+    model: torch.nn.Module,
+    plan: str | Mapping[str, str],
+    group_rank: int,
+    fingerprint: str | None = None,
+) -> RefitPlan | RankPlan:
+    """The plan for refit rank ``group_rank``, checked on this rank alone: it must write
+    exactly the live parameters with their shapes and dtypes, and be a slice of the
+    driver's plan (``fingerprint``) when given. A mismatch is a ``PlanError``."""
+    s = _state(model)
+    loaded = load_plan_json(_read_plan(plan, group_rank))
+    where = f"SGLang {sglang_version()} tp rank {s.engine_rank}"
+    if fingerprint is not None and loaded.fingerprint != fingerprint:
+        raise PlanError(
+            f"{where}: the plan shipped to refit rank {group_rank} is "
+            f"{loaded.fingerprint[:12]}, not the driver's plan {fingerprint[:12]}: ship "
+            "every rank a slice of the same plan"
+        )
+    expected = loaded.expected_tensors(group_rank)
+    problems = [
+        f"{n}: live, but the plan does not write it" for n in sorted(set(s.params) - set(expected))
+    ]
+    problems += live_tensor_problems(expected, s.params, None)
+    if problems:
+        raise PlanError.listing(
+            f"{where}: live parameters do not match the plan",
+            problems,
+            "build the plan with layouts/sglang.py for this engine's tp and dtype",
+        )
+    return loaded
+
+
+def refit_load_plan(
+    model: torch.nn.Module, plan: str | Mapping[str, str], fingerprint: str | None = None
+) -> int:
+    """Check the plan (:func:`refit_check_plan`) and compile this rank's program.
+    Collective over the refit group. Returns the number of parameters it writes."""
+    s = _state(model)
+    if s.refit is None:
+        raise RuntimeError("join the refit group before loading a plan")
+    rank = s.refit.endpoint.group_rank
+    loaded = refit_check_plan(model, plan, rank, fingerprint)
+    s.refit.load_plan(loaded)
+    return len(loaded.expected_tensors(rank))
+
+
+def refit_step(model: torch.nn.Module, step: int | None = None) -> dict[str, float]:
+    """One refit (collective), in place; this rank's timing.
+
+    Versioned: the weights are stale from the start until it completes, and a failed
+    refit leaves them so (``refit_status``). Then SGLang's own ``post_load_weights``
+    reruns, as SGLang's loaders run it after ``load_weights``: a custom loader bypasses
+    ``load_weights``, and SGLang's ``end_weight_update`` skips it once a load ran."""
+    s = _state(model)
+    if s.refit is None or s.refit.refitter is None:
+        raise RuntimeError("join the refit group and load a plan before a refit step")
+    timing = s.refit.refit(step)
+    start = time.perf_counter()
+    try:
+        from sglang.srt.model_loader.loader import post_load_weights
+
+        post_load_weights(model)  # a no-op where the model has no post_load_weights
+    except BaseException as err:
+        # the refit parameters are new, what SGLang derives from them is not
+        s.weights.failed(s.weights.step if s.weights.step is not None else s.steps, err)
+        raise
+    s.steps += 1
+    return {
+        "group_rank": float(s.refit.endpoint.group_rank),
+        "seconds": timing.seconds,
+        "derived_seconds": time.perf_counter() - start,
+    }
+
+
+def refit_status(model: torch.nn.Module) -> dict[str, object]:
+    """This rank's weights (the last complete refit's step and plan, or why stale) and
+    the errors the loader caught."""
+    s = _state(model)
+    return {**s.weights.as_dict(), "errors": list(s.errors)}
+
+
+def refit_require_fresh(model: torch.nn.Module) -> None:
+    """Raise ``StaleWeightsError`` naming the failed step if this rank's weights may be
+    torn: ask every rank before continuing generation."""
+    s = _state(model)
+    s.weights.require_fresh(f"generation on SGLang tp rank {s.engine_rank}")
+
+
+def refit_close(model: torch.nn.Module) -> None:
+    s = getattr(model, STATE_ATTR, None)
+    if s is not None and s.refit is not None:
+        s.refit.close()
+        s.refit = None

@@ -1,0 +1,203 @@
+"""Refit SGLang's own model classes on CPU through SGLang's own weight-update path
+(run under the Python of ``scripts/setup_sglang_cpu.sh``).
+
+    python -m tests.programs.sglang_receiver_job JOB.json RESULT.json
+
+JOB: ``{"config", "model_dir", "initial", "steps": [seed, ...], "timeout_s"}``. Two
+training ranks (Megatron tp=2 float32 shards materialized from each step's canonical
+tensors; this project's sender, ``RefitWorker``) and two SGLang tp ranks (SGLang's
+model class built and first loaded by SGLang, ``tests/helpers/sglang_cpu.py``) join one
+gloo refit group. Every SGLang rank drives the receiver through SGLang's own
+``WeightUpdater.update_weights_from_tensor(..., load_format=LOADER)`` inside its
+``begin_weight_update`` / ``end_weight_update``, then after the training ranks have gone
+tries a plan of another fingerprint and a third step. RESULT: one entry per SGLang rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from typing import Any
+
+import torch.multiprocessing as mp
+
+TRAIN, INFER = 2, 2  # training tp, SGLang tp
+
+
+def _spec(job: dict[str, Any]):
+    from nemo_refit_reshard.spec import spec_from_hf_config
+
+    return spec_from_hf_config(job["config"], name="qwen3")
+
+
+def _train(job: dict[str, Any], rank: int) -> None:
+    from nemo_refit_reshard.engine.materialize import materialize
+    from nemo_refit_reshard.integrations.worker import RefitEndpoint, RefitWorker
+    from nemo_refit_reshard.layouts import MegatronOptions, megatron_layout
+    from nemo_refit_reshard.spec import TrainParallel
+    from tests.helpers.checkpoints import random_tensors
+
+    spec = _spec(job)
+    opts = MegatronOptions(params_dtype="float32")
+    layout = megatron_layout(spec, TrainParallel(tp=TRAIN), rank, opts)
+    endpoint = dataclasses.replace(RefitEndpoint.from_json(job["endpoint"]), group_rank=rank)
+    tensors = materialize(layout, random_tensors(spec, job["steps"][0]))
+    worker = RefitWorker(endpoint, tensors)
+    worker.join()
+    worker.load_plan(job["plan"][str(rank)])
+    for step, seed in enumerate(job["steps"], start=1):
+        # a trainer's optimizer step: new values in the same storage
+        for name, value in materialize(layout, random_tensors(spec, seed)).items():
+            tensors[name].copy_(value)
+        worker.refit(step)
+    worker.close()  # gone: the SGLang ranks' third step finds no peer
+
+
+def _sglang(job: dict[str, Any], rank: int, port: int, out: Any) -> None:
+    try:
+        out.put((rank, _sglang_rank(job, rank, port), None))
+    except BaseException as err:  # noqa: BLE001 - reported to the parent
+        import traceback
+
+        out.put((rank, None, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+
+
+def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    from nemo_refit_reshard.engine.materialize import mismatches
+    from nemo_refit_reshard.integrations.sglang import (
+        LOADER,
+        refit_command,
+        refit_describe,
+        refit_require_fresh,
+        refit_status,
+    )
+    from nemo_refit_reshard.integrations.worker import StaleWeightsError
+    from nemo_refit_reshard.layouts.sglang import sglang_layout
+    from nemo_refit_reshard.spec import InferParallel
+    from tests.helpers.checkpoints import random_tensors
+    from tests.helpers.sglang_cpu import build_model
+
+    model = build_model(job["model_dir"], INFER, rank, port)
+    model.load_weights(iter(load_file(job["initial"]).items()))  # SGLang's own start-up load
+    updater = _weight_updater(model, rank)
+    spec = _spec(job)
+    layout = sglang_layout(spec, InferParallel(tp=INFER), rank, params_dtype="float32")
+    params = dict(model.named_parameters())
+    pointers = {n: p.data_ptr() for n, p in params.items()}
+
+    def run(op: str, **arguments: Any) -> None:
+        # the driver's sequence per call: begin session, the loader's command, end
+        updater.begin_weight_update()
+        ok, message = updater.update_weights_from_tensor(
+            refit_command(op, **arguments), load_format=LOADER
+        )
+        assert ok, message
+        updater.end_weight_update(run_post_load=False)
+
+    result: dict[str, Any] = {"described": refit_describe(model), "steps": []}
+    run("join", endpoint_json=job["endpoint"], first_rank=TRAIN)
+    run("load_plan", plan=job["plan"], fingerprint=job["fingerprint"])
+    for step, seed in enumerate(job["steps"], start=1):
+        run("step", step=step)
+        canonical = random_tensors(spec, seed)
+        result["steps"].append(
+            {
+                "step": step,
+                "differ": mismatches(layout, params, canonical),
+                "moved": [n for n, p in params.items() if p.data_ptr() != pointers[n]],
+                "status": refit_status(model),
+            }
+        )
+    run("load_plan", plan=job["plan"], fingerprint="0" * 64)  # another plan's slice
+    result["bad_plan"] = refit_status(model)
+    run("step", step=len(job["steps"]) + 1)  # the training ranks have gone
+    result["dead_peer"] = refit_status(model)
+    try:
+        refit_require_fresh(model)  # what the driver asks before continuing generation
+        result["require_fresh"] = None
+    except StaleWeightsError as err:
+        result["require_fresh"] = str(err)
+    result["moved_after_failure"] = [n for n, p in params.items() if p.data_ptr() != pointers[n]]
+    run("close")
+    return result
+
+
+def _weight_updater(model: Any, rank: int) -> Any:
+    """SGLang's own per-runner ``WeightUpdater``, as ``ModelRunner.init_weight_updater``
+    builds it, with our loader registered as ``--custom-weight-loader`` registers it.
+    Stand-in: no ``ModelRunner`` (it allocates the KV cache and captures graphs, which
+    needs a GPU); its callbacks the tensor path does not use are left unset."""
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+    from nemo_refit_reshard.integrations.sglang import LOADER
+
+    def unused(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("not on SGLang's update_weights_from_tensor path")
+
+    return WeightUpdater(
+        tp_rank=rank,
+        device="cpu",
+        gpu_id=0,
+        model_config=None,
+        custom_weight_loaders=[LOADER],
+        get_model=lambda: model,
+        update_model_fields=unused,
+        recapture_cuda_graph=unused,
+        get_model_runner=unused,
+    )
+
+
+def main(job_path: str, result_path: str) -> int:
+    from safetensors.torch import save_file
+
+    from nemo_refit_reshard.engine.rendezvous import free_port
+    from nemo_refit_reshard.integrations.worker import RefitEndpoint
+    from nemo_refit_reshard.layouts import MegatronOptions, megatron_layout
+    from nemo_refit_reshard.layouts.sglang import sglang_layout
+    from nemo_refit_reshard.plan import plan_refit, rank_plan
+    from nemo_refit_reshard.spec import InferParallel, TrainParallel
+    from tests.helpers.checkpoints import random_tensors
+
+    job = json.load(open(job_path))
+    spec = _spec(job)
+    save_file(random_tensors(spec, job["initial_seed"]), job["initial"])
+    opts = MegatronOptions(params_dtype="float32")
+    sources = [megatron_layout(spec, TrainParallel(tp=TRAIN), r, opts) for r in range(TRAIN)]
+    dests = [
+        sglang_layout(spec, InferParallel(tp=INFER), r, params_dtype="float32")
+        for r in range(INFER)
+    ]
+    plan = plan_refit(spec, sources, dests, bucket_mb=1)
+    job["plan"] = {str(r): rank_plan(plan, r).to_json() for r in range(TRAIN + INFER)}
+    job["fingerprint"] = plan.fingerprint
+    # rendezvous waits for SGLang's slow start-up; every later wait is short, so the
+    # step after the training ranks have gone fails within ``timeout_s``
+    endpoint = RefitEndpoint(
+        "127.0.0.1", free_port(), TRAIN + INFER, 0, "gloo",
+        timeout_s=job["timeout_s"], connect_timeout_s=300,
+    )  # fmt: skip
+    job["endpoint"] = endpoint.to_json()
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_train, args=(job, r)) for r in range(TRAIN)]
+    procs += [ctx.Process(target=_sglang, args=(job, r, port, out)) for r in range(INFER)]
+    for p in procs:
+        p.start()
+    ranks = sorted((out.get(timeout=600) for _ in range(INFER)), key=lambda x: x[0])
+    for p in procs:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+    errors = [e for _, _, e in ranks if e]
+    result = {"error": errors[0]} if errors else {"ranks": [r for _, r, _ in ranks]}
+    result["train_exitcodes"] = [p.exitcode for p in procs[:TRAIN]]
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))
