@@ -1,0 +1,100 @@
+"""The SGLang receiver (``integrations/sglang``) refitting SGLang's own Qwen3 on CPU.
+
+Two training ranks (Megatron tp=2 float32 shards materialized from each step's
+canonical tensors, sent by this project's ``RefitWorker``) and two SGLang tp ranks join
+one gloo refit group (``tests/programs/sglang_receiver_job.py``). Each SGLang rank holds
+SGLang's own model class, built with SGLang's runtime context and parallel state and
+first loaded by SGLang's own ``load_weights``; every receiver operation reaches it
+through SGLang's own ``WeightUpdater.update_weights_from_tensor(..., load_format=LOADER)``
+(the custom-weight-loader path), between SGLang's ``begin_weight_update`` and
+``end_weight_update``. Two steps with different weights must leave every parameter
+bitwise equal to its canonical slices with its storage unmoved; then a plan of another
+fingerprint is refused without touching the weights, and a step after the training
+ranks have gone leaves them stale with the transport's error.
+
+Stand-ins (SGLang code that cannot run on CPU, and what replaces it):
+
+- SGLang's ``ModelRunner`` (it allocates the KV cache and captures CUDA graphs): the
+  job builds SGLang's own ``WeightUpdater`` as ``ModelRunner.init_weight_updater`` does,
+  with our loader in ``custom_weight_loaders`` as ``--custom-weight-loader`` puts it;
+  its callbacks that the tensor path never calls raise if called.
+- The scheduler and the ``Engine`` (processes, ZMQ, tokenizer): the job calls the
+  runner-level methods the scheduler's ``SchedulerWeightUpdaterManager`` calls, in its
+  order (begin, update from tensor, end). ``deserialize_own_rank`` is not run: the
+  command tensors are handed over in process.
+- ``torchvision`` and vLLM's CUDA rotary kernel: ``tests/helpers/sglang_cpu.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.helpers import vllm_env
+from tests.helpers.model_configs import MODELS
+from tests.helpers.requires import requires
+
+pytestmark = [pytest.mark.slow, requires(vllm_env.sglang_skip_reason)]
+
+STEPS = [100, 101]  # the canonical weights' seed of each refit step (start-up: 99)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    work = tmp_path_factory.mktemp("sglang-receiver")
+    (work / "model").mkdir()
+    (work / "model" / "config.json").write_text(json.dumps(MODELS["qwen3"]))
+    job = dict(
+        config=MODELS["qwen3"],
+        model_dir=str(work / "model"),
+        initial=str(work / "initial.safetensors"),
+        initial_seed=99,
+        steps=STEPS,
+        timeout_s=20,
+    )
+    (work / "job.json").write_text(json.dumps(job))
+    proc = vllm_env.start(
+        "sglang_receiver_job",
+        str(work / "job.json"),
+        str(work / "result.json"),
+        python=vllm_env.sglang_python(),
+    )
+    vllm_env.finish(proc, "the SGLang receiver job")
+    result = json.loads((work / "result.json").read_text())
+    assert "error" not in result, result["error"]
+    assert result["train_exitcodes"] == [0, 0]
+    return result["ranks"]
+
+
+def test_two_steps_write_canonical_slices_in_place(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        assert rank["described"]["sglang_version"] == "0.5.23"
+        assert [s["differ"] for s in rank["steps"]] == [[], []]  # bitwise, every piece
+        assert [s["moved"] for s in rank["steps"]] == [[], []]  # storage unchanged
+        for step, s in enumerate(rank["steps"], start=1):
+            assert s["status"]["step"] == step and s["status"]["stale"] is None
+            assert s["status"]["errors"] == []
+
+
+def test_plan_of_another_fingerprint_is_refused(ranks: list[dict[str, Any]]) -> None:
+    for tp, rank in enumerate(ranks):
+        status = rank["bad_plan"]
+        assert status["stale"] is None and status["step"] == 2  # nothing was written
+        (error,) = status["errors"]
+        assert error.startswith(
+            f"nemo_refit_reshard.load_plan: PlanError: SGLang 0.5.23 tp rank {tp}"
+        )
+        assert "not the driver's plan 000000000000" in error
+
+
+def test_dead_peer_leaves_weights_stale(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        status = rank["dead_peer"]
+        assert status["step"] == 2  # the last complete refit
+        assert status["stale"].startswith("the refit of step 3 failed (TransportError")
+        assert "the peer process has died or stopped responding" in status["stale"]
+        assert "step 3 failed" in rank["require_fresh"]
+        assert rank["require_fresh"].startswith("generation on SGLang tp rank")
+        assert rank["moved_after_failure"] == []
