@@ -5,14 +5,15 @@ own runtime context and parallel state (gloo), and loaded through SGLang's own
 ``load_weights`` from random float32 checkpoint tensors (``tests/programs/sglang_cpu_job.py``;
 stand-ins in ``tests/helpers/sglang_cpu.py``). Its ``named_parameters()`` must equal
 the provider's tensors (names, shapes, dtypes), every provider piece must hold exactly
-the canonical slice it claims, and every padding box zeros. A negative control shows
-the content check fails when ranks are swapped.
+the canonical slice it claims, and every padding box zeros. What SGLang derives after
+loading (DeepSeek's ``w_kc``/``w_vc``: module attributes, not parameters) must be exactly
+:func:`sglang_derived_tensors` and hold the split of the rank's ``kv_b_proj``. A negative
+control shows the content check fails when ranks are swapped.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 
 from nemo_refit_reshard.engine.materialize import mismatches
 from nemo_refit_reshard.layouts.base import RankLayout
-from nemo_refit_reshard.layouts.sglang import check_sglang_parallel, sglang_layout
+from nemo_refit_reshard.layouts.sglang import sglang_derived_tensors, sglang_layout
 from nemo_refit_reshard.spec import InferParallel, ModelSpec, spec_from_hf_config
 from tests.helpers import vllm_env
 from tests.helpers.checkpoints import random_tensors
@@ -28,9 +29,35 @@ from tests.helpers.model_configs import MODELS
 from tests.helpers.requires import requires
 
 P = InferParallel
+# What DeepSeek-V3's own config.json has and transformers' DeepseekV3Config does not
+# write, which SGLang's DeepseekV2 reads; and a YaRN rope_scaling (SGLang's CPU rotary
+# embedding is DeepSeek-YaRN only; rope holds no parameter, factor 1 leaves it plain).
+_DS_SGLANG = dict(
+    scoring_func="sigmoid",
+    moe_layer_freq=1,
+    ep_size=1,
+    norm_topk_prob=True,
+    rope_scaling=dict(
+        rope_type="deepseek_yarn",
+        factor=1.0,
+        original_max_position_embeddings=64,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+        beta_fast=32,
+        beta_slow=1,
+    ),
+)
 # Every layer an MoE block, as in Qwen3-MoE checkpoints (SGLang 0.5.23 builds experts in
-# every layer; the test config's dense layer 1 is refused below).
-CONFIGS = {**MODELS, "qwen3_moe_sparse": {**MODELS["qwen3_moe"], "mlp_only_layers": []}}
+# every layer; the test config's dense layer 1 is refused in test_sglang_layout.py).
+CONFIGS = {
+    **MODELS,
+    "qwen3_moe_sparse": {**MODELS["qwen3_moe"], "mlp_only_layers": []},
+    "deepseek_v3": {**MODELS["deepseek_v3"], **_DS_SGLANG},
+    # the same model under --enforce-shared-experts-fusion (SGLang's default on a CUDA
+    # GPU for DeepSeek-V3's 256 experts; on CPU only the flag turns it on)
+    "deepseek_v3_fused": {**MODELS["deepseek_v3"], **_DS_SGLANG},
+}
+FUSED = {"deepseek_v3_fused"}
 CASES = [
     ("llama", P()),
     ("llama", P(tp=2)),
@@ -38,11 +65,22 @@ CASES = [
     ("qwen2", P(tp=4)),  # qkv biases, KV replication
     ("qwen3", P(tp=2)),  # q/k norms, tied embeddings, vocabulary padded 100 -> 128
     ("qwen3_moe_sparse", P(tp=2)),  # every expert sliced over the tp ranks
+    ("qwen3_moe_sparse", P(tp=2, ep=2)),  # --ep-size 2: experts 0-1 on rank 0, 2-3 on 1
+    # MLA (fused_qkv_a_proj_with_mqa), dense layer 0, shared experts over tp, w_kc/w_vc
+    ("deepseek_v3", P(tp=2)),
+    ("deepseek_v3", P(tp=2, ep=2)),  # whole routed experts per rank, shared over tp
+    ("deepseek_v3_fused", P(tp=2)),  # the shared expert as expert 4, sliced like them
 ]
 
 
 def _id(case: tuple[str, InferParallel]) -> str:
-    return f"{case[0]}-tp{case[1].tp}"
+    return f"{case[0]}-tp{case[1].tp}" + (f"-ep{case[1].ep}" if case[1].ep > 1 else "")
+
+
+def _layout(case: tuple[str, InferParallel], rank: int) -> RankLayout:
+    model, par = case
+    fused = model in FUSED
+    return sglang_layout(_spec(model), par, rank, "float32", shared_experts_fusion=fused)
 
 
 def _spec(model: str) -> ModelSpec:
@@ -67,6 +105,8 @@ def sglang_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 id=_id(case),
                 model_dir=str(work / model),
                 tp=par.tp,
+                ep=par.ep,
+                fuse_shared=model in FUSED,
                 weights=str(work / f"{model}.safetensors"),
                 out=str(work / f"{_id(case)}.safetensors"),
             )
@@ -84,10 +124,10 @@ def sglang_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"work": work, "shapes": result}
 
 
-def _loaded(runs: dict[str, Any], case: tuple[str, InferParallel], rank: int):
+def _loaded(runs: dict[str, Any], case: tuple[str, InferParallel], rank: int, what: str = ""):
     from safetensors.torch import load_file
 
-    return load_file(str(runs["work"] / f"{_id(case)}_r{rank}.safetensors"))
+    return load_file(str(runs["work"] / f"{_id(case)}_r{rank}{what}.safetensors"))
 
 
 def _content_mismatches(
@@ -110,10 +150,40 @@ def test_provider_matches_sglang_parameters_and_contents(
     model, par = case
     canonical = random_tensors(_spec(model), 0)
     for rank in range(par.tp):
-        layout = sglang_layout(_spec(model), par, rank, params_dtype="float32")
+        layout = _layout(case, rank)
         ours = {t.name: [list(t.shape), t.dtype] for t in layout.tensors}
         assert sglang_runs["shapes"][_id(case)][rank] == ours, (rank, layout.framework)
         assert _content_mismatches(layout, _loaded(sglang_runs, case, rank), canonical) == []
+
+
+@pytest.mark.slow
+@requires(vllm_env.sglang_skip_reason)
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_derived_weights_are_exactly_the_named_ones(
+    case: tuple[str, InferParallel], sglang_runs: dict[str, Any]
+) -> None:
+    """Every tensor SGLang derived after loading is in sglang_derived_tensors (names,
+    shapes) and none is a parameter; w_kc / w_vc are the split of the loaded kv_b_proj."""
+    model, par = case
+    expected = sglang_derived_tensors(_spec(model), par)
+    mla = _spec(model).arch.mla
+    for rank in range(par.tp):
+        got = sglang_runs["shapes"]["derived"][_id(case)][rank]
+        assert got == {n: [list(s), "float32"] for n, s in expected.items()}
+        if mla is None:
+            continue
+        params, derived = (
+            _loaded(sglang_runs, case, rank),
+            _loaded(sglang_runs, case, rank, "_derived"),
+        )
+        for layer in range(_spec(model).arch.num_layers):
+            p = f"model.layers.{layer}.self_attn"
+            w = params[f"{p}.kv_b_proj.weight"].unflatten(
+                0, (-1, mla.qk_nope_head_dim + mla.v_head_dim)
+            )
+            w_k, w_v = w.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
+            assert torch.equal(derived[f"{p}.w_kc"], w_k)
+            assert torch.equal(derived[f"{p}.w_vc"], w_v.transpose(1, 2))
 
 
 @pytest.mark.slow
@@ -126,18 +196,3 @@ def test_a_wrong_shard_is_caught(sglang_runs: dict[str, Any]) -> None:
     layout = sglang_layout(_spec("llama"), case[1], 0, params_dtype="float32")
     wrong = _content_mismatches(layout, _loaded(sglang_runs, case, 1), canonical)
     assert any("qkv_proj" in m for m in wrong) and any("embed_tokens" in m for m in wrong)
-
-
-@pytest.mark.parametrize(
-    "model, par, message",
-    [
-        ("qwen3_moe", P(tp=2), "has dense MLP layers [1] (mlp_only_layers / decoder_sparse"),
-        ("qwen3_moe_sparse", P(tp=8), "tp=8 exceeds num_experts=4 (SGLang's rule)"),
-        ("deepseek_v3", P(tp=2), "family 'deepseek_v3' with MLA: use the vLLM engine for it"),
-        ("qwen3_fp8", P(tp=2), "do not cover FP8 engines yet"),
-        ("qwen3", P(tp=2, pp=2), "drop pp/engine_dp/ep for SGLang"),
-    ],
-)
-def test_what_is_not_proven_is_refused_by_name(model: str, par: InferParallel, message: str):
-    with pytest.raises(ValueError, match=re.escape(message)):
-        check_sglang_parallel(_spec(model), par)

@@ -47,7 +47,7 @@ def add_layout_parser(sub: argparse._SubParsersAction) -> None:
         "--parallel",
         default="",
         help="megatron: tp=,pp=,vpp=,cp=,dp=,ep=,etp=; vllm: tp=,pp=,dp=,engine_dp=,ep=; "
-        "sglang: tp=,dp=; dtensor: dp=,tp=",
+        "sglang: tp=,dp=,ep= (ep: --ep-size, 1 or tp); dtensor: dp=,tp=",
     )
     lay.add_argument("--rank", type=int, default=0)
     lay.add_argument("--json", action="store_true", help="print JSON instead of text")

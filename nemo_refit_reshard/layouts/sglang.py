@@ -2,78 +2,217 @@
 shards, for the families proven against SGLang's own model classes.
 
 Read from SGLang 0.5.23 (``sglang/srt/layers/linear.py``, ``vocab_parallel_embedding.py``,
-``models/llama.py``, ``qwen2.py``, ``qwen3.py``) and checked on CPU rank by rank
-(``tests/test_sglang_truth.py``: SGLang's own classes built with its own parallel state,
-loaded through its own ``load_weights``). For the dense families SGLang's rules are
-vLLM's, name for name (``layouts/vllm.py`` states them): its ``QKVParallelLinear`` puts
-``[q heads | k heads | v heads]`` of rank s in ``qkv_proj`` and replicates a KV head
-over ``tp / num_key_value_heads`` ranks, ``MergedColumnParallelLinear`` stacks
-``[gate rows; up rows]`` in ``gate_up_proj``, ``RowParallelLinear`` takes input columns,
-and ``VocabParallelEmbedding`` pads the vocabulary to a multiple of 64 and splits the
-padded rows. So the provider is vLLM's, named ``sglang``.
+``layers/moe/``, ``models/llama.py``, ``qwen2.py``, ``qwen3.py``, ``qwen3_moe.py``,
+``deepseek_v2.py``) and checked on CPU rank by rank (``tests/test_sglang_truth.py``:
+SGLang's own classes built with its own parallel state, loaded through its own
+``load_weights``). For the dense families SGLang's rules are vLLM's, name for name
+(``layouts/vllm.py`` states them): ``qkv_proj`` = ``[q heads | k heads | v heads]`` of
+rank s with a KV head replicated over ``tp / num_key_value_heads`` ranks,
+``gate_up_proj`` = ``[gate rows; up rows]``, row-parallel layers take input columns, and
+the vocabulary is padded to a multiple of 64 and split by rows. Where SGLang differs
+(MLA names, expert parallelism, fused shared experts) ``layouts/sglang_walk.py`` says how.
 
-Qwen3-MoE with tensor parallelism only: SGLang's ``FusedMoE`` holds every expert, each
-sliced over the tp ranks, as ``mlp.experts.w13_weight`` / ``w2_weight`` — vLLM 0.11's
-layout (before vLLM moved them under ``experts.routed_experts``). SGLang 0.5.23 builds
-an MoE block in *every* layer (it reads no ``mlp_only_layers``), so a config with dense
-layers is refused: SGLang would hold experts where the checkpoint has a dense MLP.
+* Qwen3-MoE: ``FusedMoE`` holds ``mlp.experts.w13_weight`` / ``w2_weight`` (vLLM 0.11's
+  names). SGLang 0.5.23 builds an MoE block in *every* layer (it reads no
+  ``mlp_only_layers``), so a config with dense layers is refused.
+* DeepSeek-V3 / Kimi-K2 (``DeepseekV3ForCausalLM``, MLA): the first
+  ``first_k_dense_replace`` layers dense, shared experts sliced over tp, and
+  ``gate.e_score_correction_bias`` (float32) when ``topk_method`` is ``noaux_tc``.
+  On a CUDA GPU (sm80+) SGLang *fuses* the shared expert into the routed experts by
+  default when the config has 256 routed experts and one shared expert (DeepSeek-V3/R1)
+  and ``--ep-size`` is 1 (``DeepseekV2ForCausalLM.shared_experts_fusion_disable_reason``):
+  :func:`sglang_fuses_shared_experts` is that rule, ``shared_experts_fusion=False`` is
+  ``--disable-shared-experts-fusion`` and ``True`` ``--enforce-shared-experts-fusion``.
+  Kimi-K2 (384 experts, not Quark MXFP4) keeps ``mlp.shared_experts``.
+* Expert parallelism: ``--ep-size`` is ``ep=`` and must equal tp (whole experts per
+  rank; ``InferParallel`` accepts ep = 1 or tp). SGLang's ``moe_tp_size = tp / ep`` > 1
+  would need ``ep`` < tp, which the ``ep`` grammar (vLLM's) cannot say yet.
+* Derived weights (:func:`sglang_derived_tensors`): after loading, SGLang's
+  ``post_load_weights`` (``deepseek_weight_loader.py``) splits every MLA layer's local
+  ``kv_b_proj`` (N = heads/tp, P = qk_nope_head_dim, V = v_head_dim, L = kv_lora_rank)::
 
-Not yet proven here, and refused by name: expert parallelism and SGLang's MoE-TP widths,
-MLA (DeepSeek-V3, Kimi-K2), DP attention (``--enable-dp-attention``: attention TP =
-tp / dp), pipeline parallelism and FP8.
+      W = kv_b_proj.weight.unflatten(0, (N, P + V));  W_K, W_V = W.split([P, V], 1)
+      self_attn.w_kc = W_K               [N, P, L]  (a copy, column-major in P, L)
+      self_attn.w_vc = W_V.transpose(1, 2)   [N, L, V]  (a copy)
+
+  They are plain module attributes, not parameters, and copies: a refit of
+  ``kv_b_proj`` does not change them, so after each refit the receiver must run SGLang's
+  ``model.post_load_weights()`` again (``bind_or_assign`` then copies into the same
+  storage). The layouts below describe only parameters a checkpoint piece maps to.
+* MTP (``num_nextn_predict_layers``): SGLang serves the next-token layer only as a
+  separate draft model (``DeepseekV3ForCausalLMNextN``, with
+  ``--speculative-algorithm EAGLE``); the target model holds no MTP tensor, so the
+  layouts here hold none and a draft model is not refit.
+
+Refused by name (:func:`check_sglang_parallel`): pipeline parallelism, SGLang's
+``--dp-size`` / ``--enable-dp-attention`` (attention TP = tp / dp; use ``dp=`` for
+independent replicas), ``ep`` with fused shared experts (SGLang fuses them under ep only
+on AMD), FP8 engines, and other families.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 from ..spec.model import ModelSpec
 from ..spec.parallel import InferParallel
-from .base import RankLayout
-from .vllm import vllm_layout
+from .base import RankLayout, paused_gc
+from .sglang_walk import SglangRank
+from .vllm import vllm_padded_vocab
+from .vllm_grid import vllm_position, vllm_replicas
 from .vllm_releases import VllmOptions
 
 SGLANG_VERSION = "0.5.23"
-SGLANG_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # proven against SGLang's classes
+# proven against SGLang's classes
+SGLANG_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 # vLLM's release whose MoE names SGLang's match (``experts.w13_weight``)
 _MOE_NAMES_OF = "0.11.0"
+# What SGLang's post_load_weights derives in every MLA layer's self_attn (unquantized).
+MLA_DERIVED = ("w_kc", "w_vc")
 
 
-def check_sglang_parallel(spec: ModelSpec, parallel: InferParallel) -> None:
-    """Raise ``ValueError`` for what this provider has not proven against SGLang."""
-    a = spec.arch
-    if a.family not in SGLANG_FAMILIES or a.mla is not None:
+def sglang_fuses_shared_experts(spec: ModelSpec, parallel: InferParallel) -> bool:
+    """SGLang 0.5.23's default on a CUDA GPU (sm80+, no all-to-all MoE backend, BF16):
+    a ``DeepseekV3ForCausalLM`` with 256 routed experts and one shared expert, ``ep=1``."""
+    moe = spec.arch.moe
+    return (
+        spec.arch.family == "deepseek_v3"
+        and moe is not None
+        and moe.num_experts == 256
+        and moe.num_shared_experts == 1
+        and not parallel.expert_parallel
+    )
+
+
+def _rule(text: str) -> ValueError:
+    return ValueError(f"{text} (SGLang's rule)")
+
+
+def _check_moe(spec: ModelSpec, par: InferParallel, fuse_shared: bool) -> None:
+    a, moe, s = spec.arch, spec.arch.moe, par.tp
+    if moe is None:
+        if par.expert_parallel:
+            raise ValueError(f"ep={par.ep} given for {a.family}, which has no experts")
+        return
+    if a.family == "qwen3_moe" and moe.sparse_layers != tuple(range(a.num_layers)):
+        dense = sorted(set(range(a.num_layers)) - set(moe.sparse_layers))
+        raise ValueError(
+            f"{spec.name} has dense MLP layers {dense} (mlp_only_layers / "
+            "decoder_sparse_step): SGLang 0.5.23 builds experts in every Qwen3-MoE "
+            "layer, so its parameters would not match the checkpoint there"
+        )
+    if s > moe.num_experts:
+        raise _rule(f"tp={s} exceeds num_experts={moe.num_experts}")
+    if par.expert_parallel:
+        if moe.num_experts % par.ep:
+            raise ValueError(
+                f"ep={par.ep} must divide num_experts={moe.num_experts} (SGLang's rule: its "
+                "FusedMoE gives every expert-parallel rank num_experts/ep experts); use ep=1"
+            )
+        if fuse_shared:
+            raise ValueError(
+                f"shared-expert fusion with ep={par.ep} is not covered (SGLang fuses under "
+                "expert parallelism only on AMD GPUs): use shared_experts_fusion=False "
+                "(--disable-shared-experts-fusion) or ep=1"
+            )
+    elif moe.expert_intermediate_size % s:
+        raise ValueError(
+            f"tp={s} must divide moe_intermediate_size={moe.expert_intermediate_size} "
+            "(SGLang's rule: without --ep-size its FusedMoE slices every expert over the tp "
+            f"ranks); use ep={s} or a smaller tp"
+        )
+    if moe.num_shared_experts and moe.shared_intermediate_size % s:
+        raise _rule(f"tp={s} must divide the shared-expert size {moe.shared_intermediate_size}")
+    if fuse_shared and moe.num_shared_experts != 1:
+        raise ValueError(
+            f"shared-expert fusion needs one shared expert; {spec.name} has "
+            f"{moe.num_shared_experts}: use shared_experts_fusion=False"
+        )
+
+
+def check_sglang_parallel(
+    spec: ModelSpec, parallel: InferParallel, shared_experts_fusion: bool | None = None
+) -> None:
+    """Raise ``ValueError`` for what this provider has not proven against SGLang, or
+    what SGLang itself refuses, naming the rule and what to do."""
+    a, s = spec.arch, parallel.tp
+    if a.family not in SGLANG_FAMILIES:
         raise ValueError(
             f"SGLang layouts cover {', '.join(SGLANG_FAMILIES)} so far; {spec.name} is "
-            f"family {a.family!r}{' with MLA' if a.mla else ''}: use the vLLM engine for it"
+            f"family {a.family!r}: use the vLLM engine for it"
         )
-    if a.moe is not None:
-        if a.moe.sparse_layers != tuple(range(a.num_layers)):
-            dense = sorted(set(range(a.num_layers)) - set(a.moe.sparse_layers))
-            raise ValueError(
-                f"{spec.name} has dense MLP layers {dense} (mlp_only_layers / "
-                "decoder_sparse_step): SGLang 0.5.23 builds experts in every Qwen3-MoE "
-                "layer, so its parameters would not match the checkpoint there"
-            )
-        if parallel.tp > a.moe.num_experts:
-            raise ValueError(
-                f"tp={parallel.tp} exceeds num_experts={a.moe.num_experts} (SGLang's rule)"
-            )
     if a.quant is not None:
         raise ValueError("SGLang layouts do not cover FP8 engines yet; serve BF16 weights")
-    if parallel.pp > 1 or parallel.engine_dp > 1 or parallel.expert_parallel:
+    covered = "SGLang layouts cover tensor parallelism (tp=), expert parallelism (ep=) and "
+    covered += "replicas (dp=) so far, not"
+    if parallel.pp > 1:
+        raise ValueError(f"{covered} pipeline parallelism ({parallel}): drop pp for SGLang")
+    if parallel.engine_dp > 1:
         raise ValueError(
-            f"SGLang layouts cover tensor parallelism (tp=) and replicas (dp=) so far, not "
-            f"{parallel}: drop pp/engine_dp/ep for SGLang"
+            f"{covered} --dp-size / --enable-dp-attention (engine_dp={parallel.engine_dp}, "
+            "attention TP = tp / dp): use dp= for independent SGLang replicas and engine_dp=1"
         )
+    _check_moe(spec, parallel, _fusion(spec, parallel, shared_experts_fusion))
+    if a.num_attention_heads % s:
+        raise _rule(f"tp={s} must divide num_attention_heads={a.num_attention_heads}")
+    ng = a.num_key_value_heads
+    if a.mla is None and (ng % s if s < ng else s % ng):
+        raise ValueError(
+            f"tp={s} and num_key_value_heads={ng}: one must divide the other "
+            "(SGLang's QKVParallelLinear)"
+        )
+    has_dense = a.moe is None or len(a.moe.sparse_layers) < a.num_layers + a.num_mtp_layers
+    if has_dense and a.intermediate_size % s:
+        raise _rule(f"tp={s} must divide intermediate_size={a.intermediate_size}")
+    vp = vllm_padded_vocab(a.vocab_size)
+    if vp % s:
+        raise _rule(f"tp={s} must divide the padded vocabulary {vp} (vocab padded to 64)")
 
 
+def _fusion(spec: ModelSpec, parallel: InferParallel, option: bool | None) -> bool:
+    if spec.arch.moe is None or not spec.arch.moe.num_shared_experts:
+        return False
+    return sglang_fuses_shared_experts(spec, parallel) if option is None else option
+
+
+@paused_gc
 def sglang_layout(
-    spec: ModelSpec, parallel: InferParallel, rank: int, params_dtype: str = "bfloat16"
+    spec: ModelSpec,
+    parallel: InferParallel,
+    rank: int,
+    params_dtype: str = "bfloat16",
+    shared_experts_fusion: bool | None = None,
 ) -> RankLayout:
-    """The local tensors and canonical pieces of SGLang inference rank ``rank``."""
-    check_sglang_parallel(spec, parallel)
+    """The local tensors and canonical pieces of SGLang inference rank ``rank``.
+    ``shared_experts_fusion``: None is SGLang's default on a CUDA GPU
+    (:func:`sglang_fuses_shared_experts`)."""
+    check_sglang_parallel(spec, parallel, shared_experts_fusion)
     version = _MOE_NAMES_OF if spec.arch.moe is not None else None
     opts = VllmOptions(params_dtype=params_dtype, vllm_version=version)
-    layout = vllm_layout(spec, parallel, rank, opts)
-    return dataclasses.replace(layout, framework="sglang")
+    walker = SglangRank(spec, parallel, rank, opts, _fusion(spec, parallel, shared_experts_fusion))
+    walker.build()
+    return RankLayout(
+        framework="sglang",
+        rank=rank,
+        world_size=parallel.world_size,
+        position=vllm_position(parallel, rank).as_dict(),
+        replicas=vllm_replicas(spec, parallel, rank, opts),
+        tensors=walker.b.build(),
+    )
+
+
+def sglang_derived_tensors(spec: ModelSpec, parallel: InferParallel) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of what SGLang derives on every rank after loading (no checkpoint
+    piece maps to these; rerun ``model.post_load_weights()`` after a refit): each MLA
+    layer's ``self_attn.w_kc`` [N, P, L] and ``self_attn.w_vc`` [N, L, V]."""
+    a, m = spec.arch, spec.arch.mla
+    if m is None:
+        return {}
+    n = a.num_attention_heads // parallel.tp
+    shapes = {
+        "w_kc": (n, m.qk_nope_head_dim, m.kv_lora_rank),
+        "w_vc": (n, m.kv_lora_rank, m.v_head_dim),
+    }
+    return {
+        f"model.layers.{layer}.self_attn.{attr}": shapes[attr]
+        for layer in range(a.num_layers)
+        for attr in MLA_DERIVED
+    }

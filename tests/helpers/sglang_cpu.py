@@ -1,6 +1,6 @@
 """SGLang 0.5.23's model classes on CPU (the venv of scripts/setup_sglang_cpu.sh).
 
-What makes ``sglang.srt.models.qwen3`` and ``qwen3_moe`` import on a CPU torch
+What makes ``sglang.srt.models.qwen3``, ``qwen3_moe`` and ``deepseek_v2`` import on a CPU torch
 (:func:`import_sglang_models`), and :func:`build_model`: SGLang's runtime context
 published with its own ``ServerArgs`` and ``publish`` (this rank's place given as SGLang's
 launcher gives it, ``SpawnRanks``), SGLang's own parallel state over gloo
@@ -94,19 +94,33 @@ def stub_rotary_kernel() -> None:
     sys.modules.update({"vllm": vllm, "vllm._custom_ops": ops})
 
 
-def build_model(model_dir: str, tp: int, rank: int, port: int) -> Any:
+def build_model(
+    model_dir: str, tp: int, rank: int, port: int, ep: int = 1, fuse_shared: bool = False
+) -> Any:
     """SGLang's model class for ``config.json`` in ``model_dir``, tensor-parallel rank
     ``rank`` of ``tp`` (every rank a process; they meet at ``127.0.0.1:port``), float32
-    parameters on CPU, as SGLang's own code builds them."""
+    parameters on CPU, as SGLang's own code builds them. ``ep`` is ``--ep-size``;
+    ``fuse_shared`` is ``--enforce-shared-experts-fusion`` (SGLang's default on a CUDA
+    GPU for DeepSeek-V3's 256 experts; on CPU only the flag turns it on). The shared-expert
+    decision is SGLang's loader's own (``resolve_shared_experts_config`` around the
+    constructor, as ``model_loader.loader._initialize_model`` does)."""
     stub_torchvision()
     stub_rotary_kernel()
     from sglang.srt.distributed import parallel_state
+    from sglang.srt.layers.moe.utils import resolve_shared_experts_config
     from sglang.srt.models.registry import ModelRegistry
-    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.runtime_context import SpawnRanks, get_model, publish
     from sglang.srt.server_args import ServerArgs
     from transformers import AutoConfig
 
-    args = ServerArgs(model_path=model_dir, device="cpu", tp_size=tp, skip_tokenizer_init=True)
+    args = ServerArgs(
+        model_path=model_dir,
+        device="cpu",
+        tp_size=tp,
+        ep_size=ep,
+        enforce_shared_experts_fusion=fuse_shared,
+        skip_tokenizer_init=True,
+    )
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank, dp_rank=0, gpu_id=0))
     parallel_state.init_distributed_environment(
         world_size=tp,
@@ -118,15 +132,20 @@ def build_model(model_dir: str, tp: int, rank: int, port: int) -> Any:
     parallel_state.initialize_model_parallel(backend="gloo")
     config = AutoConfig.from_pretrained(model_dir)
     model_cls, _ = ModelRegistry.resolve_model_cls(config.architectures)
-    return model_cls(config)
+    shared = resolve_shared_experts_config(model_cls, config, None)
+    with get_model().override(shared_experts=shared):
+        model = model_cls(config)
+    model.shared_experts_config = shared
+    return model
 
 
 def import_sglang_models() -> None:
-    """Import on CPU what the tests build: SGLang's Llama, Qwen2, Qwen3 and Qwen3-MoE
-    model modules, its server args, runtime context, parallel state and registry."""
+    """Import on CPU what the tests build: SGLang's Llama, Qwen2, Qwen3, Qwen3-MoE and
+    DeepSeek-V2/V3 model modules, its server args, runtime context, parallel state and registry."""
     stub_torchvision()
     stub_rotary_kernel()
     import sglang.srt.distributed.parallel_state  # noqa: F401
+    import sglang.srt.models.deepseek_v2  # noqa: F401
     import sglang.srt.models.llama  # noqa: F401
     import sglang.srt.models.qwen2  # noqa: F401
     import sglang.srt.models.qwen3  # noqa: F401

@@ -3,10 +3,13 @@
 
     python -m tests.programs.sglang_cpu_job JOB.json RESULT.json
 
-JOB: ``{"builds": [{"id", "model_dir", "tp", "weights", "out"}]}``: for each build, one
-process per tensor-parallel rank (``tests/helpers/sglang_cpu.py``), each writing its
-``named_parameters()`` to ``out`` with ``_r<rank>`` before ``.safetensors``. RESULT:
-``{id: [{name: [shape, dtype]} per rank]}``.
+JOB: ``{"builds": [{"id", "model_dir", "tp", "weights", "out"[, "ep", "fuse_shared"]}]}``:
+for each build, one process per tensor-parallel rank (``tests/helpers/sglang_cpu.py``),
+each writing its ``named_parameters()`` to ``out`` with ``_r<rank>`` before
+``.safetensors``, and the tensors SGLang derived after loading (plain tensor attributes
+of a module, not parameters or buffers: DeepSeek's ``w_kc``/``w_vc``) with
+``_r<rank>_derived``. RESULT: ``{id: [{name: [shape, dtype]} per rank], "derived": {id:
+[{name: [shape, dtype]} per rank]}}``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,12 @@ import json
 import sys
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
+
+
+def _shapes(tensors: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
+    return {n: [list(t.shape), str(t.dtype).removeprefix("torch.")] for n, t in tensors.items()}
 
 
 def _rank(build: dict[str, Any], rank: int, port: int, out: Any) -> None:
@@ -24,14 +32,26 @@ def _rank(build: dict[str, Any], rank: int, port: int, out: Any) -> None:
 
         from tests.helpers.sglang_cpu import build_model
 
-        model = build_model(build["model_dir"], build["tp"], rank, port)
+        model = build_model(
+            build["model_dir"],
+            build["tp"],
+            rank,
+            port,
+            ep=build.get("ep", 1),
+            fuse_shared=build.get("fuse_shared", False),
+        )
         model.load_weights(iter(load_file(build["weights"]).items()))
         params = {n: p.detach().contiguous() for n, p in model.named_parameters()}
-        save_file(params, build["out"].replace(".safetensors", f"_r{rank}.safetensors"))
-        shapes = {
-            n: [list(t.shape), str(t.dtype).removeprefix("torch.")] for n, t in params.items()
+        derived = {
+            f"{m}.{attr}": t.detach().contiguous()
+            for m, module in model.named_modules()
+            for attr, t in vars(module).items()
+            if isinstance(t, torch.Tensor)
         }
-        out.put((rank, shapes, None))
+        stem = build["out"].removesuffix(".safetensors")
+        save_file(params, f"{stem}_r{rank}.safetensors")
+        save_file(derived, f"{stem}_r{rank}_derived.safetensors")
+        out.put((rank, (_shapes(params), _shapes(derived)), None))
     except BaseException as err:  # noqa: BLE001 - reported to the parent
         import traceback
 
@@ -43,7 +63,7 @@ def main(job_path: str, result_path: str) -> int:
 
     job = json.load(open(job_path))
     ctx = mp.get_context("spawn")
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"derived": {}}
     for build in job["builds"]:
         out, port = ctx.Queue(), free_port()
         procs = [ctx.Process(target=_rank, args=(build, r, port, out)) for r in range(build["tp"])]
@@ -56,7 +76,9 @@ def main(job_path: str, result_path: str) -> int:
         if errors:
             result = {"error": f"build {build['id']}: {errors[0]}"}
             break
-        result[build["id"]] = [shapes for _, shapes, _ in sorted(ranks, key=lambda x: x[0])]
+        ordered = [shapes for _, shapes, _ in sorted(ranks, key=lambda x: x[0])]
+        result[build["id"]] = [params for params, _ in ordered]
+        result["derived"][build["id"]] = [derived for _, derived in ordered]
     with open(result_path, "w") as f:
         json.dump(result, f)
     return 1 if "error" in result else 0

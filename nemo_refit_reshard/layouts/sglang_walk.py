@@ -1,0 +1,115 @@
+"""SGLang's rank walker (:class:`SglangRank`): vLLM's walker (``layouts/vllm.py``) with
+SGLang 0.5.23's own rules where they differ, read from ``models/deepseek_v2.py``,
+``models/deepseek_common/deepseek_weight_loader.py`` and ``layers/moe/fused_moe_triton/
+layer.py`` and checked against SGLang's classes (``tests/test_sglang_truth.py``).
+
+With S = tp, E routed experts, ``ep`` = ``--ep-size`` (1 or S here), ``moe_tp = S / ep``,
+rank s: ``moe_ep_rank = s // moe_tp``, ``moe_tp_rank = s % moe_tp``:
+
+* MLA with ``q_lora_rank``: ``fused_qkv_a_proj_with_mqa`` = ``[q_a_proj ;
+  kv_a_proj_with_mqa]`` rows, replicated (a ``ReplicatedLinear``; vLLM names it
+  ``fused_qkv_a_proj``). Without ``q_lora_rank``: ``q_proj`` column-parallel,
+  ``kv_a_proj_with_mqa`` replicated, as in vLLM.
+* FusedMoE: rank s holds the E/ep routed experts ``[moe_ep_rank·E/ep, ..)``
+  (``_map_global_expert_id_to_local_expert_id``; ep must divide E), each expert's
+  ``w13_weight[j] = [gate rows r·Fe/moe_tp.. ; up rows]`` and ``w2_weight[j]`` columns
+  ``[r·Fe/moe_tp, ..)`` with r = moe_tp_rank.
+* fused shared experts (``num_fused_shared_experts = 1``): the shared expert is expert
+  ``E`` of the checkpoint (the loader renames ``mlp.shared_experts`` to ``mlp.experts.E``)
+  and sits after the local routed experts, in slot ``E/ep``, sliced like them; no
+  ``mlp.shared_experts`` module is built.
+"""
+
+from __future__ import annotations
+
+from ..spec.model import ModelSpec
+from ..spec.parallel import InferParallel
+from .base import Box
+from .vllm import _VllmRank
+from .vllm_releases import VllmOptions
+
+
+class SglangRank(_VllmRank):
+    """One SGLang rank's tensors; ``fuse_shared``: the shared expert lives in ``experts``."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        par: InferParallel,
+        rank: int,
+        opts: VllmOptions,
+        fuse_shared: bool,
+    ):
+        super().__init__(spec, par, rank, opts)
+        self.fuse_shared = fuse_shared
+        # SGLang builds shared experts with parallel_group="tp" (only its all-to-all MoE
+        # backends, not covered here, replicate them).
+        self.shared_tp = par.tp
+
+    def mla(self, p: str) -> None:
+        a, h, nq = self.a, self.a.hidden_size, self.a.num_attention_heads
+        m = a.mla
+        assert m is not None
+        if m.q_lora_rank is None:
+            super().mla(p)  # q_proj and kv_a_proj_with_mqa: vLLM's names and shards
+            return
+        kv_a, q_lora = m.kv_lora_rank + m.qk_rope_head_dim, m.q_lora_rank
+        name = f"{p}.fused_qkv_a_proj_with_mqa.weight"
+        self.b.tensor(name, (q_lora + kv_a, h), self.dtype)
+        segments = [
+            (0, q_lora, f"{p}.q_a_proj.weight", 0),
+            (q_lora, kv_a, f"{p}.kv_a_proj_with_mqa.weight", 0),
+        ]
+        self.b.rows(name, segments, 0, q_lora + kv_a)
+        self.replicated(f"{p}.q_a_layernorm.weight", (q_lora,))
+        self.column(f"{p}.q_b_proj.weight", f"{p}.q_b_proj.weight", nq * m.qk_head_dim, q_lora)
+        self.replicated(f"{p}.kv_a_layernorm.weight", (m.kv_lora_rank,))
+        self.column(
+            f"{p}.kv_b_proj.weight",
+            f"{p}.kv_b_proj.weight",
+            nq * (m.qk_nope_head_dim + m.v_head_dim),
+            m.kv_lora_rank,
+        )
+        self.row(f"{p}.o_proj.weight", f"{p}.o_proj.weight", h, nq * m.v_head_dim)
+
+    def fused_moe(self, p: str) -> None:
+        a, par = self.a, self.par
+        moe = a.moe
+        assert moe is not None
+        h, fe, e_total = a.hidden_size, moe.expert_intermediate_size, moe.num_experts
+        moe_tp = par.tp // par.ep
+        ep_rank, tp_rank = self.pos.tp // moe_tp, self.pos.tp % moe_tp
+        n_routed = e_total // par.ep
+        experts = [f"{p}.experts.{e}" for e in range(ep_rank * n_routed, (ep_rank + 1) * n_routed)]
+        if self.fuse_shared:
+            experts.append(f"{p}.shared_experts")  # loaded as experts.E, in the last slot
+        n = fe // moe_tp
+        w13, w2 = f"{p}.experts.w13_weight", f"{p}.experts.w2_weight"
+        self.b.tensor(w13, (len(experts), 2 * n, h), self.dtype)
+        self.b.tensor(w2, (len(experts), h, n), self.dtype)
+        lo = tp_rank * n
+        gate_up, down = Box((lo, 0), (n, h)), Box((0, lo), (h, n))
+        halves = (("gate_proj", 0), ("up_proj", n))
+        w13_slots = [
+            (f"{hf}.{half}.weight", (j, row, 0))
+            for j, hf in enumerate(experts)
+            for half, row in halves
+        ]
+        self.b.stacked_pieces(w13, gate_up, w13_slots)
+        self.b.stacked_pieces(
+            w2, down, [(f"{hf}.down_proj.weight", (j, 0, 0)) for j, hf in enumerate(experts)]
+        )
+
+    def mlp(self, layer: int, p: str) -> None:
+        a = self.a
+        moe = a.moe
+        if moe is None or not a.is_sparse(layer) or not self.fuse_shared:
+            super().mlp(layer, p)
+            return
+        # vLLM's MoE block without the separate shared_experts module.
+        self.replicated(f"{p}.gate.weight", (moe.num_experts, a.hidden_size))
+        if moe.router_bias and moe.topk_method == "noaux_tc":
+            self.replicated(
+                f"{p}.gate.e_score_correction_bias", (moe.num_experts,), dtype="float32"
+            )
+        self.fused_moe(p)

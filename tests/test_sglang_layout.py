@@ -1,0 +1,153 @@
+"""The SGLang provider without SGLang: what it refuses (exact messages), the shared-expert
+fusion default, DeepSeek-V3 / Kimi-K2 at their real sizes, expert parallelism and the
+derived-weight list. ``tests/test_sglang_truth.py`` proves the layouts against SGLang's
+own classes."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from nemo_refit_reshard.layouts.sglang import (
+    check_sglang_parallel,
+    sglang_derived_tensors,
+    sglang_fuses_shared_experts,
+    sglang_layout,
+)
+from nemo_refit_reshard.spec import InferParallel, ModelSpec, load_model_spec, spec_from_hf_config
+from tests.helpers.model_configs import MODELS
+
+P = InferParallel
+CONFIGS = {**MODELS, "qwen3_moe_sparse": {**MODELS["qwen3_moe"], "mlp_only_layers": []}}
+
+
+def _spec(model: str) -> ModelSpec:
+    return spec_from_hf_config(CONFIGS[model], name=model)
+
+
+@pytest.mark.parametrize(
+    "model, par, fusion, message",
+    [
+        (
+            "qwen3_moe",
+            P(tp=2),
+            None,
+            "qwen3_moe has dense MLP layers [1] (mlp_only_layers / decoder_sparse_step): "
+            "SGLang 0.5.23 builds experts in every Qwen3-MoE layer, so its parameters would "
+            "not match the checkpoint there",
+        ),
+        ("qwen3_moe_sparse", P(tp=8), None, "tp=8 exceeds num_experts=4 (SGLang's rule)"),
+        (
+            "qwen3_fp8",
+            P(tp=2),
+            None,
+            "SGLang layouts do not cover FP8 engines yet; serve BF16 weights",
+        ),
+        (
+            "qwen3",
+            P(tp=2, pp=2),
+            None,
+            "SGLang layouts cover tensor parallelism (tp=), expert parallelism (ep=) and "
+            "replicas (dp=) so far, not pipeline parallelism (tp=2,pp=2,dp=1,engine_dp=1,"
+            "ep=1): drop pp for SGLang",
+        ),
+        (
+            "qwen3",
+            P(tp=2, engine_dp=2),
+            None,
+            "SGLang layouts cover tensor parallelism (tp=), expert parallelism (ep=) and "
+            "replicas (dp=) so far, not --dp-size / --enable-dp-attention (engine_dp=2, "
+            "attention TP = tp / dp): use dp= for independent SGLang replicas and engine_dp=1",
+        ),
+        (
+            "kimi_k2",
+            P(tp=8, ep=8),
+            None,
+            "ep=8 must divide num_experts=12 (SGLang's rule: its FusedMoE gives every "
+            "expert-parallel rank num_experts/ep experts); use ep=1",
+        ),
+        (
+            "deepseek_v3",
+            P(tp=2, ep=2),
+            True,
+            "shared-expert fusion with ep=2 is not covered (SGLang fuses under expert "
+            "parallelism only on AMD GPUs): use shared_experts_fusion=False "
+            "(--disable-shared-experts-fusion) or ep=1",
+        ),
+        ("llama", P(tp=2, ep=2), None, "ep=2 given for llama, which has no experts"),
+        ("llama", P(tp=3), None, "tp=3 must divide num_attention_heads=8 (SGLang's rule)"),
+        (
+            "llama",
+            P(tp=16),
+            None,
+            "tp=16 must divide num_attention_heads=8 (SGLang's rule)",
+        ),
+    ],
+)
+def test_what_is_not_proven_is_refused_by_name(
+    model: str, par: InferParallel, fusion: bool | None, message: str
+) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        check_sglang_parallel(_spec(model), par, fusion)
+
+
+def test_qwen_at_a_tp_sglang_refuses_says_sglangs_rule() -> None:
+    with pytest.raises(ValueError) as err:
+        sglang_layout(load_model_spec("qwen2.5-7b"), P(tp=8), 0)
+    assert str(err.value) == "tp=8 must divide num_attention_heads=28 (SGLang's rule)"
+
+
+def test_shared_expert_fusion_default_is_sglangs_cuda_rule() -> None:
+    ds, kimi = load_model_spec("deepseek-v3"), load_model_spec("kimi-k2")
+    assert sglang_fuses_shared_experts(ds, P(tp=8))  # 256 routed + 1 shared
+    assert not sglang_fuses_shared_experts(ds, P(tp=8, ep=8))  # NVIDIA: not under ep
+    assert not sglang_fuses_shared_experts(kimi, P(tp=8))  # 384 experts (not Quark)
+    assert not sglang_fuses_shared_experts(_spec("deepseek_v3"), P(tp=2))  # 4 experts
+
+
+def _mlp(layout, layer: int) -> dict[str, tuple[int, ...]]:
+    prefix = f"model.layers.{layer}.mlp."
+    return {t.name[len(prefix) :]: t.shape for t in layout.tensors if t.name.startswith(prefix)}
+
+
+def test_deepseek_v3_at_tp8_fuses_the_shared_expert_as_expert_256() -> None:
+    layout = sglang_layout(load_model_spec("deepseek-v3"), P(tp=8), 3)
+    assert _mlp(layout, 5) == {
+        "gate.weight": (256, 7168),
+        "gate.e_score_correction_bias": (256,),
+        "experts.w13_weight": (257, 512, 7168),
+        "experts.w2_weight": (257, 7168, 256),
+    }
+    w2 = layout.tensor("model.layers.5.mlp.experts.w2_weight")
+    last = [p for p in w2.pieces if p.local_box.offsets[0] == 256]
+    assert [p.canonical for p in last] == ["model.layers.5.mlp.shared_experts.down_proj.weight"]
+    assert last[0].canonical_box.offsets == (0, 3 * 256)  # rank 3's columns
+    assert _mlp(layout, 0) == {
+        "gate_up_proj.weight": (4608, 7168),
+        "down_proj.weight": (7168, 2304),
+    }
+    names = {t.name for t in layout.tensors}
+    assert "model.layers.0.self_attn.fused_qkv_a_proj_with_mqa.weight" in names
+    assert not any("layers.61." in n for n in names)  # the MTP layer: a separate draft model
+
+
+def test_deepseek_v3_with_expert_parallel_holds_whole_experts_and_shared_over_tp() -> None:
+    layout = sglang_layout(load_model_spec("deepseek-v3"), P(tp=8, ep=8), 3)
+    assert _mlp(layout, 5)["experts.w13_weight"] == (32, 4096, 7168)
+    assert _mlp(layout, 5)["shared_experts.gate_up_proj.weight"] == (512, 7168)
+    w2 = layout.tensor("model.layers.5.mlp.experts.w2_weight")
+    assert {p.canonical.split(".")[5] for p in w2.pieces} == {str(e) for e in range(96, 128)}
+
+
+def test_kimi_k2_keeps_shared_experts_and_derives_w_kc_w_vc() -> None:
+    spec = load_model_spec("kimi-k2")
+    layout = sglang_layout(spec, P(tp=8), 0)
+    assert _mlp(layout, 1)["experts.w13_weight"] == (384, 512, 7168)
+    assert _mlp(layout, 1)["shared_experts.down_proj.weight"] == (7168, 256)
+    derived = sglang_derived_tensors(spec, P(tp=8))
+    assert len(derived) == 2 * spec.arch.num_layers
+    assert derived["model.layers.0.self_attn.w_kc"] == (8, 128, 512)  # 64 heads / 8
+    assert derived["model.layers.0.self_attn.w_vc"] == (8, 512, 128)
+    assert not set(derived) & {t.name for t in layout.tensors}
+    assert sglang_derived_tensors(_spec("qwen3"), P(tp=2)) == {}
