@@ -88,13 +88,15 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
     params = dict(model.named_parameters())
     pointers = {n: p.data_ptr() for n, p in params.items()}
 
+    answers: list[list[Any]] = []
+
     def run(op: str, **arguments: Any) -> None:
         # the driver's sequence per call: begin session, the loader's command, end
         updater.begin_weight_update()
         ok, message = updater.update_weights_from_tensor(
             refit_command(op, **arguments), load_format=LOADER
         )
-        assert ok, message
+        answers.append([op, ok, message])
         updater.end_weight_update(run_post_load=False)
 
     result: dict[str, Any] = {"described": refit_describe(model), "steps": []}
@@ -122,6 +124,7 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
         result["require_fresh"] = str(err)
     result["moved_after_failure"] = [n for n, p in params.items() if p.data_ptr() != pointers[n]]
     run("close")
+    result["answers"] = answers  # what SGLang answered each call (plugin.py)
     return result
 
 
@@ -131,8 +134,13 @@ def _weight_updater(model: Any, rank: int) -> Any:
     Stand-in: no ``ModelRunner`` (it allocates the KV cache and captures graphs, which
     needs a GPU); its callbacks the tensor path does not use are left unset."""
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+    from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from nemo_refit_reshard.integrations.sglang import LOADER
+    from nemo_refit_reshard.integrations.sglang import LOADER, plugin
+
+    # what SGLang's load_plugins() does for our entry point in every process
+    plugin.register()
+    HookRegistry.apply_hooks()
 
     def unused(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("not on SGLang's update_weights_from_tensor path")

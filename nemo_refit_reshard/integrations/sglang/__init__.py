@@ -4,7 +4,9 @@
 loader``), run in every tensor-parallel rank by ``Engine.update_weights_from_tensor``
 with a :func:`refit_command`. ``receiver.py``: what each rank does (join the refit
 group, check and load its plan slice, refit in place, rerun SGLang's
-``post_load_weights``, close), versioned with ``WeightsState``. Why this extension
+``post_load_weights``, close), versioned with ``WeightsState``. ``plugin.py``: SGLang
+general plugin whose hook turns an error the loader caught into SGLang's own
+``success=False`` answer to the driver. Why this extension
 point: docs/sglang.md, "Where the receiver lives and why".
 """
 
