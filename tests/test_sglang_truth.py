@@ -53,6 +53,7 @@ CONFIGS = {
     **MODELS,
     "qwen3_moe_sparse": {**MODELS["qwen3_moe"], "mlp_only_layers": []},
     "deepseek_v3": {**MODELS["deepseek_v3"], **_DS_SGLANG},
+    "deepseek_v3_no_q_lora": {**MODELS["deepseek_v3_no_q_lora"], **_DS_SGLANG},
     # the same model under --enforce-shared-experts-fusion (SGLang's default on a CUDA
     # GPU for DeepSeek-V3's 256 experts; on CPU only the flag turns it on)
     "deepseek_v3_fused": {**MODELS["deepseek_v3"], **_DS_SGLANG},
@@ -60,6 +61,7 @@ CONFIGS = {
 FUSED = {"deepseek_v3_fused"}
 CASES = [
     ("llama", P()),
+    ("deepseek_v3", P()),  # tp=1: every tensor whole
     ("llama", P(tp=2)),
     ("llama", P(tp=4)),  # 2 KV heads over 4 ranks: each replicated twice
     ("qwen2", P(tp=4)),  # qkv biases, KV replication
@@ -68,7 +70,9 @@ CASES = [
     ("qwen3_moe_sparse", P(tp=2, ep=2)),  # --ep-size 2: experts 0-1 on rank 0, 2-3 on 1
     # MLA (fused_qkv_a_proj_with_mqa), dense layer 0, shared experts over tp, w_kc/w_vc
     ("deepseek_v3", P(tp=2)),
-    ("deepseek_v3", P(tp=2, ep=2)),  # whole routed experts per rank, shared over tp
+    # no q_lora_rank (q_proj, kv_a_proj_with_mqa) under --ep-size 2: whole routed
+    # experts per rank, shared experts over tp
+    ("deepseek_v3_no_q_lora", P(tp=2, ep=2)),
     ("deepseek_v3_fused", P(tp=2)),  # the shared expert as expert 4, sliced like them
 ]
 

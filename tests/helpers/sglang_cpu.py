@@ -139,6 +139,15 @@ def build_model(
     return model
 
 
+def release_model() -> None:
+    """Tear down SGLang's parallel state and the gloo world (what ``build_model`` set up),
+    so that the process can build the next model (``publish`` is last-publish-wins)."""
+    from sglang.srt.distributed import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.destroy_distributed_environment()
+
+
 def import_sglang_models() -> None:
     """Import on CPU what the tests build: SGLang's Llama, Qwen2, Qwen3, Qwen3-MoE and
     DeepSeek-V2/V3 model modules, its server args, runtime context, parallel state and registry."""

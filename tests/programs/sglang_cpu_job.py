@@ -4,12 +4,13 @@
     python -m tests.programs.sglang_cpu_job JOB.json RESULT.json
 
 JOB: ``{"builds": [{"id", "model_dir", "tp", "weights", "out"[, "ep", "fuse_shared"]}]}``:
-for each build, one process per tensor-parallel rank (``tests/helpers/sglang_cpu.py``),
-each writing its ``named_parameters()`` to ``out`` with ``_r<rank>`` before
-``.safetensors``, and the tensors SGLang derived after loading (plain tensor attributes
-of a module, not parameters or buffers: DeepSeek's ``w_kc``/``w_vc``) with
-``_r<rank>_derived``. RESULT: ``{id: [{name: [shape, dtype]} per rank], "derived": {id:
-[{name: [shape, dtype]} per rank]}}``.
+tensor-parallel rank r of every build runs in worker process r, the builds one after
+another (``tests/helpers/sglang_cpu.py``; SGLang is imported once per worker and its
+parallel state released between builds). Each rank writes its ``named_parameters()`` to
+``out`` with ``_r<rank>`` before ``.safetensors``, and the tensors SGLang derived after
+loading (plain tensor attributes of a module, not parameters or buffers: DeepSeek's
+``w_kc``/``w_vc``) with ``_r<rank>_derived``. RESULT: ``{id: [{name: [shape, dtype]} per
+rank], "derived": {id: [{name: [shape, dtype]} per rank]}}``.
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ def _shapes(tensors: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
     return {n: [list(t.shape), str(t.dtype).removeprefix("torch.")] for n, t in tensors.items()}
 
 
-def _rank(build: dict[str, Any], rank: int, port: int, out: Any) -> None:
+def _build(build: dict[str, Any], rank: int, port: int) -> tuple[Any, Any]:
+    from safetensors.torch import load_file, save_file
+
+    from tests.helpers.sglang_cpu import build_model, release_model
+
     try:
-        from safetensors.torch import load_file, save_file
-
-        from tests.helpers.sglang_cpu import build_model
-
         model = build_model(
             build["model_dir"],
             build["tp"],
@@ -48,14 +49,25 @@ def _rank(build: dict[str, Any], rank: int, port: int, out: Any) -> None:
             for attr, t in vars(module).items()
             if isinstance(t, torch.Tensor)
         }
-        stem = build["out"].removesuffix(".safetensors")
-        save_file(params, f"{stem}_r{rank}.safetensors")
-        save_file(derived, f"{stem}_r{rank}_derived.safetensors")
-        out.put((rank, (_shapes(params), _shapes(derived)), None))
-    except BaseException as err:  # noqa: BLE001 - reported to the parent
-        import traceback
+    finally:
+        release_model()
+    stem = build["out"].removesuffix(".safetensors")
+    save_file(params, f"{stem}_r{rank}.safetensors")
+    save_file(derived, f"{stem}_r{rank}_derived.safetensors")
+    return _shapes(params), _shapes(derived)
 
-        out.put((rank, None, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+
+def _worker(rank: int, tasks: Any, out: Any) -> None:
+    """Rank ``rank`` of every build with tp > rank, one after another in this process
+    (SGLang imported once: the import is most of a build's time)."""
+    while (task := tasks.get()) is not None:
+        build, port = task
+        try:
+            out.put((rank, _build(build, rank, port), None))
+        except BaseException as err:  # noqa: BLE001 - reported to the parent
+            import traceback
+
+            out.put((rank, None, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
 
 
 def main(job_path: str, result_path: str) -> int:
@@ -63,22 +75,31 @@ def main(job_path: str, result_path: str) -> int:
 
     job = json.load(open(job_path))
     ctx = mp.get_context("spawn")
+    width = max(build["tp"] for build in job["builds"])
+    out = ctx.Queue()
+    tasks = [ctx.Queue() for _ in range(width)]
+    workers = [ctx.Process(target=_worker, args=(r, tasks[r], out)) for r in range(width)]
+    for w in workers:
+        w.start()
     result: dict[str, Any] = {"derived": {}}
-    for build in job["builds"]:
-        out, port = ctx.Queue(), free_port()
-        procs = [ctx.Process(target=_rank, args=(build, r, port, out)) for r in range(build["tp"])]
-        for p in procs:
-            p.start()
-        ranks = [out.get(timeout=600) for _ in procs]
-        for p in procs:
-            p.join(timeout=60)
-        errors = [e for _, _, e in ranks if e]
-        if errors:
-            result = {"error": f"build {build['id']}: {errors[0]}"}
-            break
-        ordered = [shapes for _, shapes, _ in sorted(ranks, key=lambda x: x[0])]
-        result[build["id"]] = [params for params, _ in ordered]
-        result["derived"][build["id"]] = [derived for _, derived in ordered]
+    try:
+        for build in job["builds"]:
+            port = free_port()
+            for r in range(build["tp"]):
+                tasks[r].put((build, port))
+            ranks = [out.get(timeout=600) for _ in range(build["tp"])]
+            errors = [e for _, _, e in ranks if e]
+            if errors:
+                result = {"error": f"build {build['id']}: {errors[0]}"}
+                break
+            ordered = [shapes for _, shapes, _ in sorted(ranks, key=lambda x: x[0])]
+            result[build["id"]] = [params for params, _ in ordered]
+            result["derived"][build["id"]] = [derived for _, derived in ordered]
+    finally:
+        for q in tasks:
+            q.put(None)
+        for w in workers:
+            w.join(timeout=60)
     with open(result_path, "w") as f:
         json.dump(result, f)
     return 1 if "error" in result else 0
