@@ -47,7 +47,9 @@ the vocabulary is padded to a multiple of 64 and split by rows. Where SGLang dif
 Refused by name (:func:`check_sglang_parallel`): pipeline parallelism, SGLang's
 ``--dp-size`` / ``--enable-dp-attention`` (attention TP = tp / dp; use ``dp=`` for
 independent replicas), ``ep`` with fused shared experts (SGLang fuses them under ep only
-on AMD), FP8 engines, and other families.
+on AMD), FP8 engines, and other families. Not covered either (they change the layout
+and no config says so): ``SGLANG_ENABLE_EMBED_REPLICATION``, ``SGLANG_SHARED_EXPERT_TP1``
+and the all-to-all MoE backends (``--moe-a2a-backend``), which replicate tensors here split.
 """
 
 from __future__ import annotations
