@@ -137,13 +137,20 @@ def test_layout_of_an_sglang_rank(capsys) -> None:
     ]
 
 
-def test_layout_sglang_refuses_what_it_has_not_proven(capsys) -> None:
+def test_layout_of_an_sglang_deepseek_rank_fuses_the_shared_expert(capsys) -> None:
+    """SGLang's default on CUDA for DeepSeek-V3 (256 routed experts, 1 shared, no ep): the
+    shared expert is routed expert 256, so every MoE layer's w13 holds 257 experts."""
     argv = ["layout", "--framework", "sglang", "--model", "deepseek-v3", "--parallel", "tp=8"]
+    assert main([*argv, "--filter", "layers.3.mlp.experts.w13"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2] == "model.layers.3.mlp.experts.w13_weight  [257, 512, 7168] bfloat16"
+
+
+def test_layout_sglang_states_sglangs_rule(capsys) -> None:
+    argv = ["layout", "--framework", "sglang", "--model", "qwen2.5-7b", "--parallel", "tp=8"]
     assert main(argv) == 2
-    assert (
-        "error: SGLang layouts cover llama, qwen2, qwen3, qwen3_moe so far; deepseek-v3 is "
-        "family 'deepseek_v3' with MLA: use the vLLM engine for it"
-    ) in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "error: tp=8 must divide num_attention_heads=28 (SGLang's rule)" in err
 
 
 def test_layout_unknown_vllm_version_exits_2(capsys) -> None:

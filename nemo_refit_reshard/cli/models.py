@@ -62,7 +62,7 @@ def build_layout(args: argparse.Namespace, spec: ModelSpec) -> RankLayout:
         return megatron_rank_layout(args, spec)
     if args.framework == "vllm":
         return vllm_rank_layout(args, spec)
-    if args.framework == "sglang":  # dense families, tp and replicas (layouts/sglang.py)
+    if args.framework == "sglang":  # what layouts/sglang.py proves against SGLang
         return sglang_layout(spec, InferParallel.parse(args.parallel), args.rank)
     return dtensor_rank_layout(args, spec)
 

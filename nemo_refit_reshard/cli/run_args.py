@@ -47,7 +47,7 @@ def add_run_arguments(p: argparse.ArgumentParser, steps: int) -> None:
         choices=INFER_ENGINES,
         default="vllm",
         help="whose parameter layouts the inference ranks hold: vLLM's (default) or "
-        "SGLang's (--infer tp=,dp= and what layouts/sglang.py proves)",
+        "SGLang's (what layouts/sglang.py proves: tp=, dp=, ep=)",
     )
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--backends", default="reshard,broadcast")
