@@ -4,26 +4,34 @@ Two training ranks (Megatron tp=2 float32 shards materialized from each step's
 canonical tensors, sent by this project's ``RefitWorker``) and two SGLang tp ranks join
 one gloo refit group (``tests/programs/sglang_receiver_job.py``). Each SGLang rank holds
 SGLang's own model class, built with SGLang's runtime context and parallel state and
-first loaded by SGLang's own ``load_weights``; every receiver operation reaches it
-through SGLang's own ``WeightUpdater.update_weights_from_tensor(..., load_format=LOADER)``
-(the custom-weight-loader path), between SGLang's ``begin_weight_update`` and
-``end_weight_update``. Two steps with different weights must leave every parameter
-bitwise equal to its canonical slices with its storage unmoved; then a plan of another
-fingerprint is refused without touching the weights, and a step after the training
-ranks have gone leaves them stale with the transport's error.
+first loaded by SGLang's own ``load_weights``; every receiver operation reaches it as
+the scheduler receives it: SGLang's own ``SchedulerWeightUpdaterManager`` handles
+``BeginWeightUpdateReqInput``, ``UpdateWeightsFromTensorReqInput(load_format=LOADER)``
+(a serialized ``refit_command`` per tp rank) and ``EndWeightUpdateReqInput``, calling
+SGLang's own ``WeightUpdater.update_weights_from_tensor``, which calls our custom
+loader; our plugin's hook is applied by SGLang's ``HookRegistry``. Two steps with
+different weights must leave every parameter bitwise equal to its canonical slices with
+its storage unmoved; then a plan of another fingerprint is refused without touching the
+weights, and a step after the training ranks have gone leaves them stale with the
+transport's error; SGLang answers each failure with ``success=False`` and records a
+weight version only for the successes.
 
 Stand-ins (SGLang code that cannot run on CPU, and what replaces it):
 
-- SGLang's ``ModelRunner`` (it allocates the KV cache and captures CUDA graphs): the
-  job builds SGLang's own ``WeightUpdater`` as ``ModelRunner.init_weight_updater`` does,
-  with our loader in ``custom_weight_loaders`` as ``--custom-weight-loader`` puts it;
-  its callbacks that the tensor path never calls raise if called.
-- The scheduler and the ``Engine`` (processes, ZMQ, tokenizer): the job calls the
-  runner-level methods the scheduler's ``SchedulerWeightUpdaterManager`` calls, in its
-  order (begin, update from tensor, end). ``deserialize_own_rank`` is not run: the
-  command tensors are handed over in process.
-- SGLang's ``load_plugins()`` (it runs our entry point in every process): the job calls
-  ``plugin.register()`` and SGLang's ``HookRegistry.apply_hooks()`` itself.
+- ``ModelRunner`` (it allocates the KV cache and captures CUDA graphs) and
+  ``TpModelWorker``: namespaces holding what the tensor path reads — SGLang's own
+  ``WeightUpdater`` built as ``ModelRunner.init_weight_updater`` builds it, with our
+  loader in ``custom_weight_loaders`` as ``--custom-weight-loader`` puts it (callbacks the
+  path never calls raise), and ``deserialize_own_rank`` copied line for line (its module
+  imports the scheduler, which needs ``setproctitle``, absent from the CPU venv).
+- The ``Scheduler`` itself (process, ZMQ, dispatcher, radix cache): the test calls the
+  manager's handlers directly; ``record_weight_version_change`` appends to a list and
+  ``flush_cache`` has nothing to flush. The ``Engine`` (tokenizer process): the job
+  serializes each command with SGLang's ``MultiprocessingSerializer`` as
+  ``Engine._serialize_tensors_per_rank`` does, before the first call (SGLang's torch
+  reduction patch, installed on the scheduler side, cannot reduce CPU tensors, and here
+  both sides share a process).
+- ``load_plugins()``: the job calls ``plugin.register()`` and ``HookRegistry.apply_hooks()``.
 - ``torchvision`` and vLLM's CUDA rotary kernel: ``tests/helpers/sglang_cpu.py``.
 """
 
@@ -113,3 +121,5 @@ def test_sglang_answers_success_for_complete_commands(ranks: list[dict[str, Any]
         ops = ["join", "load_plan", "step", "step"]
         assert rank["answers"][:4] == [[op, True, "Success"] for op in ops]
         assert rank["answers"][-1] == ["close", True, "Success"]
+        # SGLang records the version of every successful update, of no failed one
+        assert rank["versions"] == ["join", "plan", "step1", "step2", "close"]

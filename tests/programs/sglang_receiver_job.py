@@ -7,10 +7,11 @@ JOB: ``{"config", "model_dir", "initial", "steps": [seed, ...], "timeout_s"}``. 
 training ranks (Megatron tp=2 float32 shards materialized from each step's canonical
 tensors; this project's sender, ``RefitWorker``) and two SGLang tp ranks (SGLang's
 model class built and first loaded by SGLang, ``tests/helpers/sglang_cpu.py``) join one
-gloo refit group. Every SGLang rank drives the receiver through SGLang's own
-``WeightUpdater.update_weights_from_tensor(..., load_format=LOADER)`` inside its
-``begin_weight_update`` / ``end_weight_update``, then after the training ranks have gone
-tries a plan of another fingerprint and a third step. RESULT: one entry per SGLang rank.
+gloo refit group. Every SGLang rank drives the receiver through SGLang's own scheduler
+weight-update manager (``SchedulerWeightUpdaterManager``: begin the session, update
+from tensor with ``load_format=LOADER``, end it) over SGLang's own ``WeightUpdater``,
+then after the training ranks have gone tries a plan of another fingerprint and a third
+step. RESULT: one entry per SGLang rank.
 """
 
 from __future__ import annotations
@@ -82,28 +83,51 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
 
     model = build_model(job["model_dir"], INFER, rank, port)
     model.load_weights(iter(load_file(job["initial"]).items()))  # SGLang's own start-up load
-    updater = _weight_updater(model, rank)
+    manager, versions = _scheduler_weight_updater(model, rank)
     spec = _spec(job)
     layout = sglang_layout(spec, InferParallel(tp=INFER), rank, params_dtype="float32")
     params = dict(model.named_parameters())
     pointers = {n: p.data_ptr() for n, p in params.items()}
-
     answers: list[list[Any]] = []
 
-    def run(op: str, **arguments: Any) -> None:
-        # the driver's sequence per call: begin session, the loader's command, end
-        updater.begin_weight_update()
-        ok, message = updater.update_weights_from_tensor(
-            refit_command(op, **arguments), load_format=LOADER
+    from sglang.srt.managers import io_struct as io
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    # Every command, serialized up front as the driver serializes it in its own process
+    # (Engine._serialize_tensors_per_rank): SGLang's torch-reduction patch, which the
+    # scheduler side installs when it deserializes, cannot reduce a CPU tensor, and here
+    # driver and rank share one process.
+    last = len(job["steps"]) + 1
+    script = {
+        "join": ("join", dict(endpoint_json=job["endpoint"], first_rank=TRAIN)),
+        "plan": ("load_plan", dict(plan=job["plan"], fingerprint=job["fingerprint"])),
+        **{f"step{k}": ("step", dict(step=k)) for k in range(1, last + 1)},
+        "bad_plan": ("load_plan", dict(plan=job["plan"], fingerprint="0" * 64)),
+        "close": ("close", {}),
+    }
+    payloads = {
+        key: MultiprocessingSerializer.serialize(refit_command(op, **arguments))
+        for key, (op, arguments) in script.items()
+    }
+
+    def run(key: str) -> None:
+        # the driver's sequence per call, as the Engine sends it to each scheduler: begin
+        # the session, the loader's command (one copy per tp rank), end the session
+        assert manager.begin_weight_update(io.BeginWeightUpdateReqInput()).success
+        request = io.UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=[payloads[key]] * INFER,
+            load_format=LOADER,
+            weight_version=key,
         )
-        answers.append([op, ok, message])
-        updater.end_weight_update(run_post_load=False)
+        answer = manager.update_weights_from_tensor(request)
+        answers.append([script[key][0], answer.success, answer.message])
+        assert manager.end_weight_update(io.EndWeightUpdateReqInput()).success
 
     result: dict[str, Any] = {"described": refit_describe(model), "steps": []}
-    run("join", endpoint_json=job["endpoint"], first_rank=TRAIN)
-    run("load_plan", plan=job["plan"], fingerprint=job["fingerprint"])
+    run("join")
+    run("plan")
     for step, seed in enumerate(job["steps"], start=1):
-        run("step", step=step)
+        run(f"step{step}")
         canonical = random_tensors(spec, seed)
         result["steps"].append(
             {
@@ -113,9 +137,9 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
                 "status": refit_status(model),
             }
         )
-    run("load_plan", plan=job["plan"], fingerprint="0" * 64)  # another plan's slice
+    run("bad_plan")  # another plan's slice
     result["bad_plan"] = refit_status(model)
-    run("step", step=len(job["steps"]) + 1)  # the training ranks have gone
+    run(f"step{last}")  # the training ranks have gone
     result["dead_peer"] = refit_status(model)
     try:
         refit_require_fresh(model)  # what the driver asks before continuing generation
@@ -125,27 +149,48 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
     result["moved_after_failure"] = [n for n, p in params.items() if p.data_ptr() != pointers[n]]
     run("close")
     result["answers"] = answers  # what SGLang answered each call (plugin.py)
+    result["versions"] = versions  # the weight versions SGLang recorded
     return result
 
 
-def _weight_updater(model: Any, rank: int) -> Any:
-    """SGLang's own per-runner ``WeightUpdater``, as ``ModelRunner.init_weight_updater``
-    builds it, with our loader registered as ``--custom-weight-loader`` registers it.
-    Stand-in: no ``ModelRunner`` (it allocates the KV cache and captures graphs, which
-    needs a GPU); its callbacks the tensor path does not use are left unset."""
+def _deserialize_own_rank(payloads: list[bytes]) -> Any:
+    """``TpModelWorker.deserialize_own_rank``, line for line: its module imports the
+    scheduler, which needs ``setproctitle`` (not in the CPU venv)."""
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()
+    return MultiprocessingSerializer.deserialize(payloads[get_parallel().tp_rank])
+
+
+def _scheduler_weight_updater(model: Any, rank: int) -> tuple[Any, list[str]]:
+    """SGLang's own ``SchedulerWeightUpdaterManager`` (what the scheduler dispatches
+    ``BeginWeightUpdateReqInput`` / ``UpdateWeightsFromTensorReqInput`` /
+    ``EndWeightUpdateReqInput`` to) over SGLang's own per-runner ``WeightUpdater``, with
+    our loader registered as ``--custom-weight-loader`` registers it and our plugin's
+    hook applied as ``load_plugins()`` applies it. Stand-ins (no GPU, no scheduler
+    process): the ``ModelRunner`` and ``TpModelWorker`` are namespaces holding what the
+    tensor path reads (``_deserialize_own_rank``); the
+    scheduler records weight versions in a list; ``flush_cache`` has no cache to flush;
+    the runner callbacks the tensor path never calls raise."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.scheduler_components.weight_updater import (
+        SchedulerWeightUpdaterManager,
+    )
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     from nemo_refit_reshard.integrations.sglang import LOADER, plugin
 
-    # what SGLang's load_plugins() does for our entry point in every process
     plugin.register()
     HookRegistry.apply_hooks()
 
     def unused(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("not on SGLang's update_weights_from_tensor path")
 
-    return WeightUpdater(
+    updater = WeightUpdater(
         tp_rank=rank,
         device="cpu",
         gpu_id=0,
@@ -156,6 +201,25 @@ def _weight_updater(model: Any, rank: int) -> Any:
         recapture_cuda_graph=unused,
         get_model_runner=unused,
     )
+    runner = SimpleNamespace(weight_updater=updater, model=model)
+    worker = SimpleNamespace(
+        model_runner=runner,
+        weight_update_runners=lambda: [("target", runner)],
+        deserialize_own_rank=lambda payloads: _deserialize_own_rank(payloads),
+    )
+    versions: list[str] = []
+    scheduler = SimpleNamespace(
+        record_weight_version_change=lambda new_version: versions.append(new_version)
+    )
+    manager = SchedulerWeightUpdaterManager(
+        tp_worker=worker,
+        draft_worker=None,
+        memory_saver_adapter=None,
+        flush_cache=lambda empty_cache=False: True,
+        is_fully_idle=lambda: True,
+        scheduler=scheduler,
+    )
+    return manager, versions
 
 
 def main(job_path: str, result_path: str) -> int:
