@@ -3,13 +3,17 @@
     python -m tests.programs.verl_driver SPEC.json RESULT.json
 
 SPEC: ``{"model", "actors", "infer", "replicas", "steps", "checkpoints": [one
-safetensors path per step], "engine_kwargs", "kill_rollout_before_step": int|null}``.
+safetensors path per step], "engine_kwargs", "kill_rollout_before_step": int|null,
+"rollout_name": "vllm"|"sglang"}``.
 
 Real veRL: ``CheckpointEngineManager``, ``RayWorkerGroup``, ``CheckpointEngineWorker``,
-``RolloutReplica``, the registry and its ``custom_backend_module`` import. Stand-ins
-(no GPU, no vLLM server here): the actor worker, which yields each step's full HF
-tensors as FSDP's ``get_per_tensor_param`` does, and the server adapter, which
-records what the engine yields instead of passing it to vLLM over CUDA IPC.
+``RolloutReplica``, the registry and its ``custom_backend_module`` import, and (SGLang)
+``sglang_rollout.utils.get_named_tensor_buckets``. Stand-ins (no GPU, no vLLM or
+SGLang server here): the actor worker, which yields each step's full HF tensors as
+FSDP's ``get_per_tensor_param`` does, and the server adapter, which records what the
+engine yields instead of passing it to the engine over CUDA IPC: for vLLM a copy per
+yield (:class:`RecordingServerAdapter`), for SGLang veRL's bucket holding and naming
+(:class:`SGLangBucketAdapter`).
 """
 
 from __future__ import annotations
@@ -80,25 +84,69 @@ class RecordingServerAdapter(BaseRollout):
             self.received[name] = weight.clone()  # the buffer is reused, as vLLM's IPC copy
 
 
+class SGLangBucketAdapter(RecordingServerAdapter):
+    """What veRL 0.9.1's ``sglang_rollout.ServerAdapter.update_weights`` does with the
+    yields (``wire_format="named_tensors"``, no LoRA, no FP8; its module imports sglang,
+    so it cannot run here). Its mesh: ``_init_server_adapter``'s ``(dp, infer_tp,
+    infer_pp)`` over the rollout workers' gloo group. Per bucket of veRL's own
+    ``get_named_tensor_buckets`` (a list of references, no copy):
+    ``sglang.srt.weight_sync.utils.update_weights`` CUDA-IPC-serializes every tensor
+    (a handle, no copy), gathers each rank's list to TP rank 0 and names the i-th tensor
+    of every rank by rank 0's i-th name (``zip(*gathered, strict=True)``); SGLang's TP
+    rank r loads rank r's tensor under that name. Here every rank gathers the names
+    (``all_gather_object``: each rank checks its own values) and keeps the references;
+    the values are read once the whole stream is drained — the latest moment SGLang
+    could read them (ranks other than TP rank 0 do not wait for the load before
+    pulling the next bucket). ``_strip_lora_base_layer`` and ``_to_ipc_device`` do
+    nothing to these names and CPU tensors."""
+
+    async def update_weights(self, weights, global_steps=None, wire_format="named_tensors", **kw):
+        # imported here: Ray pickles this __main__ class by value, globals included
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from verl.workers.rollout.sglang_rollout.utils import get_named_tensor_buckets
+
+        assert wire_format == "named_tensors", wire_format
+        c = self.config
+        infer_tp = c.tensor_model_parallel_size * c.data_parallel_size
+        infer_pp = c.pipeline_model_parallel_size
+        if self.device_mesh is None:
+            dp = dist.get_world_size() // (infer_tp * infer_pp)
+            dims = ["dp", "infer_tp", "infer_pp"]
+            self.device_mesh = init_device_mesh(
+                "cpu", (dp, infer_tp, infer_pp), mesh_dim_names=dims
+            )
+        tp = self.device_mesh["infer_tp"]
+        bucket_bytes = int(c.checkpoint_engine.update_weights_bucket_megabytes) << 20
+        held: list[tuple[str, torch.Tensor]] = []
+        self.buckets = []
+        async for batch in get_named_tensor_buckets(weights, bucket_bytes, fusion_groups=()):
+            gathered: list = [None] * tp.size()
+            dist.all_gather_object(gathered, [n for n, _ in batch], group=tp.get_group())
+            named = [group[0] for group in zip(*gathered, strict=True)]  # rank 0's names
+            held += [(name, tensor) for name, (_, tensor) in zip(named, batch, strict=True)]
+            self.buckets.append(len(batch))
+        self.received = {name: tensor.clone() for name, tensor in held}
+
+
 class RolloutWorker(CheckpointEngineWorker):
     def __init__(self, rollout_config: RolloutConfig) -> None:
-        super().__init__(rollout_config, None, RecordingServerAdapter(rollout_config))
+        adapter = SGLangBucketAdapter if rollout_config.name == "sglang" else RecordingServerAdapter
+        super().__init__(rollout_config, None, adapter(rollout_config))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def check_received(self, checkpoint: str, infer: str) -> dict:
         """Every piece of this GPU's vLLM shard holds the checkpoint's values; nothing
         else is yielded."""
-        from nemo_refit_reshard.layouts import VllmOptions, vllm_layout
+        from nemo_refit_reshard.layouts import VllmOptions
+        from nemo_refit_reshard.layouts.refit import engine_layouts
         from nemo_refit_reshard.spec import InferParallel, load_model_spec
 
         engine = self.checkpoint_engine
         spec = load_model_spec(engine.config.model)
-        layout = vllm_layout(
-            spec,
-            InferParallel.parse(infer),
-            self.rank,
-            VllmOptions(params_dtype=engine.config.infer_dtype),
-        )
+        opts = VllmOptions(params_dtype=engine.config.infer_dtype)
+        parallel = InferParallel.parse(infer)
+        layout = engine_layouts(spec, parallel, self.rollout_config.name, opts)[self.rank]
         truth = load_file(checkpoint)
         got = self.server_adapter.received
         wrong = []
@@ -115,6 +163,7 @@ class RolloutWorker(CheckpointEngineWorker):
             "missing": sorted(expected - set(got)),
             "yielded": len(got),
             "bytes_received": engine.bytes_received,
+            "buckets": getattr(self.server_adapter, "buckets", None),
         }
 
 
@@ -141,7 +190,7 @@ async def run(spec: dict) -> dict:
         engine_kwargs={"reshard": spec["engine_kwargs"]},
     )
     rollout_config = RolloutConfig(
-        name="vllm",
+        name=spec.get("rollout_name", "vllm"),
         tensor_model_parallel_size=infer.tp,
         pipeline_model_parallel_size=infer.pp,
         data_parallel_size=infer.engine_dp,

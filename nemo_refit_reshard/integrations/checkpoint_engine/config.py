@@ -16,6 +16,7 @@ from ..worker import TRANSPORTS
 
 MODES = ("reshard", "broadcast")
 QUANTIZATIONS = ("fp8",)
+INFER_ENGINES = ("vllm", "sglang")  # whose shard layouts the rollout GPUs hold
 
 
 @dataclass(frozen=True)
@@ -24,8 +25,10 @@ class ReshardEngineConfig:
     ``policy.generation.refit_cfg["<module>:<Class>"]``).
 
     ``model``: HF model directory (or its config.json, or a preset name).
-    ``infer``: one rollout replica's vLLM parallelism, ``tp=,pp=,engine_dp=,ep=``; the
-    number of replicas follows from the rollout world size. ``train_dtype``: dtype of
+    ``infer``: one rollout replica's parallelism, ``tp=,pp=,engine_dp=,ep=``; the
+    number of replicas follows from the rollout world size. ``infer_engine``: the
+    rollout's engine, ``vllm`` or ``sglang`` (veRL: the same as ``rollout.name``), whose
+    shard layouts the plan delivers. ``train_dtype``: dtype of
     the tensors the actor yields; ``infer_dtype``: vLLM's parameter dtype (both default
     to the checkpoint's). ``transport``: ``gloo`` (CPU) or ``cupy-nccl`` (GPUs).
     ``bucket_mb``: bytes per round (default: ``update_weights_bucket_megabytes``).
@@ -41,6 +44,7 @@ class ReshardEngineConfig:
 
     model: str
     infer: str = "tp=1"
+    infer_engine: str = "vllm"
     train_dtype: str | None = None
     infer_dtype: str | None = None
     vllm_version: str | None = None
@@ -76,6 +80,17 @@ class ReshardEngineConfig:
             raise ValueError(f"{where}.transport={config.transport!r}; choose from {TRANSPORTS}")
         if config.mode not in MODES:
             raise ValueError(f"{where}.mode={config.mode!r}; choose from {MODES}")
+        if config.infer_engine not in INFER_ENGINES:
+            raise ValueError(
+                f"{where}.infer_engine={config.infer_engine!r}; choose from {INFER_ENGINES} "
+                "(the rollout's engine: veRL's rollout.name)"
+            )
+        if config.infer_engine == "sglang" and config.quantization is not None:
+            raise ValueError(
+                f"{where}.quantization={config.quantization!r} with infer_engine sglang: FP8 "
+                "SGLang rollouts are not covered (the FP8 shard checks are vLLM's); serve "
+                "BF16 weights, or use a vLLM rollout"
+            )
         if config.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(
                 f"{where}.quantization={config.quantization!r}: the checkpoint engine serves "

@@ -8,7 +8,9 @@ plan therefore has:
 * sources: ``A`` actor ranks, each holding every canonical tensor whole — replicas of
   one another (:func:`replicated_layout`), so the planner spreads the sending over all
   of them;
-* destinations: the rollout GPUs' vLLM shards (``vllm_layouts``), ``R`` ranks.
+* destinations: the rollout GPUs' shards, ``R`` ranks: vLLM's (``vllm_layouts``), or
+  SGLang's with ``infer_engine: sglang`` (``layouts.refit.engine_layouts``;
+  :func:`sglang_rollout_layouts` adds what veRL's SGLang adapter can carry).
 
 A rollout rank receives only its shard's elements and rebuilds the full-shape tensors
 vLLM's loader takes from them (``rebuild.py``).
@@ -33,6 +35,7 @@ import torch
 
 from ...engine.program import TORCH_DTYPES
 from ...layouts import RankLayout, Replicate, VllmOptions, dtensor_layout, vllm_layouts
+from ...layouts.refit import engine_layouts as infer_engine_layouts
 from ...plan import BroadcastPlan, RankPlan, RefitPlan, plan_broadcast, plan_refit, rank_plan
 from ...spec import InferParallel, ModelSpec
 from ...spec.quantization import BlockFp8, quantized_module
@@ -71,7 +74,7 @@ def replicated_layout(spec: ModelSpec, world: int, rank: int, dtype: str | None)
 
 
 def rollout_parallel(config: ReshardEngineConfig, rollout_world: int) -> InferParallel:
-    """The rollout's whole vLLM parallelism: one replica's (``config.infer``) times the
+    """The rollout's whole parallelism: one replica's (``config.infer``) times the
     replicas ``rollout_world`` GPUs make."""
     one = InferParallel.parse(config.infer)
     if one.dp != 1:
@@ -125,12 +128,62 @@ def check_fp8_shards(
         raise ValueError(f"the rollout serves {spec.name} as {quant} at {infer}: {err}") from None
 
 
+def sglang_rollout_layouts(
+    checkpoint: ModelSpec, infer: InferParallel, opts: VllmOptions
+) -> list[RankLayout]:
+    """The rollout GPUs' SGLang layouts of ``checkpoint``'s trained tensors, refusing what
+    veRL's SGLang adapter cannot carry. That adapter (``sglang_rollout.ServerAdapter.
+    update_weights`` -> ``sglang.srt.weight_sync.utils.update_weights``) gathers every TP
+    rank's bucket to TP rank 0 and names the i-th tensor of every rank by rank 0's i-th
+    name (``zip(*gathered, strict=True)``): every rank of a replica must yield the same
+    names in the same order. :func:`~.rebuild.canonical_tensors` yields, sorted by
+    name, the canonical tensors a rank holds pieces of, so the rule is: every rank of
+    a replica holds pieces of the same canonical tensors."""
+    if checkpoint.arch.quant is not None:
+        raise ValueError(
+            f"{checkpoint.name} is a block-FP8 checkpoint: FP8 SGLang rollouts are not "
+            "covered by the reshard engine; serve BF16 weights, or use a vLLM rollout"
+        )
+    if infer.expert_parallel:
+        raise ValueError(
+            f"SGLang expert parallelism (ep={infer.ep}) cannot go through veRL's SGLang "
+            "adapter: it names every TP rank's tensors by TP rank 0's names (sglang's "
+            "weight_sync update_weights zips them), and under ep each rank receives "
+            "other experts; set rollout.expert_parallel_size=1 and drop ep from the "
+            "engine's infer (SGLang then slices every expert over tp)"
+        )
+    if infer.engine_dp > 1:
+        raise ValueError(
+            f"SGLang data-parallel attention (engine_dp={infer.engine_dp}: veRL passes "
+            "rollout.data_parallel_size as SGLang's dp_size, with tp_size = tp·dp) is not "
+            "covered; set rollout.data_parallel_size=1 and drop engine_dp from the engine's "
+            "infer (more rollout GPUs make more replicas)"
+        )
+    spec = checkpoint.unquantized()
+    try:
+        layouts = infer_engine_layouts(spec, infer, "sglang", opts)
+    except ValueError as err:
+        raise ValueError(f"SGLang rollout at {infer}: {err}") from None
+    n = infer.engine_world_size  # a replica: its ranks in order (pp and engine_dp are 1)
+    first = [sorted({p.canonical for p in lay.pieces()}) for lay in layouts[:n]]
+    for rank, names in enumerate(first[1:], 1):
+        if names != first[0]:
+            odd = sorted(set(names) ^ set(first[0]))
+            raise ValueError(
+                f"SGLang at {infer}: tp rank {rank} holds pieces of other tensors than tp "
+                f"rank 0 (e.g. {odd[:3]}), and veRL's SGLang adapter names every rank's "
+                "tensors by rank 0's; use a tp whose every rank holds part of every tensor"
+            )
+    return layouts
+
+
 def engine_layouts(
     config: ReshardEngineConfig, actor_world: int, rollout_world: int
 ) -> tuple[ModelSpec, InferParallel, list[RankLayout], list[RankLayout]]:
     """The model as trained, the rollout's parallelism, the replicated actor layouts
-    (sources) and the rollout GPUs' vLLM layouts of the trained tensors (destinations:
-    what their loader takes, FP8 rollouts included)."""
+    (sources) and the rollout GPUs' layouts of the trained tensors (destinations: what
+    their loader takes, FP8 vLLM rollouts included): vLLM's, or SGLang's with
+    ``infer_engine: sglang``."""
     checkpoint = engine_spec(config.model)
     spec = checkpoint.unquantized()
     infer = rollout_parallel(config, rollout_world)
@@ -138,6 +191,8 @@ def engine_layouts(
         replicated_layout(spec, actor_world, r, config.train_dtype) for r in range(actor_world)
     ]
     opts = VllmOptions(params_dtype=config.infer_dtype, vllm_version=config.vllm_version)
+    if config.infer_engine == "sglang":
+        return spec, infer, sources, sglang_rollout_layouts(checkpoint, infer, opts)
     quant = served_quantization(checkpoint, config)
     if quant is not None:
         check_fp8_shards(spec, quant, infer, opts)

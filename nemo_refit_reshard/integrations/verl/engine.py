@@ -14,6 +14,12 @@ With ``delta: true`` in the settings every endpoint carries the delta options
 (``engine/delta.py``): each update sends each message in its smallest form. A rollout
 rank re-packs from its own receive buffers (they persist across updates, whatever vLLM
 does with its weights), so vLLM's sleep needs nothing here.
+
+With ``infer_engine: sglang`` (``rollout.name=sglang``) the plan delivers SGLang's shards
+and every yield is a distinct tensor: veRL's SGLang adapter holds whole buckets of them
+(``rollout_engine.py``). veRL's own SGLang calls around an update (abort, kv-cache
+release and resume, ``flush_cache``) are the manager's and the adapter's; this engine
+adds none.
 """
 
 from __future__ import annotations
@@ -32,12 +38,14 @@ from ..checkpoint_engine import (
     CheckpointEngineRank,
     ReshardEngineConfig,
     cached_plan,
+    canonical_tensors,
     check_same_settings,
     group_rendezvous,
     planning_settings,
     worker_metadata,
 )
 from ..worker import RefitEndpoint
+from .rollout_engine import check_rollout_engine, loaded_rollout_engines, reuses_scratch
 
 WHERE = "checkpoint_engine.engine_kwargs.reshard"
 
@@ -69,6 +77,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
             master=self.is_master,
             address=[r.ip, r.port] if r else None,
             secret=r.secret if r else None,
+            rollout_engines=loaded_rollout_engines(),
         )
 
     @classmethod
@@ -81,6 +90,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
         if len(masters) != 1:
             raise ValueError(f"expected one master actor rank, found {len(masters)}")
         config = ReshardEngineConfig(**json.loads(text))
+        check_rollout_engine(config.infer_engine, metadata[a:], WHERE)
         # The first update plans; later ones reuse the plan and its slices' JSON.
         slices = cached_plan(text, a, r).slices_json
         # The master made the rendezvous once per group (build_topology runs every
@@ -133,6 +143,22 @@ class ReshardCheckpointEngine(CheckpointEngine):
     async def receive_weights(
         self, global_steps: int | None = None
     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        tensors = await asyncio.get_running_loop().run_in_executor(None, self.rank.receive)
+        receive = self.rank.receive if self.reuse_scratch else self._receive_distinct
+        tensors = await asyncio.get_running_loop().run_in_executor(None, receive)
         for name, tensor in tensors:
             yield name, tensor
+
+    @property
+    def reuse_scratch(self) -> bool:
+        """Whether the rollout's adapter copies each yield before asking for the next
+        (vLLM's) or holds buckets of them (SGLang's): ``rollout_engine.reuses_scratch``."""
+        return reuses_scratch(self.rank.config.infer_engine)
+
+    def _receive_distinct(self):
+        """``CheckpointEngineRank.receive`` yielding a distinct tensor per name."""
+        rank = self.rank
+        if rank.worker is None or rank.slice is None:
+            raise RuntimeError("the refit group is not joined on this rank yet")
+        rank.worker.refit()
+        rank.steps += 1
+        return canonical_tensors(rank.slice, rank.tensors, rank.shapes, reuse_scratch=False)
