@@ -1,20 +1,22 @@
-"""The SGLang receiver (``integrations/sglang``) refitting SGLang's own Qwen3 on CPU.
+"""The SGLang receiver (``integrations/sglang``) refitting SGLang's own DeepSeek-V3 on CPU.
 
-Two training ranks (Megatron tp=2 float32 shards materialized from each step's
-canonical tensors, sent by this project's ``RefitWorker``) and two SGLang tp ranks join
-one gloo refit group (``tests/programs/sglang_receiver_job.py``). Each SGLang rank holds
-SGLang's own model class, built with SGLang's runtime context and parallel state and
-first loaded by SGLang's own ``load_weights``; every receiver operation reaches it as
-the scheduler receives it: SGLang's own ``SchedulerWeightUpdaterManager`` handles
+Two training ranks (Megatron tp=2 float32 shards materialized from each step's canonical
+tensors, sent by this project's ``RefitWorker``) and two SGLang tp ranks join one gloo
+refit group (``tests/programs/sglang_receiver_job.py``). Each SGLang rank holds SGLang's
+own model class, built with SGLang's runtime context and parallel state and first loaded
+by SGLang's own ``load_weights``; every receiver operation reaches it as the scheduler
+receives it: SGLang's own ``SchedulerWeightUpdaterManager`` handles
 ``BeginWeightUpdateReqInput``, ``UpdateWeightsFromTensorReqInput(load_format=LOADER)``
 (a serialized ``refit_command`` per tp rank) and ``EndWeightUpdateReqInput``, calling
 SGLang's own ``WeightUpdater.update_weights_from_tensor``, which calls our custom
 loader; our plugin's hook is applied by SGLang's ``HookRegistry``. Two steps with
 different weights must leave every parameter bitwise equal to its canonical slices with
-its storage unmoved; then a plan of another fingerprint is refused without touching the
-weights, and a step after the training ranks have gone leaves them stale with the
-transport's error; SGLang answers each failure with ``success=False`` and records a
-weight version only for the successes.
+its storage unmoved, MLA's derived ``w_kc``/``w_vc`` recomputed by SGLang's own
+``post_load_weights`` in their storage, and everything equal to what SGLang's own
+``load_weights`` makes of the same checkpoint; then a plan of another fingerprint is
+refused without touching the weights, and a step after the training ranks have gone
+leaves them stale with the transport's error; SGLang answers each failure with
+``success=False`` and records a weight version only for the successes.
 
 Stand-ins (SGLang code that cannot run on CPU, and what replaces it):
 
@@ -49,15 +51,36 @@ from tests.helpers.requires import requires
 pytestmark = [pytest.mark.slow, requires(vllm_env.sglang_skip_reason)]
 
 STEPS = [100, 101]  # the canonical weights' seed of each refit step (start-up: 99)
+MODEL = "deepseek_v3"  # MLA (derived w_kc/w_vc) and MoE; the job takes any SGLang model
+# What DeepSeek-V3's own config.json has and transformers' DeepseekV3Config does not
+# write, which SGLang's DeepseekV2 reads, and a YaRN rope_scaling SGLang's CPU rotary
+# embedding accepts (factor 1: plain rope) — as tests/test_sglang_truth.py builds it.
+CONFIG = {
+    **MODELS[MODEL],
+    "scoring_func": "sigmoid",
+    "moe_layer_freq": 1,
+    "ep_size": 1,
+    "norm_topk_prob": True,
+    "rope_scaling": {
+        "rope_type": "deepseek_yarn",
+        "factor": 1.0,
+        "original_max_position_embeddings": 64,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+}
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     work = tmp_path_factory.mktemp("sglang-receiver")
     (work / "model").mkdir()
-    (work / "model" / "config.json").write_text(json.dumps(MODELS["qwen3"]))
+    (work / "model" / "config.json").write_text(json.dumps(CONFIG))
     job = dict(
-        config=MODELS["qwen3"],
+        name=MODEL,
+        config=CONFIG,
         model_dir=str(work / "model"),
         initial=str(work / "initial.safetensors"),
         initial_seed=99,
@@ -86,6 +109,10 @@ def test_two_steps_write_canonical_slices_in_place(ranks: list[dict[str, Any]]) 
         for step, s in enumerate(rank["steps"], start=1):
             assert s["status"]["step"] == step and s["status"]["stale"] is None
             assert s["status"]["errors"] == []
+            # SGLang's post_load_weights reran: new derived values, in the same storage
+            assert s["derived"] and s["derived_unchanged"] == [] and s["derived_moved"] == []
+        # and SGLang's own load_weights of step 2's checkpoint gives the same bits
+        assert rank["reload_differ"] == []
 
 
 def test_plan_of_another_fingerprint_is_refused(ranks: list[dict[str, Any]]) -> None:

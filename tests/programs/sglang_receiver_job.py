@@ -3,7 +3,8 @@
 
     python -m tests.programs.sglang_receiver_job JOB.json RESULT.json
 
-JOB: ``{"config", "model_dir", "initial", "steps": [seed, ...], "timeout_s"}``. Two
+JOB: ``{"name", "config", "model_dir", "initial", "initial_seed", "steps": [seed, ...],
+"timeout_s"}``. Two
 training ranks (Megatron tp=2 float32 shards materialized from each step's canonical
 tensors; this project's sender, ``RefitWorker``) and two SGLang tp ranks (SGLang's
 model class built and first loaded by SGLang, ``tests/helpers/sglang_cpu.py``) join one
@@ -11,7 +12,9 @@ gloo refit group. Every SGLang rank drives the receiver through SGLang's own sch
 weight-update manager (``SchedulerWeightUpdaterManager``: begin the session, update
 from tensor with ``load_format=LOADER``, end it) over SGLang's own ``WeightUpdater``,
 then after the training ranks have gone tries a plan of another fingerprint and a third
-step. RESULT: one entry per SGLang rank.
+step. After the good steps, SGLang's own ``load_weights`` of the last step's checkpoint
+is the reference for every parameter and every derived tensor (MLA's ``w_kc``/``w_vc``).
+RESULT: one entry per SGLang rank.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ TRAIN, INFER = 2, 2  # training tp, SGLang tp
 def _spec(job: dict[str, Any]):
     from nemo_refit_reshard.spec import spec_from_hf_config
 
-    return spec_from_hf_config(job["config"], name="qwen3")
+    return spec_from_hf_config(job["config"], name=job["name"])
 
 
 def _train(job: dict[str, Any], rank: int) -> None:
@@ -65,6 +68,7 @@ def _sglang(job: dict[str, Any], rank: int, port: int, out: Any) -> None:
 
 
 def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
+    import torch
     from safetensors.torch import load_file
 
     from nemo_refit_reshard.engine.materialize import mismatches
@@ -88,6 +92,8 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
     layout = sglang_layout(spec, InferParallel(tp=INFER), rank, params_dtype="float32")
     params = dict(model.named_parameters())
     pointers = {n: p.data_ptr() for n, p in params.items()}
+    derived = _derived(model)  # what SGLang's post_load_weights made at start-up
+    derived_pointers = {n: t.data_ptr() for n, t in derived.items()}
     answers: list[list[Any]] = []
 
     from sglang.srt.managers import io_struct as io
@@ -127,16 +133,27 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
     run("join")
     run("plan")
     for step, seed in enumerate(job["steps"], start=1):
+        before = {n: t.clone() for n, t in _derived(model).items()}
         run(f"step{step}")
         canonical = random_tensors(spec, seed)
+        now = _derived(model)
         result["steps"].append(
             {
                 "step": step,
                 "differ": mismatches(layout, params, canonical),
                 "moved": [n for n, p in params.items() if p.data_ptr() != pointers[n]],
                 "status": refit_status(model),
+                "derived": sorted(now),
+                "derived_unchanged": [n for n, t in now.items() if torch.equal(t, before[n])],
+                "derived_moved": [n for n, t in now.items() if t.data_ptr() != derived_pointers[n]],
             }
         )
+    # Reference: SGLang's own load_weights of the last step's checkpoint (it runs
+    # post_load_weights itself) must give the same parameters and derived tensors.
+    refit = {n: t.clone() for n, t in [*params.items(), *_derived(model).items()]}
+    model.load_weights(iter(canonical.items()))
+    reloaded = {**params, **_derived(model)}
+    result["reload_differ"] = [n for n, t in refit.items() if not torch.equal(t, reloaded[n])]
     run("bad_plan")  # another plan's slice
     result["bad_plan"] = refit_status(model)
     run(f"step{last}")  # the training ranks have gone
@@ -151,6 +168,20 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
     result["answers"] = answers  # what SGLang answered each call (plugin.py)
     result["versions"] = versions  # the weight versions SGLang recorded
     return result
+
+
+def _derived(model: Any) -> dict[str, Any]:
+    """Every tensor SGLang derives in ``post_load_weights`` (MLA's ``w_kc``/``w_vc``),
+    by module name: plain attributes, not parameters."""
+    import torch
+
+    out = {}
+    for name, module in model.named_modules():
+        for attr in ("w_kc", "w_vc"):
+            t = getattr(module, attr, None)
+            if isinstance(t, torch.Tensor):
+                out[f"{name}.{attr}"] = t
+    return out
 
 
 def _deserialize_own_rank(payloads: list[bytes]) -> Any:
