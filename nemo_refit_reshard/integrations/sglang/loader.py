@@ -57,7 +57,8 @@ def _decode(name: str, tensor: torch.Tensor) -> tuple[str, dict[str, Any]]:
             f"{name!r} is not a refit command: with load_format={LOADER!r} send "
             "refit_command(...), not weights"
         )
-    return op, json.loads(bytes(tensor.detach().cpu().to(torch.uint8).tolist()).decode())
+    # numpy's bytes, not tolist(): a plan slice shipped inline can be megabytes
+    return op, json.loads(tensor.detach().cpu().contiguous().numpy().tobytes().decode())
 
 
 def refit_loader(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
