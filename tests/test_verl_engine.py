@@ -169,9 +169,11 @@ def test_dead_rollout_worker_fails_the_update_by_name(tmp_path: Path) -> None:
     assert second["seconds"] < 60
 
 
-def test_example_overrides_compose_with_verls_config(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rollout", ["vllm", "sglang"])
+def test_example_overrides_compose_with_verls_config(tmp_path: Path, rollout: str) -> None:
     """examples/verl/run_grpo_megatron_reshard.sh's overrides, composed by veRL's own Hydra
-    config (``--cfg job`` prints it without training), select this engine."""
+    config (``--cfg job`` prints it without training), select this engine (and, with
+    ``ROLLOUT_NAME=sglang``, SGLang's rollout and layouts)."""
     import os
     import subprocess
 
@@ -183,7 +185,7 @@ def test_example_overrides_compose_with_verls_config(tmp_path: Path) -> None:
     script = vllm_env.REPO / "examples" / "verl" / "run_grpo_megatron_reshard.sh"
     out = subprocess.run(
         ["bash", str(script), "--cfg", "job"],
-        env=dict(env, MODEL_PATH=str(model_dir(tmp_path)), ROLLOUT_TP="2"),
+        env=dict(env, MODEL_PATH=str(model_dir(tmp_path)), ROLLOUT_TP="2", ROLLOUT_NAME=rollout),
         capture_output=True,
         text=True,
         cwd=tmp_path,
@@ -196,5 +198,6 @@ def test_example_overrides_compose_with_verls_config(tmp_path: Path) -> None:
     kwargs = engine["engine_kwargs"]["reshard"]
     config = ReshardEngineConfig.from_engine_kwargs(kwargs, 2048 << 20)
     assert (config.infer, config.transport, config.bucket_mb) == ("tp=2", "cupy-nccl", 2048)
+    assert config.infer_engine == cfg["actor_rollout_ref"]["rollout"]["name"] == rollout
     assert cfg["trainer"]["v1"]["trainer_mode"] == "separate_async"
     assert cfg["actor_rollout_ref"]["hybrid_engine"] is False

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# veRL GRPO (Megatron actor, vLLM rollout, disaggregated) with the reshard checkpoint engine.
+# veRL GRPO (Megatron actor, vLLM or SGLang rollout, disaggregated) with the reshard
+# checkpoint engine.
 #
 #   bash examples/verl/run_grpo_megatron_reshard.sh [extra Hydra overrides...]
 #
@@ -8,7 +9,10 @@
 # (docs/verl.md). 4 actor GPUs + 4 rollout GPUs on one node; REFIT_BACKEND=nccl runs
 # veRL's own broadcast engine for a side-by-side comparison. ROLLOUT_QUANTIZATION=fp8
 # generates with 128x128 block-FP8 weights (veRL's rollout.quantization); the engine is
-# told too, and checks that every rollout shard is whole FP8 blocks.
+# told too, and checks that every rollout shard is whole FP8 blocks. ROLLOUT_NAME=sglang
+# generates with SGLang (veRL's rollout.name; needs verl[sglang]) and tells the engine to
+# plan SGLang's shards (engine_kwargs.reshard.infer_engine=sglang; docs/verl.md "SGLang
+# rollouts": BF16, no expert parallelism on the rollout).
 set -euo pipefail
 
 MODEL_PATH="${MODEL_PATH:-Qwen/Qwen3-8B}"
@@ -17,6 +21,7 @@ VAL_FILES="${VAL_FILES:-$HOME/data/gsm8k/test.parquet}"
 ROLLOUT_TP="${ROLLOUT_TP:-2}"
 REFIT_BACKEND="${REFIT_BACKEND:-reshard}"
 ROLLOUT_QUANTIZATION="${ROLLOUT_QUANTIZATION:-}"
+ROLLOUT_NAME="${ROLLOUT_NAME:-vllm}"
 CE=actor_rollout_ref.rollout.checkpoint_engine
 QUANT=()
 if [ -n "$ROLLOUT_QUANTIZATION" ]; then
@@ -33,6 +38,9 @@ if [ "$REFIT_BACKEND" = reshard ]; then
     )
     if [ -n "$ROLLOUT_QUANTIZATION" ]; then
         ENGINE+=("+$CE.engine_kwargs.reshard.quantization=$ROLLOUT_QUANTIZATION")
+    fi
+    if [ "$ROLLOUT_NAME" = sglang ]; then
+        ENGINE+=("+$CE.engine_kwargs.reshard.infer_engine=sglang")
     fi
 elif [ "$REFIT_BACKEND" = nccl ]; then
     ENGINE=("$CE.backend=nccl")
@@ -54,7 +62,7 @@ python3 -m verl.trainer.main_ppo --config-name=ppo_megatron_trainer \
     actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \
     actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2 \
     actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1 \
-    actor_rollout_ref.rollout.name=vllm \
+    actor_rollout_ref.rollout.name="$ROLLOUT_NAME" \
     actor_rollout_ref.rollout.n=4 \
     actor_rollout_ref.rollout.tensor_model_parallel_size="$ROLLOUT_TP" \
     actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4 \
