@@ -3,8 +3,10 @@
 ``tests/verl_driver.py`` runs under the Python of ``scripts/setup_verl_cpu.sh`` (veRL
 pins its own transformers): Ray on this machine, veRL's ``CheckpointEngineManager``,
 ``RayWorkerGroup``, ``CheckpointEngineWorker`` and ``RolloutReplica``; stand-ins only
-for the actor worker (it yields each step's full HF tensors) and the vLLM server
-adapter (it records what the engine yields).
+for the actor worker (it yields each step's full HF tensors) and the server adapter
+(it records what the engine yields: vLLM's copying each yield, or, with
+``rollout.name=sglang``, ``SGLangBucketAdapter`` holding buckets as veRL's SGLang
+adapter does).
 """
 
 from __future__ import annotations
