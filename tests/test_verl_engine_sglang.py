@@ -139,3 +139,18 @@ def test_infer_engine_must_match_the_rollout_workers_adapter() -> None:
     check_rollout_engine("sglang", [sglang_worker], WHERE)
     check_rollout_engine("vllm", [{"rollout_engines": []}, {}], WHERE)  # stand-ins: silent
     assert loaded_rollout_engines({}) == []
+
+
+def test_a_route_that_serves_vllm_only_refuses_sglang() -> None:
+    """NeMo RL's drop-in engine passes ``("vllm",)``: NeMo RL takes checkpoint engines
+    for its vLLM generation only."""
+    where = 'policy.generation.refit_cfg["x"]'
+    kwargs = {"model": "small-qwen3", "infer_engine": "sglang"}
+    with pytest.raises(ValueError) as err:
+        ReshardEngineConfig.from_engine_kwargs(kwargs, 1 << 20, where, ("vllm",))
+    assert str(err.value) == (
+        f"{where}.infer_engine='sglang': this route serves vllm rollouts only; "
+        "leave infer_engine unset"
+    )
+    config = ReshardEngineConfig.from_engine_kwargs({"model": "small-qwen3"}, 1, where, ("vllm",))
+    assert config.infer_engine == "vllm"

@@ -64,8 +64,10 @@ class ReshardEngineConfig:
         kwargs: Mapping[str, Any],
         bucket_size: int,
         where: str = "checkpoint_engine.engine_kwargs.reshard",
+        infer_engines: tuple[str, ...] = INFER_ENGINES,
     ) -> ReshardEngineConfig:
-        """``where`` names the settings' place in the framework's config, for errors."""
+        """``where`` names the settings' place in the framework's config, for errors;
+        ``infer_engines``: the rollout engines the framework's route can serve."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -84,6 +86,11 @@ class ReshardEngineConfig:
             raise ValueError(
                 f"{where}.infer_engine={config.infer_engine!r}; choose from {INFER_ENGINES} "
                 "(the rollout's engine: veRL's rollout.name)"
+            )
+        if config.infer_engine not in infer_engines:
+            raise ValueError(
+                f"{where}.infer_engine={config.infer_engine!r}: this route serves "
+                f"{' and '.join(infer_engines)} rollouts only; leave infer_engine unset"
             )
         if config.infer_engine == "sglang" and config.quantization is not None:
             raise ValueError(

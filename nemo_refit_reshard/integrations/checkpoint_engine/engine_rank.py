@@ -167,12 +167,14 @@ class CheckpointEngineRank:
             return None
         return dataclasses.asdict(refitter.delta.last)
 
-    def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Rollout side: replay (blocking), then the rebuilt canonical tensors."""
+    def receive(self, reuse_scratch: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """Rollout side: replay (blocking), then the rebuilt canonical tensors; one scratch
+        tensor per shape and dtype unless ``reuse_scratch`` is False (a consumer that
+        holds the yields, as veRL's SGLang adapter does: ``rebuild.canonical_tensors``)."""
         worker, rp = self._ready()
         worker.refit()
         self.steps += 1
-        return canonical_tensors(rp, self.tensors, self.shapes)
+        return canonical_tensors(rp, self.tensors, self.shapes, reuse_scratch=reuse_scratch)
 
     def close(self) -> None:
         """Leave the group and free the buffers (a later :meth:`join` makes them anew)."""

@@ -49,7 +49,9 @@ class ReshardCheckpointEngine(CheckpointEngine):
         self, bucket_size: int, release_after_refit: bool = False, **engine_kwargs: Any
     ) -> None:
         self.rank = CheckpointEngineRank(
-            ReshardEngineConfig.from_engine_kwargs(engine_kwargs, bucket_size, WHERE)
+            # NeMo RL takes a checkpoint engine for its vLLM generation only
+            # (``refit_transport`` is refused for its SGLang backend).
+            ReshardEngineConfig.from_engine_kwargs(engine_kwargs, bucket_size, WHERE, ("vllm",))
         )
         self.config = self.rank.config
         self.release_after_refit = release_after_refit

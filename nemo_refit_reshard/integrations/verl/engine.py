@@ -25,6 +25,7 @@ adds none.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -38,7 +39,6 @@ from ..checkpoint_engine import (
     CheckpointEngineRank,
     ReshardEngineConfig,
     cached_plan,
-    canonical_tensors,
     check_same_settings,
     group_rendezvous,
     planning_settings,
@@ -143,7 +143,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
     async def receive_weights(
         self, global_steps: int | None = None
     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        receive = self.rank.receive if self.reuse_scratch else self._receive_distinct
+        receive = functools.partial(self.rank.receive, reuse_scratch=self.reuse_scratch)
         tensors = await asyncio.get_running_loop().run_in_executor(None, receive)
         for name, tensor in tensors:
             yield name, tensor
@@ -153,12 +153,3 @@ class ReshardCheckpointEngine(CheckpointEngine):
         """Whether the rollout's adapter copies each yield before asking for the next
         (vLLM's) or holds buckets of them (SGLang's): ``rollout_engine.reuses_scratch``."""
         return reuses_scratch(self.rank.config.infer_engine)
-
-    def _receive_distinct(self):
-        """``CheckpointEngineRank.receive`` yielding a distinct tensor per name."""
-        rank = self.rank
-        if rank.worker is None or rank.slice is None:
-            raise RuntimeError("the refit group is not joined on this rank yet")
-        rank.worker.refit()
-        rank.steps += 1
-        return canonical_tensors(rank.slice, rank.tensors, rank.shapes, reuse_scratch=False)
