@@ -25,11 +25,11 @@ from __future__ import annotations
 from ..spec.model import ModelSpec
 from ..spec.parallel import InferParallel
 from .base import Box
-from .vllm import _VllmRank
+from .vllm import VllmRankWalker
 from .vllm_releases import VllmOptions
 
 
-class SglangRank(_VllmRank):
+class SglangRank(VllmRankWalker):
     """One SGLang rank's tensors; ``fuse_shared``: the shared expert lives in ``experts``."""
 
     def __init__(

@@ -90,7 +90,10 @@ def check_vllm_parallel(
         )
 
 
-class _VllmRank(Fp8Layout):
+class VllmRankWalker(Fp8Layout):
+    """Walks the model's modules in vLLM's order, building one rank's local tensors and
+    their pieces (``layouts/sglang_walk.py`` subclasses it for SGLang's names)."""
+
     def __init__(self, spec: ModelSpec, par: InferParallel, rank: int, opts: VllmOptions):
         self.spec = spec
         self.a = spec.arch
@@ -320,7 +323,7 @@ def vllm_layout(
     """The local tensors and canonical pieces of vLLM inference rank ``rank``."""
     opts = options or VllmOptions()
     check_vllm_parallel(spec.arch, parallel, opts)
-    walker = _VllmRank(spec, parallel, rank, opts)
+    walker = VllmRankWalker(spec, parallel, rank, opts)
     walker.build()
     return RankLayout(
         framework="vllm",

@@ -31,7 +31,7 @@ from .base import Box, LayoutBuilder
 
 
 class Fp8Layout:
-    """The FP8 half of a vLLM rank's provider (mixed into ``_VllmRank``)."""
+    """The FP8 half of a vLLM rank's provider (mixed into ``VllmRankWalker``)."""
 
     spec: ModelSpec
     b: LayoutBuilder
