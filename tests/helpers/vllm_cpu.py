@@ -16,10 +16,9 @@ Everything else — ``VllmConfig``, the model registry, the layers and their
 
 from __future__ import annotations
 
-import atexit
+import hashlib
 import json
 import os
-import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -130,15 +129,30 @@ def _set_groups(r: EngineRank) -> None:
     ps._DCP = StandInGroup(1, 0)
 
 
+def config_dir(hf_config: dict[str, Any]) -> str:
+    """A directory holding ``hf_config`` as config.json, one per distinct config and
+    shared by every process (vLLM reads it again while it builds the model, and many
+    of its processes end without running exit handlers, so one directory per build
+    would be left behind by each)."""
+    text = json.dumps(hf_config, sort_keys=True)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    model_dir = os.path.join(tempfile.gettempdir(), f"nrr-vllm-cpu-config-{digest}")
+    os.makedirs(model_dir, exist_ok=True)
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        # written whole under another name, then renamed: a reader never sees half of it
+        fd, tmp = tempfile.mkstemp(dir=model_dir, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    return model_dir
+
+
 def vllm_config(hf_config: dict[str, Any], r: EngineRank, dtype: str | None = None):
     """vLLM's ``VllmConfig`` for a model directory holding ``hf_config`` as config.json."""
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
 
-    model_dir = tempfile.mkdtemp(prefix="vllm-cpu-model-")
-    # vLLM reads config.json again while it builds the model: removed when the process ends.
-    atexit.register(shutil.rmtree, model_dir, ignore_errors=True)
-    with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(hf_config, f)
+    model_dir = config_dir(hf_config)
     model = ModelConfig(
         model=model_dir,
         skip_tokenizer_init=True,
