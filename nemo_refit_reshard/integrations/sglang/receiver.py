@@ -19,7 +19,6 @@ their storage never moves, so CUDA graphs SGLang captured stay valid.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -29,7 +28,14 @@ import torch
 
 from ...engine.program import live_tensor_problems
 from ...plan import PlanError, RankPlan, RefitPlan, load_plan_json
-from ..worker import RefitEndpoint, RefitWorker, WeightsState, describe_tensors, device_name
+from ..worker import (
+    RefitEndpoint,
+    RefitWorker,
+    WeightsState,
+    describe_tensors,
+    device_name,
+    plan_text,
+)
 
 STATE_ATTR = "_nemo_refit_reshard_state"
 
@@ -107,25 +113,6 @@ def refit_join(model: torch.nn.Module, endpoint_json: str, first_rank: int) -> i
     return endpoint.group_rank
 
 
-def _read_plan(plan: str | Mapping[str, str], group_rank: int) -> str:
-    """JSON text; a path (``{rank}`` is this rank's refit rank); or a mapping from refit
-    rank (as a string) to JSON text."""
-    if isinstance(plan, Mapping):
-        if str(group_rank) not in plan:
-            raise PlanError(
-                f"the plan slices shipped to this engine are for refit ranks "
-                f"{sorted(plan, key=int)}, not for this rank's {group_rank}"
-            )
-        return plan[str(group_rank)]
-    if plan.strip().startswith("{"):
-        return plan
-    path = plan.format(rank=group_rank)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"refit plan file {path!r} does not exist on this rank")
-    with open(path) as f:
-        return f.read()
-
-
 def refit_check_plan(
     model: torch.nn.Module,
     plan: str | Mapping[str, str],
@@ -136,7 +123,7 @@ def refit_check_plan(
     exactly the live parameters with their shapes and dtypes, and be a slice of the
     driver's plan (``fingerprint``) when given. A mismatch is a ``PlanError``."""
     s = _state(model)
-    loaded = load_plan_json(_read_plan(plan, group_rank))
+    loaded = load_plan_json(plan_text(plan, group_rank, "rank"))
     where = f"SGLang {sglang_version()} tp rank {s.engine_rank}"
     if fingerprint is not None and loaded.fingerprint != fingerprint:
         raise PlanError(

@@ -20,7 +20,6 @@ unpacks into the parameters on the GPU.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -37,6 +36,7 @@ from ..worker import (
     WeightsState,
     describe_tensors,
     device_name,
+    plan_text,
 )
 from .config import EngineLayout, UnsupportedVllmOption, engine_layout
 from .derived import DerivedWeights, check_derived, derived_parameter_names
@@ -169,26 +169,6 @@ def refit_join(worker: Any, endpoint_json: str, first_rank: int) -> int:
     return endpoint.group_rank
 
 
-def _read_plan(plan: str | Mapping[str, str], group_rank: int) -> str:
-    """JSON text; a path (``{rank}`` is replaced by this worker's refit rank); or a
-    mapping from refit rank (as a string) to JSON text: this worker's entry."""
-    if isinstance(plan, Mapping):
-        if str(group_rank) not in plan:
-            raise PlanError(
-                f"the plan slices shipped to this engine are for refit ranks "
-                f"{sorted(plan, key=int)}, not for this worker's rank {group_rank}"
-            )
-        return plan[str(group_rank)]
-    text = plan.strip()
-    if text.startswith("{"):
-        return plan
-    path = plan.format(rank=group_rank)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"refit plan file {path!r} does not exist on this worker")
-    with open(path) as f:
-        return f.read()
-
-
 def refit_check_plan(
     worker: Any, plan: str | Mapping[str, str], group_rank: int
 ) -> RefitPlan | RankPlan:
@@ -197,7 +177,7 @@ def refit_check_plan(
     device when the plan is loaded); a mismatch is a ``PlanError`` naming the tensors
     and the vLLM version. Returns the loaded plan."""
     s = _state(worker)
-    loaded = load_plan_json(_read_plan(plan, group_rank))
+    loaded = load_plan_json(plan_text(plan, group_rank, "worker"))
     expected = loaded.expected_tensors(group_rank)
     where = f"vLLM {s.layout.vllm_version} rank {s.engine_rank} of {s.layout.parallel}"
     hint = (

@@ -5,13 +5,15 @@ group. ``refit_worker.py``: :class:`RefitWorker`, one worker's membership (join,
 plan, refit). ``weights.py``: :class:`WeightsState`, whether a rank's weights are whole
 or stale. ``colocated.py``: :class:`ColocatedTrainer` and :class:`ColocatedWorker`, the
 same for a training rank and the generation worker sharing its GPU; ``device.py``:
-:func:`device_name`, which GPU a worker is on (to pair them). Nothing here knows
-Megatron, vLLM or Ray.
+:func:`device_name`, which GPU a worker is on (to pair them); ``plan_text.py``:
+:func:`plan_text`, a generation rank's slice of the plan shipped to its engine. Nothing
+here knows Megatron, vLLM or Ray.
 """
 
 from .colocated import ColocatedTrainer, ColocatedWorker
 from .device import DEVICE_ENV, device_name
 from .endpoint import TRANSPORTS, RefitEndpoint
+from .plan_text import plan_text
 from .refit_worker import RefitWorker, describe_tensors
 from .weights import StaleWeightsError, WeightsState
 
@@ -26,4 +28,5 @@ __all__ = [
     "WeightsState",
     "describe_tensors",
     "device_name",
+    "plan_text",
 ]
