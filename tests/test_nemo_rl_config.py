@@ -80,8 +80,9 @@ def test_sizes_from_nemo_rl_config() -> None:
             "policy (set policy.megatron_cfg.enabled=true)",
         ),
         (
-            lambda c: c["policy"]["generation"].update(backend="sglang"),
-            "policy.generation.backend='sglang': refit.backend=reshard serves vLLM generation only",
+            lambda c: c["policy"]["generation"].update(backend="trtllm"),
+            "policy.generation.backend='trtllm': refit.backend=reshard serves vllm and sglang "
+            "generation only",
         ),
         (
             lambda c: c["policy"]["megatron_cfg"].update(account_for_loss_in_pipeline_split=True),

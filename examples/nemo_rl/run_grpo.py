@@ -184,7 +184,7 @@ def main() -> int:
         master_config,
         _teachers,
         _aliases,
-    ) = setup(config, tokenizer, dataset, val_dataset, policy_factory=policy_factory(refit))
+    ) = setup(config, tokenizer, dataset, val_dataset, policy_factory=policy_factory(refit, raw))
     try:
         try:
             sync = install_synchronizer(refit, policy, policy_generation, raw)

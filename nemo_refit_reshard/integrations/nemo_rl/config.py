@@ -32,8 +32,10 @@ from ...spec.parallel import InferParallel, TrainParallel
 from ..worker import TRANSPORTS
 from .errors import NemoRlConfigError
 from .fp8 import check_fp8
+from .sglang_config import check_sglang_generation
 
 REFIT_BACKENDS = ("reshard", "nccl", "nccl_reshard")
+GENERATION_BACKENDS = ("vllm", "sglang")
 
 
 def _choose(key: str, value: Any, choices: tuple[str, ...]) -> str:
@@ -183,13 +185,14 @@ def colocated(generation: Mapping[str, Any]) -> bool:
 
 
 def check_generation(generation: Mapping[str, Any]) -> None:
-    """``policy.generation`` as ``reshard`` needs it: vLLM, no other refit transport,
-    unquantized or block FP8 (``fp8.py``). Colocated or not, both are served."""
+    """``policy.generation`` as ``reshard`` needs it: vLLM (colocated or not, unquantized
+    or block FP8: ``fp8.py``) or SGLang (``sglang_config.py``), no other refit transport."""
     where = "policy.generation"
-    if generation.get("backend", "vllm") != "vllm":
+    backend = generation.get("backend", "vllm")
+    if backend not in GENERATION_BACKENDS:
         raise NemoRlConfigError(
-            f"{where}.backend={generation.get('backend')!r}: refit.backend=reshard "
-            "serves vLLM generation only"
+            f"{where}.backend={backend!r}: refit.backend=reshard serves "
+            f"{' and '.join(GENERATION_BACKENDS)} generation only"
         )
     transport = generation.get("refit_transport")
     if transport is not None:
@@ -197,6 +200,9 @@ def check_generation(generation: Mapping[str, Any]) -> None:
             f"{where}.refit_transport={transport!r}: refit.backend=reshard replaces NeMo "
             "RL's refit transports; set it to null"
         )
+    if backend == "sglang":
+        check_sglang_generation(generation)
+        return
     vcfg = generation.get("vllm_cfg") or {}
     if vcfg.get("precision") == "fp8":
         check_fp8(vcfg)

@@ -46,7 +46,8 @@ def refit_config(config: MutableMapping[str, Any]) -> RefitConfig:
 def check_reshard_config(config: Mapping[str, Any]) -> None:
     """The config-only checks of ``reshard``, before any worker starts: Megatron policy,
     vLLM generation (colocated or not, no other refit transport; BF16, or block FP8
-    through ``vllm_cfg.precision: fp8``, ``fp8.py``). Sizes are checked against the
+    through ``vllm_cfg.precision: fp8``, ``fp8.py``) or colocated SGLang generation
+    (``sglang_config.py``). Sizes are checked against the
     workers NeMo RL actually starts, in ``init_communicator``."""
     check_generation(config["policy"]["generation"])
     check_megatron(config["policy"])
@@ -110,10 +111,19 @@ def async_grpo(config: Mapping[str, Any]) -> bool:
 _NOT_ASYNC = "NeMo RL's async GRPO does not support it; turn it off"
 
 
-def policy_factory(refit: RefitConfig) -> Callable[..., Any] | None:
-    """``setup(policy_factory=...)``: our worker for ``reshard``, NeMo RL's otherwise."""
+def policy_factory(
+    refit: RefitConfig, config: Mapping[str, Any] | None = None
+) -> Callable[..., Any] | None:
+    """``setup(policy_factory=...)``: our worker for ``reshard``, NeMo RL's otherwise.
+    With SGLang generation (``config``'s ``policy.generation.backend``) NeMo RL's
+    ``SGLangGeneration`` is also made to start SGLang with our refit loader
+    (``sglang_worker.py``)."""
     if refit.backend != "reshard":
         return None
+    if config is not None and _backend(config) == "sglang":
+        from .sglang_worker import install_sglang_worker
+
+        install_sglang_worker()
     from nemo_rl.distributed.ray_actor_environment_registry import (
         ACTOR_ENVIRONMENT_REGISTRY,
         MCORE_EXECUTABLE,
@@ -130,9 +140,16 @@ def install_synchronizer(
     """After ``setup``: make our synchronizer the one GRPO's refit calls (``reshard``)."""
     if refit.backend != "reshard":
         return getattr(policy_generation, "weight_synchronizer", None)
-    from .synchronizer import ReshardWeightSynchronizer
+    if _backend(master_config) == "sglang":
+        from .sglang_synchronizer import ReshardSGLangWeightSynchronizer as Synchronizer
+    else:
+        from .synchronizer import ReshardWeightSynchronizer as Synchronizer
 
-    sync = ReshardWeightSynchronizer(policy, policy_generation, master_config, refit)
+    sync = Synchronizer(policy, policy_generation, master_config, refit)
     sync.init_communicator()
     policy_generation.weight_synchronizer = sync
     return sync
+
+
+def _backend(config: Mapping[str, Any]) -> str:
+    return str(config["policy"]["generation"].get("backend", "vllm"))

@@ -30,6 +30,7 @@ from ..checkpoint_engine import engine_spec
 from ..megatron.live import UNKNOWABLE_OPTIONS
 from .config import RefitConfig, colocated, infer_parallel, precision, train_parallel
 from .fp8 import fp8_spec
+from .sglang_config import sglang_infer_parallel
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class NemoRlPlan:
     train: TrainParallel
     infer: InferParallel
     slices: tuple[str, ...]  # refit rank r: policy rank r < T, vLLM rank r - T
+    engine: str = "vLLM"  # the inference engine, as the plan's title names it
 
     @property
     def num_policy(self) -> int:
@@ -66,7 +68,7 @@ class NemoRlPlan:
     def __str__(self) -> str:
         s = self.plan.stats
         text = (
-            f"reshard plan {self.plan.fingerprint[:12]}: Megatron {self.train} -> vLLM "
+            f"reshard plan {self.plan.fingerprint[:12]}: Megatron {self.train} -> {self.engine} "
             f"{self.infer}, {s.total_bytes / 2**20:,.1f} MiB per refit in "
             f"{s.num_rounds} rounds"
         )
@@ -287,3 +289,47 @@ def plan_nemo_rl(
     world = train.world_size + infer.world_size
     slices = tuple(rank_plan(plan, r).to_json() for r in range(world))
     return NemoRlPlan(plan, train, infer, slices)
+
+
+def plan_nemo_rl_sglang(
+    master_config: Mapping[str, Any],
+    refit: RefitConfig,
+    policy_reports: Sequence[Mapping[str, Any]],
+    engines: int,
+) -> NemoRlPlan:
+    """Plan for NeMo RL's SGLang generation (``backend: sglang``, colocated): from the
+    config and the policy workers' reports alone, since an SGLang server answers a
+    weight update with success or failure only. SGLang rank ``d`` (server ``d // tp``,
+    tp rank ``d % tp``) is placed where NeMo RL places it, on the placement group's GPU
+    ``d``, the policy rank ``d``'s; each SGLang rank confirms that GPU and checks its
+    slice against its live parameters before it connects
+    (``integrations/sglang/receiver.py::refit_connect_colocated``)."""
+    policy = master_config["policy"]
+    generation = policy["generation"]
+    spec = engine_spec(policy["model_name"])
+    reports = sorted(policy_reports, key=lambda r: int(r["rank"]))
+    train = train_parallel(policy, len(reports))
+    infer = sglang_infer_parallel(generation, engines)
+    if infer.world_size > train.world_size:
+        raise PlanError(
+            f"colocated SGLang: {engines} servers of tp {infer.tp} need {infer.world_size} "
+            f"GPUs, the policy runs on {train.world_size}; give SGLang at most the policy's "
+            "GPUs (sglang_server_config.num_gpus)"
+        )
+    unnamed = [f"policy rank {r['rank']}" for r in reports if not r.get("gpu")]
+    if unnamed:
+        raise PlanError(
+            f"colocated refit: {', '.join(unnamed)} report no GPU (a CPU process names the "
+            "GPU it stands for in $NRR_DEVICE)"
+        )
+    megatron = megatron_options(train, refit, reports)
+    dtype = precision(generation["sglang_cfg"], "dtype", "policy.generation.sglang_cfg")
+    sources, destinations = refit_layouts(
+        spec, train, infer, megatron, VllmOptions(params_dtype=dtype), engine="sglang"
+    )
+    check_megatron_sources(sources, train, megatron, reports)
+    placement = Colocation.same_index(train.world_size, infer.world_size)
+    plan = plan_refit(spec, sources, destinations, bucket_mb=refit.bucket_mb, colocation=placement)
+    world = train.world_size + infer.world_size
+    slices = tuple(rank_plan(plan, r).to_json() for r in range(world))
+    return NemoRlPlan(plan, train, infer, slices, engine="SGLang")

@@ -91,6 +91,13 @@ class ReshardPolicyWorkerMixin:
     def _reshard_before_step(self) -> None:
         """Make the live parameters current before they are read (a framework hook)."""
 
+    def set_rollout_num_gpus_per_engine(self, num_gpus_per_engine: int) -> None:
+        """NeMo RL's GRPO setup tells every policy worker its SGLang servers' size (its
+        DTensor worker keeps it for NeMo RL's own HTTP refit; its Megatron worker raises,
+        which ends the setup). The reshard plan takes sizes from the config and checks
+        them on every rank, so the size is only recorded."""
+        self.rollout_num_gpus_per_engine = int(num_gpus_per_engine)
+
     def reshard_describe(self) -> dict[str, Any]:
         """Where this worker sits and what it holds, for the driver to plan and check."""
         live = self._reshard_live()

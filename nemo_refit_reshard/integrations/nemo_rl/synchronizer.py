@@ -234,15 +234,12 @@ class ReshardWeightSynchronizer(WeightSynchronizer):
                 # NeMo RL's prepare_for_generation reports a failed wake as False only.
                 if self._generation.prepare_for_generation(tags=["weights"]) is False:
                     raise RuntimeError(
-                        "vLLM did not wake its weights (prepare_for_generation(tags="
-                        "['weights']) returned False; its error is printed above); nothing "
-                        "was refit"
+                        f"{self.plan.engine} did not wake its weights (prepare_for_generation"
+                        "(tags=['weights']) returned False; its error is printed above); "
+                        "nothing was refit"
                     )
             with context:
-                results = gather(
-                    self._policy_call("reshard_step") + self._vllm_all(refit_step),
-                    f"refit step {self.steps + 1}",
-                )
+                results = self._refit_all()
         finally:
             if self.plan.colocated:
                 self._policy.offload_after_refit()
@@ -259,6 +256,13 @@ class ReshardWeightSynchronizer(WeightSynchronizer):
             metrics["reshard/delta_sent_bytes"] = sum(r["delta_sent_bytes"] for r in sent)
             metrics["reshard/delta_dense_bytes"] = sum(r["delta_dense_bytes"] for r in sent)
         return metrics
+
+    def _refit_all(self) -> list[Any]:
+        """One refit on every rank at once: the ranks' timings (policy ranks first)."""
+        return gather(
+            self._policy_call("reshard_step") + self._vllm_all(refit_step),
+            f"refit step {self.steps + 1}",
+        )
 
     @property
     def is_stale(self) -> bool:

@@ -10,6 +10,7 @@ next, as the vLLM receiver keeps it on vLLM's worker. Each rank runs, in order::
     refit_describe(model)                        -> this rank's live parameters
     refit_join(model, endpoint_json, first_rank) -> joins the refit group
     refit_load_plan(model, plan, fingerprint)    -> checks and compiles its plan slice
+      (or, colocated: refit_connect_colocated(model, ...) -> its GPU's training rank)
     refit_step(model, step)                      -> one refit, in place
     refit_close(model)
 
@@ -29,6 +30,7 @@ import torch
 from ...engine.program import live_tensor_problems
 from ...plan import PlanError, RankPlan, RefitPlan, load_plan_json
 from ..worker import (
+    ColocatedWorker,
     RefitEndpoint,
     RefitWorker,
     WeightsState,
@@ -50,6 +52,7 @@ class _RankState:
     engine_rank: int
     params: dict[str, torch.Tensor]  # written in place
     refit: RefitWorker | None = None
+    colocated: ColocatedWorker | None = None  # colocated refit: the host on its GPU
     weights: WeightsState = field(default_factory=WeightsState)  # across memberships
     steps: int = 0
     errors: list[str] = field(default_factory=list)  # what the loader caught (loader.py)
@@ -159,6 +162,48 @@ def refit_load_plan(
     return len(loaded.expected_tensors(rank))
 
 
+def refit_connect_colocated(
+    model: torch.nn.Module,
+    endpoint_json: str,
+    first_rank: int,
+    addresses: list[str],
+    host_gpus: list[str | None],
+    plan: str | Mapping[str, str],
+    fingerprint: str | None = None,
+) -> int:
+    """Colocated refit (``plan/colocation.py``): this rank is the guest of the training
+    rank on its GPU. ``addresses[k]`` / ``host_gpus[k]``: where the host of this engine's
+    tp rank ``k`` listens and the GPU it reported. The plan put them there from the
+    framework's placement, which this rank confirms with the GPU it runs on before it
+    connects (a mismatch is a ``PlanError``: staging meant for another GPU is never
+    read). ``endpoint_json``: the training ranks' group (secret, timeouts). Returns
+    this rank's refit rank."""
+    s = _state(model)
+    refit_close(model)
+    rank = first_rank + s.engine_rank
+    where = f"SGLang {sglang_version()} tp rank {s.engine_rank}"
+    if s.engine_rank >= len(addresses) or len(host_gpus) != len(addresses):
+        raise PlanError(
+            f"{where}: the driver named hosts for {len(addresses)} ranks and GPUs for "
+            f"{len(host_gpus)}; every rank of a colocated engine needs a training rank on its GPU"
+        )
+    mine = device_name(next(iter(s.params.values())).device)
+    if mine is None or mine != host_gpus[s.engine_rank]:
+        raise PlanError(
+            f"{where} runs on GPU {mine}, but the plan made the training rank on GPU "
+            f"{host_gpus[s.engine_rank]} its host: place each SGLang rank on the GPU of "
+            "the training rank the plan names (NeMo RL: engine i's tp rank k on the "
+            "placement group's GPU i·tp + k, as the policy's rank i·tp + k)"
+        )
+    loaded = refit_check_plan(model, plan, rank, fingerprint)
+    e = RefitEndpoint.from_json(endpoint_json)
+    s.colocated = ColocatedWorker(s.params, weights=s.weights)
+    s.colocated.connect(
+        addresses[s.engine_rank], e.secret, loaded, rank, e.timeout_s, e.connect_timeout_s
+    )
+    return rank
+
+
 def refit_step(model: torch.nn.Module, step: int | None = None) -> dict[str, float]:
     """One refit (collective), in place; this rank's timing.
 
@@ -167,9 +212,17 @@ def refit_step(model: torch.nn.Module, step: int | None = None) -> dict[str, flo
     reruns, as SGLang's loaders run it after ``load_weights``: a custom loader bypasses
     ``load_weights``, and SGLang's ``end_weight_update`` skips it once a load ran."""
     s = _state(model)
-    if s.refit is None or s.refit.refitter is None:
-        raise RuntimeError("join the refit group and load a plan before a refit step")
-    timing = s.refit.refit(step)
+    if s.colocated is not None:
+        seconds = s.colocated.refit(step)
+        guest = s.colocated.guest
+        rank = guest.group_rank if guest is not None else -1
+    elif s.refit is not None and s.refit.refitter is not None:
+        seconds = s.refit.refit(step).seconds
+        rank = s.refit.endpoint.group_rank
+    else:
+        raise RuntimeError(
+            "join the refit group and load a plan (or connect colocated) before a refit step"
+        )
     start = time.perf_counter()
     try:
         from sglang.srt.model_loader.loader import post_load_weights
@@ -181,8 +234,8 @@ def refit_step(model: torch.nn.Module, step: int | None = None) -> dict[str, flo
         raise
     s.steps += 1
     return {
-        "group_rank": float(s.refit.endpoint.group_rank),
-        "seconds": timing.seconds,
+        "group_rank": float(rank),
+        "seconds": seconds,
         "derived_seconds": time.perf_counter() - start,
     }
 
@@ -206,3 +259,6 @@ def refit_close(model: torch.nn.Module) -> None:
     if s is not None and s.refit is not None:
         s.refit.close()
         s.refit = None
+    if s is not None and s.colocated is not None:
+        s.colocated.close()
+        s.colocated = None

@@ -1,0 +1,70 @@
+"""NeMo RL's SGLang generation (``policy.generation.backend: sglang``) in our terms.
+
+NeMo RL runs SGLang as HTTP servers, one per ``sglang_cfg.tp_size`` GPUs
+(``sglang_server_config.num_gpus`` in all), colocated with the policy only: its GRPO
+setup refuses the other placements, or would wait forever for inference ranks that
+never join its collective. These functions read ``policy.generation.sglang_cfg`` into
+:class:`InferParallel` and refuse, naming the key, what the refit cannot serve. Nothing
+here imports NeMo RL or SGLang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ...spec.parallel import InferParallel
+from .errors import NemoRlConfigError
+
+WHERE = "policy.generation.sglang_cfg"
+
+
+def _size(cfg: Mapping[str, Any], key: str) -> int:
+    value = cfg.get(key, 1)
+    value = 1 if value is None else value
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise NemoRlConfigError(f"{WHERE}.{key}={value!r} must be a positive integer")
+    return value
+
+
+def check_sglang_generation(generation: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``policy.generation`` with ``backend: sglang`` as ``reshard`` serves it; returns
+    ``sglang_cfg``. Colocated (as NeMo RL runs SGLang), one SGLang data-parallel rank per
+    server (SGLang's ``update_weights_from_tensor`` asserts it), tensor parallel with
+    expert parallelism 1 or ``tp_size`` (the SGLang layouts, ``layouts/sglang.py``)."""
+    if not (generation.get("colocated") or {}).get("enabled", True):
+        raise NemoRlConfigError(
+            "policy.generation.colocated.enabled=False with backend=sglang: NeMo RL runs "
+            "SGLang colocated only (its setup would wait for inference ranks that never "
+            "join its collective); set it to true"
+        )
+    scfg = generation.get("sglang_cfg") or {}
+    tp = _size(scfg, "tp_size")
+    rules = [
+        ("dp_size", _size(scfg, "dp_size") == 1,
+         "SGLang updates weights from tensors with dp_size 1 only (DP attention is not "
+         "planned); set it to 1 and run more servers (sglang_server_config.num_gpus)"),
+        ("pp_size", _size(scfg, "pp_size") == 1,
+         "the SGLang layouts are tensor parallel only; set it to 1"),
+        ("ep_size", _size(scfg, "ep_size") in (1, tp),
+         f"SGLang's experts are planned over ep_size 1 or tp_size={tp}; set one of them"),
+    ]  # fmt: skip
+    for key, ok, why in rules:
+        if not ok:
+            raise NemoRlConfigError(f"{WHERE}.{key}={scfg.get(key)!r}: {why}")
+    server = scfg.get("sglang_server_config") or {}
+    per_engine = server.get("num_gpus_per_engine", tp)
+    if per_engine != tp:
+        raise NemoRlConfigError(
+            f"{WHERE}.sglang_server_config.num_gpus_per_engine={per_engine!r} must equal "
+            f"tp_size={tp} (one SGLang server per tp_size GPUs)"
+        )
+    return scfg
+
+
+def sglang_infer_parallel(generation: Mapping[str, Any], engines: int) -> InferParallel:
+    """SGLang's sizes: ``engines`` servers of ``tp_size`` ranks, experts over ``ep_size``
+    (1, or all of a server's tp ranks: InferParallel's ``ep = engine_dp·tp``)."""
+    scfg = check_sglang_generation(generation)
+    tp, ep = _size(scfg, "tp_size"), _size(scfg, "ep_size")
+    return InferParallel(tp=tp, dp=engines, ep=ep)
