@@ -84,15 +84,16 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
     from nemo_refit_reshard.spec import InferParallel
     from tests.helpers.checkpoints import random_tensors
     from tests.helpers.sglang_cpu import build_model
+    from tests.helpers.sglang_scheduler import derived_tensors, scheduler_weight_updater
 
     model = build_model(job["model_dir"], INFER, rank, port)
     model.load_weights(iter(load_file(job["initial"]).items()))  # SGLang's own start-up load
-    manager, versions = _scheduler_weight_updater(model, rank)
+    manager, versions = scheduler_weight_updater(model, rank, [LOADER])
     spec = _spec(job)
     layout = sglang_layout(spec, InferParallel(tp=INFER), rank, params_dtype="float32")
     params = dict(model.named_parameters())
     pointers = {n: p.data_ptr() for n, p in params.items()}
-    derived = _derived(model)  # what SGLang's post_load_weights made at start-up
+    derived = derived_tensors(model)  # what SGLang's post_load_weights made at start-up
     derived_pointers = {n: t.data_ptr() for n, t in derived.items()}
     answers: list[list[Any]] = []
 
@@ -133,10 +134,10 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
     run("join")
     run("plan")
     for step, seed in enumerate(job["steps"], start=1):
-        before = {n: t.clone() for n, t in _derived(model).items()}
+        before = {n: t.clone() for n, t in derived_tensors(model).items()}
         run(f"step{step}")
         canonical = random_tensors(spec, seed)
-        now = _derived(model)
+        now = derived_tensors(model)
         result["steps"].append(
             {
                 "step": step,
@@ -150,9 +151,9 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
         )
     # Reference: SGLang's own load_weights of the last step's checkpoint (it runs
     # post_load_weights itself) must give the same parameters and derived tensors.
-    refit = {n: t.clone() for n, t in [*params.items(), *_derived(model).items()]}
+    refit = {n: t.clone() for n, t in [*params.items(), *derived_tensors(model).items()]}
     model.load_weights(iter(canonical.items()))
-    reloaded = {**params, **_derived(model)}
+    reloaded = {**params, **derived_tensors(model)}
     result["reload_differ"] = [n for n, t in refit.items() if not torch.equal(t, reloaded[n])]
     run("bad_plan")  # another plan's slice
     result["bad_plan"] = refit_status(model)
@@ -168,89 +169,6 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
     result["answers"] = answers  # what SGLang answered each call (plugin.py)
     result["versions"] = versions  # the weight versions SGLang recorded
     return result
-
-
-def _derived(model: Any) -> dict[str, Any]:
-    """Every tensor SGLang derives in ``post_load_weights`` (MLA's ``w_kc``/``w_vc``),
-    by module name: plain attributes, not parameters."""
-    import torch
-
-    out = {}
-    for name, module in model.named_modules():
-        for attr in ("w_kc", "w_vc"):
-            t = getattr(module, attr, None)
-            if isinstance(t, torch.Tensor):
-                out[f"{name}.{attr}"] = t
-    return out
-
-
-def _deserialize_own_rank(payloads: list[bytes]) -> Any:
-    """``TpModelWorker.deserialize_own_rank``, line for line: its module imports the
-    scheduler, which needs ``setproctitle`` (not in the CPU venv)."""
-    from sglang.srt.runtime_context import get_parallel
-    from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-    monkey_patch_torch_reductions()
-    return MultiprocessingSerializer.deserialize(payloads[get_parallel().tp_rank])
-
-
-def _scheduler_weight_updater(model: Any, rank: int) -> tuple[Any, list[str]]:
-    """SGLang's own ``SchedulerWeightUpdaterManager`` (what the scheduler dispatches
-    ``BeginWeightUpdateReqInput`` / ``UpdateWeightsFromTensorReqInput`` /
-    ``EndWeightUpdateReqInput`` to) over SGLang's own per-runner ``WeightUpdater``, with
-    our loader registered as ``--custom-weight-loader`` registers it and our plugin's
-    hook applied as ``load_plugins()`` applies it. Stand-ins (no GPU, no scheduler
-    process): the ``ModelRunner`` and ``TpModelWorker`` are namespaces holding what the
-    tensor path reads (``_deserialize_own_rank``); the
-    scheduler records weight versions in a list; ``flush_cache`` has no cache to flush;
-    the runner callbacks the tensor path never calls raise."""
-    from types import SimpleNamespace
-
-    from sglang.srt.managers.scheduler_components.weight_updater import (
-        SchedulerWeightUpdaterManager,
-    )
-    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    from nemo_refit_reshard.integrations.sglang import LOADER, plugin
-
-    plugin.register()
-    HookRegistry.apply_hooks()
-
-    def unused(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("not on SGLang's update_weights_from_tensor path")
-
-    updater = WeightUpdater(
-        tp_rank=rank,
-        device="cpu",
-        gpu_id=0,
-        model_config=None,
-        custom_weight_loaders=[LOADER],
-        get_model=lambda: model,
-        update_model_fields=unused,
-        recapture_cuda_graph=unused,
-        get_model_runner=unused,
-    )
-    runner = SimpleNamespace(weight_updater=updater, model=model)
-    worker = SimpleNamespace(
-        model_runner=runner,
-        weight_update_runners=lambda: [("target", runner)],
-        deserialize_own_rank=lambda payloads: _deserialize_own_rank(payloads),
-    )
-    versions: list[str] = []
-    scheduler = SimpleNamespace(
-        record_weight_version_change=lambda new_version: versions.append(new_version)
-    )
-    manager = SchedulerWeightUpdaterManager(
-        tp_worker=worker,
-        draft_worker=None,
-        memory_saver_adapter=None,
-        flush_cache=lambda empty_cache=False: True,
-        is_fully_idle=lambda: True,
-        scheduler=scheduler,
-    )
-    return manager, versions
 
 
 def main(job_path: str, result_path: str) -> int:
