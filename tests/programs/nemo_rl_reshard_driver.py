@@ -129,6 +129,10 @@ class MegatronPolicyProcess:
         return list(self.calls)
 
     # NeMo RL's RayWorkerGroup calls worker methods by name.
+    def set_rollout_num_gpus_per_engine(self, num_gpus_per_engine: int) -> int:
+        self.worker.set_rollout_num_gpus_per_engine(num_gpus_per_engine)
+        return self.worker.rollout_num_gpus_per_engine
+
     def reshard_describe(self) -> dict[str, Any]:
         return self.worker.reshard_describe()
 

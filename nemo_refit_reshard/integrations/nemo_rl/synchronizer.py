@@ -65,7 +65,9 @@ def gather(named: list[tuple[str, ray.ObjectRef]], what: str) -> list[Any]:
             results.append(ray.get(ref))
         except Exception as err:  # noqa: BLE001 - reported with the worker's name
             cause = getattr(err, "cause", None) or err  # a RayTaskError wraps the worker's
-            lines = str(cause).strip().splitlines() or [""]
+            # NeMo RL's SGLang worker notes the server's answer on its HTTPError
+            notes = [str(n) for n in getattr(cause, "__notes__", [])]
+            lines = "\n".join([str(cause), *notes]).strip().splitlines() or [""]
             shown = "\n    ".join(lines[:12]) + ("\n    ..." if len(lines) > 12 else "")
             failed.append(f"{who}: {type(cause).__name__}: {shown}")
     if failed:

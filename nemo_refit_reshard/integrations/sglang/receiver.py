@@ -193,7 +193,7 @@ def refit_connect_colocated(
             f"{where} runs on GPU {mine}, but the plan made the training rank on GPU "
             f"{host_gpus[s.engine_rank]} its host: place each SGLang rank on the GPU of "
             "the training rank the plan names (NeMo RL: engine i's tp rank k on the "
-            "placement group's GPU i·tp + k, as the policy's rank i·tp + k)"
+            "placement group's GPU i*tp + k, as the policy's rank i*tp + k)"
         )
     loaded = refit_check_plan(model, plan, rank, fingerprint)
     e = RefitEndpoint.from_json(endpoint_json)
