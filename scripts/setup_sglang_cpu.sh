@@ -21,6 +21,16 @@ if is_done "$VENV" "sglang-$VERSION"; then
     exit 0
 fi
 make_venv "$VENV"
+# What differs per SGLang version: its pins of apache-tvm-ffi and openai, and for
+# 0.5.12.post1 (NeMo RL's pin) transformers at its pin 5.6.0: its sglang.srt.configs
+# registers "qwen3_asr" with AutoConfig, which transformers >= 5.7 already has (a
+# ValueError at import), with the `kernels` range that transformers 5.6 accepts (its
+# hub_kernels fails at import on kernels 0.19). 0.5.23 uses the running environment's
+# transformers.
+case "$VERSION" in
+    0.5.12*) TVM_FFI=0.1.9 OPENAI=2.6.1 OWN=("transformers==5.6.0" "kernels>=0.12.0,<0.13") ;;
+    *) TVM_FFI=0.1.11 OPENAI=2.8.0 OWN=() ;;
+esac
 # No deps: SGLang's own pins would pull a CUDA torch. apache-tvm-ffi at SGLang's pin
 # (its jit kernels module imports it at import time). The others: imported at module
 # level on the way to sglang.srt.models.qwen3 / qwen3_moe (aiohttp, starlette, pyzmq,
@@ -31,14 +41,14 @@ make_venv "$VENV"
 # holds only this project's `.[test]` install).
 # torchvision is NOT installed: only CUDA wheels exist here and they fail to load on the
 # CPU torch; tests/helpers/sglang_cpu.py stands it in.
-quiet "${PIP[@]}" --no-deps "sglang==$VERSION" "apache-tvm-ffi==0.1.11" \
+quiet "${PIP[@]}" --no-deps "sglang==$VERSION" "apache-tvm-ffi==$TVM_FFI" \
     aiohttp aiohappyeyeballs aiosignal frozenlist multidict propcache yarl starlette \
     pyzmq msgspec pybase64 einops gguf compressed-tensors loguru dill psutil pillow \
     sentencepiece triton orjson IPython traitlets
 # Pure-Python packages whose own requirements are pure Python too (no torch): with their
 # dependencies. The OpenAI protocol types (openai at SGLang's pin, partial-json-parser)
 # are imported by the scheduler's batch module, fastapi and uvicorn by ServerArgs' chain.
-quiet "${PIP[@]}" "openai==2.8.0" partial-json-parser fastapi uvicorn
+quiet "${PIP[@]}" "openai==$OPENAI" partial-json-parser fastapi uvicorn ${OWN[@]+"${OWN[@]}"}
 PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)" quiet "$PY" -c \
     "from tests.helpers.sglang_cpu import import_sglang_models; import_sglang_models()"
 mark_done "$VENV" "sglang-$VERSION"

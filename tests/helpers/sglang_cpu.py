@@ -1,4 +1,5 @@
-"""SGLang 0.5.23's model classes on CPU (the venv of scripts/setup_sglang_cpu.sh).
+"""SGLang 0.5.23's model classes on CPU (the venv of scripts/setup_sglang_cpu.sh); also
+0.5.12.post1's, NeMo RL's pin, built as that release builds them (``_build_model_0512``).
 
 What makes ``sglang.srt.models.qwen3``, ``qwen3_moe`` and ``deepseek_v2`` import on a CPU torch
 (:func:`import_sglang_models`), and :func:`build_model`: SGLang's runtime context
@@ -27,6 +28,7 @@ from __future__ import annotations
 import enum
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 import types
 from typing import Any
@@ -106,6 +108,8 @@ def build_model(
     constructor, as ``model_loader.loader._initialize_model`` does)."""
     stub_torchvision()
     stub_rotary_kernel()
+    if importlib.util.find_spec("sglang.srt.runtime_context") is None:
+        return _build_model_0512(model_dir, tp, rank, port, ep, fuse_shared)
     from sglang.srt.distributed import parallel_state
     from sglang.srt.layers.moe.utils import resolve_shared_experts_config
     from sglang.srt.models.registry import ModelRegistry
@@ -139,6 +143,52 @@ def build_model(
     return model
 
 
+def _build_model_0512(
+    model_dir: str, tp: int, rank: int, port: int, ep: int, fuse_shared: bool
+) -> Any:
+    """:func:`build_model` for SGLang before ``sglang.srt.runtime_context`` (0.5.12.post1,
+    NeMo RL's pin): the steps its scheduler and ``ModelRunner`` take before the loader's
+    ``_initialize_model`` calls the model class -- the global server args
+    (``set_global_server_args_for_scheduler``), the MoE globals (``initialize_moe_config``,
+    ``Scheduler.init_moe_gemm_config``), parallel state with the expert-parallel size
+    passed in and DP-attention's globals (``ModelRunner.init_torch_distributed``). The
+    shared-expert decision is the model's own there (DeepSeek's constructor,
+    ``determine_num_fused_shared_experts``)."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.layers.dp_attention import initialize_dp_attention
+    from sglang.srt.layers.moe.utils import initialize_moe_config
+    from sglang.srt.models.registry import ModelRegistry
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+    from transformers import AutoConfig
+
+    args = ServerArgs(
+        model_path=model_dir,
+        device="cpu",
+        tp_size=tp,
+        ep_size=ep,
+        enforce_shared_experts_fusion=fuse_shared,
+        skip_tokenizer_init=True,
+    )
+    set_global_server_args_for_scheduler(args)
+    config = AutoConfig.from_pretrained(model_dir)
+    if hasattr(config, "num_experts_per_tok"):
+        initialize_moe_config(args)
+    parallel_state.init_distributed_environment(
+        world_size=tp,
+        rank=rank,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+        local_rank=rank,
+        backend="gloo",
+    )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, backend="gloo"
+    )
+    initialize_dp_attention(server_args=args, model_config=ModelConfig.from_server_args(args))
+    model_cls, _ = ModelRegistry.resolve_model_cls(config.architectures)
+    return model_cls(config)
+
+
 def release_model() -> None:
     """Tear down SGLang's parallel state and the gloo world (what ``build_model`` set up),
     so that the process can build the next model (``publish`` is last-publish-wins)."""
@@ -160,5 +210,8 @@ def import_sglang_models() -> None:
     import sglang.srt.models.qwen3  # noqa: F401
     import sglang.srt.models.qwen3_moe  # noqa: F401
     import sglang.srt.models.registry  # noqa: F401
-    import sglang.srt.runtime_context  # noqa: F401
     import sglang.srt.server_args  # noqa: F401
+
+    # SGLang 0.5.12.post1 (NeMo RL's pin) has no runtime context: _build_model_0512.
+    if importlib.util.find_spec("sglang.srt.runtime_context") is not None:
+        import sglang.srt.runtime_context  # noqa: F401
