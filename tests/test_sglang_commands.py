@@ -57,6 +57,8 @@ def test_unknown_operation_is_refused() -> None:
 
 PROBE = """
 import json, sys
+from tests.helpers.sglang_cpu import stub_torchvision
+stub_torchvision()  # 0.5.12.post1's `import sglang` imports torchvision.io
 from sglang.srt.utils import MultiprocessingSerializer
 from nemo_refit_reshard.integrations.sglang.loader import _decode, refit_command
 sent = json.loads(sys.stdin.read())

@@ -11,6 +11,7 @@ from importlib.metadata import distribution
 
 import pytest
 
+from nemo_refit_reshard.integrations.sglang.plugin import TARGET, TARGET_BEFORE_UPDATER
 from tests.helpers import vllm_env
 from tests.helpers.requires import requires
 
@@ -18,21 +19,24 @@ ENTRY_POINT = "nemo_refit_reshard.integrations.sglang.plugin:register"
 # torchvision: the stand-in tests/helpers/sglang_cpu.py names (PyPI's does not load on CPU
 # torch 2.13); SGLang's weight updater imports its multimodal modules.
 PROBE = """
-import json
+import importlib, json
 from tests.helpers.sglang_cpu import stub_torchvision
 stub_torchvision()
-from sglang.srt.model_executor.model_runner_components import weight_updater
+import sglang
 from sglang.srt.plugins import load_plugins
 from sglang.srt.plugins.hook_registry import HookRegistry
+from nemo_refit_reshard.integrations.sglang.plugin import hook_target
+module, cls, method = hook_target().rsplit(".", 2)
+owner = getattr(importlib.import_module(module), cls)
 # an id: SGLang rebinds every module global that held the original function
-before = id(weight_updater.WeightUpdater.update_weights_from_tensor)
+before = id(getattr(owner, method))
 load_plugins()
-after = id(weight_updater.WeightUpdater.update_weights_from_tensor)
+after = id(getattr(owner, method))
 hooks = [
     (target, t.name, f"{h.__module__}.{h.__qualname__}", src.plugin_name if src else None)
     for target, entries in HookRegistry._hooks.items() for t, h, src in entries
 ]
-print(json.dumps({"hooks": hooks, "wrapped": after != before}))
+print(json.dumps({"version": sglang.__version__, "hooks": hooks, "wrapped": after != before}))
 """
 
 
@@ -59,10 +63,11 @@ def test_sglangs_own_load_plugins_registers_our_hook() -> None:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     r = json.loads(done.stdout.strip().splitlines()[-1])
+    # where each SGLang answers update_weights_from_tensor (plugin.hook_target)
+    target = {"0.5.23": TARGET, "0.5.12.post1": TARGET_BEFORE_UPDATER}[r["version"]]
     assert r["hooks"] == [
         [
-            "sglang.srt.model_executor.model_runner_components.weight_updater."
-            "WeightUpdater.update_weights_from_tensor",
+            target,
             "AROUND",
             "nemo_refit_reshard.integrations.sglang.plugin.report_refit_errors",
             "nemo_refit_reshard",

@@ -65,13 +65,16 @@ def sglang_version() -> str:
 
 
 def engine_rank() -> int:
-    """This rank's place in its engine: SGLang's tensor-parallel rank. Pipeline
-    parallelism is refused: the SGLang layouts (``layouts/sglang.py``) are tp only."""
+    """This rank's place in its engine, ``pp_rank·tp + tp_rank``: SGLang's own world
+    rank (``runtime_context.spawn_world_rank``; its launcher starts the ranks pp-major,
+    ``entrypoints/engine.py``), which the SGLang layouts number the same way
+    (``layouts/vllm_grid.py::vllm_position``)."""
     from sglang.srt.distributed import parallel_state as ps
 
-    if ps.get_pp_group().world_size != 1:
-        raise PlanError("SGLang with pipeline parallelism: the refit plans tp only")
-    return int(ps.get_tensor_model_parallel_rank())
+    pp_rank = int(ps.get_pp_group().rank_in_group)
+    return pp_rank * int(ps.get_tensor_model_parallel_world_size()) + int(
+        ps.get_tensor_model_parallel_rank()
+    )
 
 
 def refit_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -225,7 +228,10 @@ def refit_step(model: torch.nn.Module, step: int | None = None) -> dict[str, flo
         )
     start = time.perf_counter()
     try:
-        from sglang.srt.model_loader.loader import post_load_weights
+        try:
+            from sglang.srt.model_loader.loader import post_load_weights
+        except ImportError:  # SGLang 0.5.12.post1 (NeMo RL's pin): the same, private
+            from sglang.srt.model_loader.loader import _post_load_weights as post_load_weights
 
         post_load_weights(model)  # a no-op where the model has no post_load_weights
     except BaseException as err:
