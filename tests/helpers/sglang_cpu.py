@@ -97,11 +97,19 @@ def stub_rotary_kernel() -> None:
 
 
 def build_model(
-    model_dir: str, tp: int, rank: int, port: int, ep: int = 1, fuse_shared: bool = False
+    model_dir: str,
+    tp: int,
+    rank: int,
+    port: int,
+    ep: int = 1,
+    fuse_shared: bool = False,
+    pp: int = 1,
 ) -> Any:
-    """SGLang's model class for ``config.json`` in ``model_dir``, tensor-parallel rank
-    ``rank`` of ``tp`` (every rank a process; they meet at ``127.0.0.1:port``), float32
-    parameters on CPU, as SGLang's own code builds them. ``ep`` is ``--ep-size``;
+    """SGLang's model class for ``config.json`` in ``model_dir``, rank ``rank`` of the
+    ``tp·pp`` ranks of one engine (every rank a process; they meet at
+    ``127.0.0.1:port``), float32 parameters on CPU, as SGLang's own code builds them.
+    ``pp`` is ``--pp-size``: ``rank`` is SGLang's world rank ``pp_rank·tp + tp_rank``
+    (``runtime_context.spawn_world_rank``). ``ep`` is ``--ep-size``;
     ``fuse_shared`` is ``--enforce-shared-experts-fusion`` (SGLang's default on a CUDA
     GPU for DeepSeek-V3's 256 experts; on CPU only the flag turns it on). The shared-expert
     decision is SGLang's loader's own (``resolve_shared_experts_config`` around the
@@ -109,7 +117,7 @@ def build_model(
     stub_torchvision()
     stub_rotary_kernel()
     if importlib.util.find_spec("sglang.srt.runtime_context") is None:
-        return _build_model_0512(model_dir, tp, rank, port, ep, fuse_shared)
+        return _build_model_0512(model_dir, tp, rank, port, ep, fuse_shared, pp)
     from sglang.srt.distributed import parallel_state
     from sglang.srt.layers.moe.utils import resolve_shared_experts_config
     from sglang.srt.models.registry import ModelRegistry
@@ -121,13 +129,14 @@ def build_model(
         model_path=model_dir,
         device="cpu",
         tp_size=tp,
+        pp_size=pp,
         ep_size=ep,
         enforce_shared_experts_fusion=fuse_shared,
         skip_tokenizer_init=True,
     )
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank, dp_rank=0, gpu_id=0))
     parallel_state.init_distributed_environment(
-        world_size=tp,
+        world_size=tp * pp,
         rank=rank,
         distributed_init_method=f"tcp://127.0.0.1:{port}",
         local_rank=rank,
@@ -144,7 +153,7 @@ def build_model(
 
 
 def _build_model_0512(
-    model_dir: str, tp: int, rank: int, port: int, ep: int, fuse_shared: bool
+    model_dir: str, tp: int, rank: int, port: int, ep: int, fuse_shared: bool, pp: int
 ) -> Any:
     """:func:`build_model` for SGLang before ``sglang.srt.runtime_context`` (0.5.12.post1,
     NeMo RL's pin): the steps its scheduler and ``ModelRunner`` take before the loader's
@@ -166,6 +175,7 @@ def _build_model_0512(
         model_path=model_dir,
         device="cpu",
         tp_size=tp,
+        pp_size=pp,
         ep_size=ep,
         enforce_shared_experts_fusion=fuse_shared,
         skip_tokenizer_init=True,
@@ -175,14 +185,17 @@ def _build_model_0512(
     if hasattr(config, "num_experts_per_tok"):
         initialize_moe_config(args)
     parallel_state.init_distributed_environment(
-        world_size=tp,
+        world_size=tp * pp,
         rank=rank,
         distributed_init_method=f"tcp://127.0.0.1:{port}",
         local_rank=rank,
         backend="gloo",
     )
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, backend="gloo"
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        backend="gloo",
     )
     initialize_dp_attention(server_args=args, model_config=ModelConfig.from_server_args(args))
     model_cls, _ = ModelRegistry.resolve_model_cls(config.architectures)
