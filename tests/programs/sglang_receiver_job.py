@@ -10,10 +10,12 @@ tensors; this project's sender, ``RefitWorker``) and two SGLang tp ranks (SGLang
 model class built and first loaded by SGLang, ``tests/helpers/sglang_cpu.py``) join one
 gloo refit group. Every SGLang rank drives the receiver through SGLang's own scheduler
 weight-update manager (``SchedulerWeightUpdaterManager``: begin the session, update
-from tensor with ``load_format=LOADER``, end it) over SGLang's own ``WeightUpdater``,
-then after the training ranks have gone tries a plan of another fingerprint and a third
-step. After the good steps, SGLang's own ``load_weights`` of the last step's checkpoint
-is the reference for every parameter and every derived tensor (MLA's ``w_kc``/``w_vc``).
+from tensor with ``load_format=LOADER``, end it) over SGLang's own ``WeightUpdater``
+(0.5.12.post1, NeMo RL's pin: no session; SGLang's own scheduler mixin, then its
+``ModelRunner.update_weights_from_tensor``, ``scheduler_weight_updater_0512``), then
+after the training ranks have gone tries a plan of another fingerprint and a third step.
+After the good steps, SGLang's own ``load_weights`` of the last step's checkpoint is the
+reference for every parameter and every derived tensor (MLA's ``w_kc``/``w_vc``).
 RESULT: one entry per SGLang rank.
 """
 
@@ -68,6 +70,8 @@ def _sglang(job: dict[str, Any], rank: int, port: int, out: Any) -> None:
 
 
 def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
+    from importlib.metadata import version
+
     import torch
     from safetensors.torch import load_file
 
@@ -84,11 +88,22 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
     from nemo_refit_reshard.spec import InferParallel
     from tests.helpers.checkpoints import random_tensors
     from tests.helpers.sglang_cpu import build_model
-    from tests.helpers.sglang_scheduler import derived_tensors, scheduler_weight_updater
+    from tests.helpers.sglang_scheduler import (
+        derived_tensors,
+        scheduler_weight_updater,
+        scheduler_weight_updater_0512,
+    )
 
     model = build_model(job["model_dir"], INFER, rank, port)
     model.load_weights(iter(load_file(job["initial"]).items()))  # SGLang's own start-up load
-    manager, versions = scheduler_weight_updater(model, rank, [LOADER])
+    from sglang.srt.managers import io_struct as io
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    # 0.5.12.post1 (NeMo RL's pin) has no weight-update session and no
+    # SchedulerWeightUpdaterManager: its scheduler mixin calls the ModelRunner directly
+    session = hasattr(io, "BeginWeightUpdateReqInput")
+    build = scheduler_weight_updater if session else scheduler_weight_updater_0512
+    manager, versions = build(model, rank, [LOADER])
     spec = _spec(job)
     layout = sglang_layout(spec, InferParallel(tp=INFER), rank, params_dtype="float32")
     params = dict(model.named_parameters())
@@ -96,9 +111,6 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
     derived = derived_tensors(model)  # what SGLang's post_load_weights made at start-up
     derived_pointers = {n: t.data_ptr() for n, t in derived.items()}
     answers: list[list[Any]] = []
-
-    from sglang.srt.managers import io_struct as io
-    from sglang.srt.utils import MultiprocessingSerializer
 
     # Every command, serialized up front as the driver serializes it in its own process
     # (Engine._serialize_tensors_per_rank): SGLang's torch-reduction patch, which the
@@ -120,7 +132,9 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
     def run(key: str) -> None:
         # the driver's sequence per call, as the Engine sends it to each scheduler: begin
         # the session, the loader's command (one copy per tp rank), end the session
-        assert manager.begin_weight_update(io.BeginWeightUpdateReqInput()).success
+        # (0.5.12.post1: the command alone)
+        if session:
+            assert manager.begin_weight_update(io.BeginWeightUpdateReqInput()).success
         request = io.UpdateWeightsFromTensorReqInput(
             serialized_named_tensors=[payloads[key]] * INFER,
             load_format=LOADER,
@@ -128,9 +142,14 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
         )
         answer = manager.update_weights_from_tensor(request)
         answers.append([script[key][0], answer.success, answer.message])
-        assert manager.end_weight_update(io.EndWeightUpdateReqInput()).success
+        if session:
+            assert manager.end_weight_update(io.EndWeightUpdateReqInput()).success
 
-    result: dict[str, Any] = {"described": refit_describe(model), "steps": []}
+    result: dict[str, Any] = {
+        "sglang_version": version("sglang"),
+        "described": refit_describe(model),
+        "steps": [],
+    }
     run("join")
     run("plan")
     for step, seed in enumerate(job["steps"], start=1):
