@@ -1,5 +1,6 @@
 """The SGLang provider without SGLang: what it refuses (exact messages), the shared-expert
-fusion default, DeepSeek-V3 / Kimi-K2 at their real sizes, expert parallelism and the
+fusion default, DeepSeek-V3 / Kimi-K2 at their real sizes, expert parallelism, pipeline
+stages (SGLang's split, which stage holds embed/norm/lm_head, replicas) and the
 derived-weight list. ``tests/test_sglang_truth.py`` proves the layouts against SGLang's
 own classes."""
 
@@ -15,11 +16,20 @@ from nemo_refit_reshard.layouts.sglang import (
     sglang_fuses_shared_experts,
     sglang_layout,
 )
+from nemo_refit_reshard.layouts.sglang_grid import sglang_pp_indices
+from nemo_refit_reshard.layouts.vllm_grid import vllm_pp_indices
 from nemo_refit_reshard.spec import InferParallel, ModelSpec, load_model_spec, spec_from_hf_config
 from tests.helpers.model_configs import MODELS
 
 P = InferParallel
-CONFIGS = {**MODELS, "qwen3_moe_sparse": {**MODELS["qwen3_moe"], "mlp_only_layers": []}}
+SPARSE = {**MODELS["qwen3_moe"], "mlp_only_layers": []}
+CONFIGS = {
+    **MODELS,
+    "qwen3_moe_sparse": SPARSE,
+    "llama_tied": {**MODELS["llama"], "tie_word_embeddings": True},
+    "qwen3_moe_tied": {**SPARSE, "tie_word_embeddings": True},
+    "deepseek_v3_tied": {**MODELS["deepseek_v3"], "tie_word_embeddings": True},
+}
 
 
 def _spec(model: str) -> ModelSpec:
@@ -46,19 +56,37 @@ def _spec(model: str) -> ModelSpec:
         ),
         (
             "qwen3",
-            P(tp=2, pp=2),
-            None,
-            "SGLang layouts cover tensor parallelism (tp=), expert parallelism (ep=) and "
-            "replicas (dp=) so far, not pipeline parallelism (tp=2,pp=2,dp=1,engine_dp=1,"
-            "ep=1): drop pp for SGLang",
-        ),
-        (
-            "qwen3",
             P(tp=2, engine_dp=2),
             None,
-            "SGLang layouts cover tensor parallelism (tp=), expert parallelism (ep=) and "
-            "replicas (dp=) so far, not --dp-size / --enable-dp-attention (engine_dp=2, "
-            "attention TP = tp / dp): use dp= for independent SGLang replicas and engine_dp=1",
+            "SGLang layouts cover tensor parallelism (tp=), pipeline parallelism (pp=), "
+            "expert parallelism (ep=) and replicas (dp=) so far, not --dp-size / "
+            "--enable-dp-attention (engine_dp=2, attention TP = tp / dp): use dp= for "
+            "independent SGLang replicas and engine_dp=1",
+        ),
+        ("qwen3", P(pp=4), None, "pp=4 exceeds num_hidden_layers=3 (SGLang's rule)"),
+        (
+            "llama_tied",
+            P(pp=2),
+            None,
+            "llama_tied ties its word embeddings: under pp=2 SGLang 0.5.23's llama model ties "
+            "lm_head to embed_tokens, which only the first stage builds, so its lm_head would "
+            "not be the checkpoint's; use pp=1",
+        ),
+        (
+            "qwen3_moe_tied",
+            P(pp=2),
+            None,
+            "qwen3_moe_tied ties its word embeddings: under pp=2 SGLang 0.5.23's qwen3_moe "
+            "model loads every stage's lm_head from lm_head.weight only, so its lm_head would "
+            "not be the checkpoint's; use pp=1",
+        ),
+        (
+            "deepseek_v3_tied",
+            P(pp=2),
+            None,
+            "deepseek_v3_tied ties its word embeddings: under pp=2 SGLang 0.5.23's "
+            "deepseek_v3 model loads the last stage's lm_head from lm_head.weight only, so "
+            "its lm_head would not be the checkpoint's; use pp=1",
         ),
         (
             "kimi_k2",
@@ -151,3 +179,67 @@ def test_kimi_k2_keeps_shared_experts_and_derives_w_kc_w_vc() -> None:
     assert derived["model.layers.0.self_attn.w_vc"] == (8, 512, 128)
     assert not set(derived) & {t.name for t in layout.tensors}
     assert sglang_derived_tensors(_spec("qwen3"), P(tp=2)) == {}
+
+
+def test_a_partition_that_does_not_fit_is_refused_by_name() -> None:
+    with pytest.raises(ValueError) as err:
+        sglang_layout(_spec("qwen3"), P(pp=2), 0, pp_layer_partition=(1, 1))
+    assert str(err.value) == (
+        "pp layer partition [1, 1] must have pp=2 entries summing to num_hidden_layers=3 "
+        "(SGLANG_PP_LAYER_PARTITION, SGLang's rule)"
+    )
+
+
+def test_sglangs_pipeline_split_gives_the_extra_layers_to_the_last_stages() -> None:
+    # 61 layers (DeepSeek-V3) over 4 stages: SGLang 15, 15, 15, 16; vLLM 15, 15, 16, 15
+    assert [sglang_pp_indices(61, k, 4) for k in range(4)] == [
+        (0, 15),
+        (15, 30),
+        (30, 45),
+        (45, 61),
+    ]
+    assert [vllm_pp_indices(61, k, 4) for k in range(4)] == [
+        (0, 15),
+        (15, 30),
+        (30, 46),
+        (46, 61),
+    ]
+    assert [sglang_pp_indices(10, k, 4) for k in range(4)] == [(0, 2), (2, 4), (4, 7), (7, 10)]
+    assert [sglang_pp_indices(4, k, 2, (1, 3)) for k in range(2)] == [(0, 1), (1, 4)]
+    assert sglang_pp_indices(4, 0, 1, (9,)) == (0, 4)  # one stage ignores the partition
+
+
+def _outside_layers(layout) -> dict[str, tuple[int, ...]]:
+    return {t.name: t.shape for t in layout.tensors if not t.name.startswith("model.layers.")}
+
+
+def _layers(layout) -> list[int]:
+    return sorted({int(t.name.split(".")[2]) for t in layout.tensors if ".layers." in t.name})
+
+
+def test_deepseek_v3_over_four_stages_and_two_replicas() -> None:
+    spec, par = load_model_spec("deepseek-v3"), P(tp=8, pp=4, dp=2)
+    first, last = sglang_layout(spec, par, 0), sglang_layout(spec, par, 3 * 8 + 5)
+    assert _layers(first) == list(range(15)) and _layers(last) == list(range(45, 61))
+    assert _outside_layers(first) == {"model.embed_tokens.weight": (16160, 7168)}
+    assert _outside_layers(last) == {"model.norm.weight": (7168,), "lm_head.weight": (16160, 7168)}
+    assert last.position == dict(dp=0, engine_dp=0, pp=3, tp=5)
+    assert last.replicas == (29, 32 + 29)  # the same stage and tp rank of replica 1
+    derived = sglang_derived_tensors(spec, par, 29)
+    assert sorted({int(n.split(".")[2]) for n in derived}) == list(range(45, 61))
+
+
+def test_lm_head_per_family_under_pipeline_parallelism() -> None:
+    head = (128, 64)  # vocabulary 100 padded to 128, tp=1
+    llama = [_outside_layers(sglang_layout(_spec("llama"), P(pp=2), r)) for r in range(2)]
+    assert llama == [
+        {"model.embed_tokens.weight": head, "lm_head.weight": head},
+        {"model.norm.weight": (64,), "lm_head.weight": head},
+    ]
+    qwen3 = sglang_layout(_spec("qwen3"), P(pp=2), 1)  # tied: its own head, from the embedding
+    assert _outside_layers(qwen3) == {"model.norm.weight": (64,), "lm_head.weight": head}
+    assert {p.canonical for p in qwen3.tensor("lm_head.weight").pieces} == {
+        "model.embed_tokens.weight"
+    }
+    assert _layers(qwen3) == [1, 2]
+    assert "lm_head.weight" not in _outside_layers(sglang_layout(_spec("qwen3"), P(), 0))

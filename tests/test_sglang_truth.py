@@ -1,14 +1,17 @@
 """The SGLang layout provider against SGLang's own model classes (SGLang 0.5.23 on CPU).
 
-For every case SGLang's model class is built for each tensor-parallel rank with SGLang's
-own runtime context and parallel state (gloo), and loaded through SGLang's own
-``load_weights`` from random float32 checkpoint tensors (``tests/programs/sglang_cpu_job.py``;
-stand-ins in ``tests/helpers/sglang_cpu.py``). Its ``named_parameters()`` must equal
-the provider's tensors (names, shapes, dtypes), every provider piece must hold exactly
-the canonical slice it claims, and every padding box zeros. What SGLang derives after
+For every case SGLang's model class is built for each rank (``pp_rank·tp + tp_rank``, as
+SGLang numbers its world) with SGLang's own runtime context and parallel state (gloo),
+and loaded through SGLang's own ``load_weights`` from random float32 checkpoint tensors
+(``tests/programs/sglang_cpu_job.py``; stand-ins in ``tests/helpers/sglang_cpu.py``).
+Its ``named_parameters()`` must equal the provider's tensors (names, shapes, dtypes),
+every provider piece must hold exactly the canonical slice it claims, and every padding
+box zeros. What SGLang derives after
 loading (DeepSeek's ``w_kc``/``w_vc``: module attributes, not parameters) must be exactly
 :func:`sglang_derived_tensors` and hold the split of the rank's ``kv_b_proj``. A negative
-control shows the content check fails when ranks are swapped.
+control shows the content check fails when ranks are swapped. Under pipeline
+parallelism each rank's SGLang pipeline and tensor-parallel rank must be the layout's
+position, and our receiver's ``engine_rank()`` there the rank.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from nemo_refit_reshard.engine.materialize import mismatches
 from nemo_refit_reshard.layouts.base import RankLayout
 from nemo_refit_reshard.layouts.sglang import sglang_derived_tensors, sglang_layout
+from nemo_refit_reshard.layouts.vllm_grid import vllm_position
 from nemo_refit_reshard.spec import InferParallel, ModelSpec, spec_from_hf_config
 from tests.helpers import vllm_env
 from tests.helpers.checkpoints import random_tensors
@@ -57,8 +61,11 @@ CONFIGS = {
     # the same model under --enforce-shared-experts-fusion (SGLang's default on a CUDA
     # GPU for DeepSeek-V3's 256 experts; on CPU only the flag turns it on)
     "deepseek_v3_fused": {**MODELS["deepseek_v3"], **_DS_SGLANG},
+    # Qwen3 (3 layers, tied) under SGLANG_PP_LAYER_PARTITION=2,1
+    "qwen3_split_2_1": MODELS["qwen3"],
 }
 FUSED = {"deepseek_v3_fused"}
+PARTITION = {"qwen3_split_2_1": (2, 1)}
 CASES = [
     ("llama", P()),
     ("deepseek_v3", P()),  # tp=1: every tensor whole
@@ -74,17 +81,35 @@ CASES = [
     # experts per rank, shared experts over tp
     ("deepseek_v3_no_q_lora", P(tp=2, ep=2)),
     ("deepseek_v3_fused", P(tp=2)),  # the shared expert as expert 4, sliced like them
+    # pipeline parallelism: 3 layers over 2 stages are [0] and [1, 2] (SGLang's split;
+    # vLLM's is [0, 1] and [2]); tied embeddings: stage 1 builds its own lm_head from
+    # model.embed_tokens.weight
+    ("qwen3", P(pp=2)),
+    ("qwen3_split_2_1", P(pp=2)),  # an explicit partition: [0, 1] and [2]
+    ("llama", P(tp=2, pp=2)),  # lm_head on every stage, embed first, norm last
+    ("qwen3_moe_sparse", P(pp=2)),  # lm_head on every stage, embed first, norm last
+    # dense layer 0 on stage 0, MoE layers 1-2 on stage 1, w_kc/w_vc per stage
+    ("deepseek_v3", P(tp=2, pp=2)),
 ]
 
 
 def _id(case: tuple[str, InferParallel]) -> str:
-    return f"{case[0]}-tp{case[1].tp}" + (f"-ep{case[1].ep}" if case[1].ep > 1 else "")
+    par = case[1]
+    pp, ep = (f"-pp{par.pp}" if par.pp > 1 else ""), (f"-ep{par.ep}" if par.ep > 1 else "")
+    return f"{case[0]}-tp{par.tp}{pp}{ep}"
 
 
 def _layout(case: tuple[str, InferParallel], rank: int) -> RankLayout:
     model, par = case
-    fused = model in FUSED
-    return sglang_layout(_spec(model), par, rank, "float32", shared_experts_fusion=fused)
+    fused, partition = model in FUSED, PARTITION.get(model)
+    return sglang_layout(
+        _spec(model),
+        par,
+        rank,
+        "float32",
+        shared_experts_fusion=fused,
+        pp_layer_partition=partition,
+    )
 
 
 def _spec(model: str) -> ModelSpec:
@@ -109,8 +134,10 @@ def sglang_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 id=_id(case),
                 model_dir=str(work / model),
                 tp=par.tp,
+                pp=par.pp,
                 ep=par.ep,
                 fuse_shared=model in FUSED,
+                pp_layer_partition=PARTITION.get(model),
                 weights=str(work / f"{model}.safetensors"),
                 out=str(work / f"{_id(case)}.safetensors"),
             )
@@ -153,7 +180,7 @@ def test_provider_matches_sglang_parameters_and_contents(
 ) -> None:
     model, par = case
     canonical = random_tensors(_spec(model), 0)
-    for rank in range(par.tp):
+    for rank in range(par.world_size):
         layout = _layout(case, rank)
         ours = {t.name: [list(t.shape), t.dtype] for t in layout.tensors}
         assert sglang_runs["shapes"][_id(case)][rank] == ours, (rank, layout.framework)
@@ -169,9 +196,9 @@ def test_derived_weights_are_exactly_the_named_ones(
     """Every tensor SGLang derived after loading is in sglang_derived_tensors (names,
     shapes) and none is a parameter; w_kc / w_vc are the split of the loaded kv_b_proj."""
     model, par = case
-    expected = sglang_derived_tensors(_spec(model), par)
     mla = _spec(model).arch.mla
-    for rank in range(par.tp):
+    for rank in range(par.world_size):
+        expected = sglang_derived_tensors(_spec(model), par, rank, PARTITION.get(model))
         got = sglang_runs["shapes"]["derived"][_id(case)][rank]
         assert got == {n: [list(s), "float32"] for n, s in expected.items()}
         if mla is None:
@@ -180,14 +207,31 @@ def test_derived_weights_are_exactly_the_named_ones(
             _loaded(sglang_runs, case, rank),
             _loaded(sglang_runs, case, rank, "_derived"),
         )
-        for layer in range(_spec(model).arch.num_layers):
-            p = f"model.layers.{layer}.self_attn"
+        for p in {n.rsplit(".", 1)[0] for n in expected}:
             w = params[f"{p}.kv_b_proj.weight"].unflatten(
                 0, (-1, mla.qk_nope_head_dim + mla.v_head_dim)
             )
             w_k, w_v = w.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
             assert torch.equal(derived[f"{p}.w_kc"], w_k)
             assert torch.equal(derived[f"{p}.w_vc"], w_v.transpose(1, 2))
+
+
+@pytest.mark.slow
+@requires(vllm_env.sglang_skip_reason)
+@pytest.mark.parametrize("case", [c for c in CASES if c[1].pp > 1], ids=_id)
+def test_rank_order_is_sglangs(
+    case: tuple[str, InferParallel], sglang_runs: dict[str, Any]
+) -> None:
+    """SGLang's world rank r is pipeline rank r // tp, tensor-parallel rank r % tp (the
+    layout's position), and our receiver's engine_rank() answers r there."""
+    par = case[1]
+    expected = [
+        [vllm_position(par, r).pp, vllm_position(par, r).tp, r] for r in range(par.world_size)
+    ]
+    assert sglang_runs["shapes"]["ranks"][_id(case)] == expected
+    assert [_layout(case, r).position["pp"] for r in range(par.world_size)] == [
+        pp for pp, _, _ in expected
+    ]
 
 
 @pytest.mark.slow

@@ -44,7 +44,16 @@ the vocabulary is padded to a multiple of 64 and split by rows. Where SGLang dif
   ``--speculative-algorithm EAGLE``); the target model holds no MTP tensor, so the
   layouts here hold none and a draft model is not refit.
 
-Refused by name (:func:`check_sglang_parallel`): pipeline parallelism, SGLang's
+* Pipeline parallelism (``--pp-size`` = ``pp=``): SGLang's own layer split
+  (``layouts/sglang_grid.py::sglang_pp_indices``: the last ``L%P`` stages take the extra
+  layers; ``pp_layer_partition`` is ``SGLANG_PP_LAYER_PARTITION``) and SGLang's own rank
+  order ``pp_rank·tp + tp_rank``; which stage holds ``embed_tokens``, ``norm`` and
+  ``lm_head`` per family is in ``layouts/sglang_walk.py``. A tied-embedding Llama,
+  Qwen3-MoE or DeepSeek under pp is refused: SGLang's Llama ties ``lm_head`` to the
+  embedding only the first stage builds, and its Qwen3-MoE and DeepSeek load ``lm_head``
+  only from a ``lm_head.weight`` a tied checkpoint lacks.
+
+Refused by name (:func:`check_sglang_parallel`): SGLang's
 ``--dp-size`` / ``--enable-dp-attention`` (attention TP = tp / dp; use ``dp=`` for
 independent replicas), ``ep`` with fused shared experts (SGLang fuses them under ep only
 on AMD), FP8 engines, and other families. Not covered either (they change the layout
@@ -57,9 +66,10 @@ from __future__ import annotations
 from ..spec.model import ModelSpec
 from ..spec.parallel import InferParallel
 from .base import RankLayout, paused_gc
+from .sglang_grid import sglang_pp_indices, sglang_replicas
 from .sglang_walk import SglangRank
 from .vllm import vllm_padded_vocab
-from .vllm_grid import vllm_position, vllm_replicas
+from .vllm_grid import vllm_position
 from .vllm_releases import VllmOptions
 
 SGLANG_VERSION = "0.5.23"
@@ -131,7 +141,10 @@ def _check_moe(spec: ModelSpec, par: InferParallel, fuse_shared: bool) -> None:
 
 
 def check_sglang_parallel(
-    spec: ModelSpec, parallel: InferParallel, shared_experts_fusion: bool | None = None
+    spec: ModelSpec,
+    parallel: InferParallel,
+    shared_experts_fusion: bool | None = None,
+    pp_layer_partition: tuple[int, ...] | None = None,
 ) -> None:
     """Raise ``ValueError`` for what this provider has not proven against SGLang, or
     what SGLang itself refuses, naming the rule and what to do."""
@@ -143,10 +156,9 @@ def check_sglang_parallel(
         )
     if a.quant is not None:
         raise ValueError("SGLang layouts do not cover FP8 engines yet; serve BF16 weights")
-    covered = "SGLang layouts cover tensor parallelism (tp=), expert parallelism (ep=) and "
-    covered += "replicas (dp=) so far, not"
-    if parallel.pp > 1:
-        raise ValueError(f"{covered} pipeline parallelism ({parallel}): drop pp for SGLang")
+    covered = "SGLang layouts cover tensor parallelism (tp=), pipeline parallelism (pp=), "
+    covered += "expert parallelism (ep=) and replicas (dp=) so far, not"
+    _check_pp(spec, parallel, pp_layer_partition)
     if parallel.engine_dp > 1:
         raise ValueError(
             f"{covered} --dp-size / --enable-dp-attention (engine_dp={parallel.engine_dp}, "
@@ -169,6 +181,25 @@ def check_sglang_parallel(
         raise _rule(f"tp={s} must divide the padded vocabulary {vp} (vocab padded to 64)")
 
 
+def _check_pp(spec: ModelSpec, par: InferParallel, partition: tuple[int, ...] | None) -> None:
+    a = spec.arch
+    if par.pp == 1:
+        return
+    if par.pp > a.num_layers:
+        raise _rule(f"pp={par.pp} exceeds num_hidden_layers={a.num_layers}")
+    if a.tie_word_embeddings and a.family in ("llama", "qwen3_moe", "deepseek_v3"):
+        why = {
+            "llama": "ties lm_head to embed_tokens, which only the first stage builds",
+            "qwen3_moe": "loads every stage's lm_head from lm_head.weight only",
+            "deepseek_v3": "loads the last stage's lm_head from lm_head.weight only",
+        }[a.family]
+        raise ValueError(
+            f"{spec.name} ties its word embeddings: under pp={par.pp} SGLang 0.5.23's "
+            f"{a.family} model {why}, so its lm_head would not be the checkpoint's; use pp=1"
+        )
+    sglang_pp_indices(a.num_layers, 0, par.pp, partition)  # a wrong partition raises
+
+
 def _fusion(spec: ModelSpec, parallel: InferParallel, option: bool | None) -> bool:
     if spec.arch.moe is None or not spec.arch.moe.num_shared_experts:
         return False
@@ -182,13 +213,17 @@ def sglang_layout(
     rank: int,
     params_dtype: str = "bfloat16",
     shared_experts_fusion: bool | None = None,
+    pp_layer_partition: tuple[int, ...] | None = None,
 ) -> RankLayout:
     """The local tensors and canonical pieces of SGLang inference rank ``rank``.
     ``shared_experts_fusion``: None is SGLang's default on a CUDA GPU
-    (:func:`sglang_fuses_shared_experts`)."""
-    check_sglang_parallel(spec, parallel, shared_experts_fusion)
+    (:func:`sglang_fuses_shared_experts`). ``pp_layer_partition``: the engine's
+    ``SGLANG_PP_LAYER_PARTITION`` as layer counts per stage (None: SGLang's split)."""
+    check_sglang_parallel(spec, parallel, shared_experts_fusion, pp_layer_partition)
     version = _MOE_NAMES_OF if spec.arch.moe is not None else None
-    opts = VllmOptions(params_dtype=params_dtype, vllm_version=version)
+    opts = VllmOptions(
+        pp_layer_partition=pp_layer_partition, params_dtype=params_dtype, vllm_version=version
+    )
     walker = SglangRank(spec, parallel, rank, opts, _fusion(spec, parallel, shared_experts_fusion))
     walker.build()
     return RankLayout(
@@ -196,15 +231,21 @@ def sglang_layout(
         rank=rank,
         world_size=parallel.world_size,
         position=vllm_position(parallel, rank).as_dict(),
-        replicas=vllm_replicas(spec, parallel, rank, opts),
+        replicas=sglang_replicas(parallel, rank),
         tensors=walker.b.build(),
     )
 
 
-def sglang_derived_tensors(spec: ModelSpec, parallel: InferParallel) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of what SGLang derives on every rank after loading (no checkpoint
+def sglang_derived_tensors(
+    spec: ModelSpec,
+    parallel: InferParallel,
+    rank: int = 0,
+    pp_layer_partition: tuple[int, ...] | None = None,
+) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of what SGLang derives on rank ``rank`` after loading (no checkpoint
     piece maps to these; rerun ``model.post_load_weights()`` after a refit): each MLA
-    layer's ``self_attn.w_kc`` [N, P, L] and ``self_attn.w_vc`` [N, L, V]."""
+    layer's ``self_attn.w_kc`` [N, P, L] and ``self_attn.w_vc`` [N, L, V], for the layers
+    of the rank's pipeline stage (every layer when pp = 1)."""
     a, m = spec.arch, spec.arch.mla
     if m is None:
         return {}
@@ -213,8 +254,10 @@ def sglang_derived_tensors(spec: ModelSpec, parallel: InferParallel) -> dict[str
         "w_kc": (n, m.qk_nope_head_dim, m.kv_lora_rank),
         "w_vc": (n, m.kv_lora_rank, m.v_head_dim),
     }
+    stage = vllm_position(parallel, rank).pp
+    start, end = sglang_pp_indices(a.num_layers, stage, parallel.pp, pp_layer_partition)
     return {
         f"model.layers.{layer}.self_attn.{attr}": shapes[attr]
-        for layer in range(a.num_layers)
+        for layer in range(start, end)
         for attr in MLA_DERIVED
     }

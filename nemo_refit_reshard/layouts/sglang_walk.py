@@ -18,6 +18,16 @@ rank s: ``moe_ep_rank = s // moe_tp``, ``moe_tp_rank = s % moe_tp``:
   ``E`` of the checkpoint (the loader renames ``mlp.shared_experts`` to ``mlp.experts.E``)
   and sits after the local routed experts, in slot ``E/ep``, sliced like them; no
   ``mlp.shared_experts`` module is built.
+* pipeline stage k of P builds the layers :func:`sglang_pp_indices` gives it (global
+  layer indices in the names; the rest are ``PPMissingLayer``), ``model.embed_tokens``
+  on stage 0 only and ``model.norm`` on stage P-1 only, in every family. ``lm_head``
+  differs per family (:meth:`SglangRank.build`): Llama (``models/llama.py``) and
+  Qwen3-MoE (``models/qwen3_moe.py``) build a ``ParallelLMHead`` on *every* stage, each
+  loaded from the checkpoint's ``lm_head.weight``; Qwen2, Qwen3 and DeepSeek
+  (``qwen2.py``, ``qwen3.py``, ``deepseek_v2.py``) build it on stage P-1 only. Tied
+  Qwen2/Qwen3 under P > 1 build a separate ``lm_head.weight`` on stage P-1, loaded from
+  ``model.embed_tokens.weight`` (their ``load_weights``); under P = 1 ``lm_head`` *is*
+  ``embed_tokens`` (one parameter).
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from __future__ import annotations
 from ..spec.model import ModelSpec
 from ..spec.parallel import InferParallel
 from .base import Box
+from .sglang_grid import sglang_pp_indices
 from .vllm import VllmRankWalker
 from .vllm_releases import VllmOptions
 
@@ -113,3 +124,28 @@ class SglangRank(VllmRankWalker):
                 f"{p}.gate.e_score_correction_bias", (moe.num_experts,), dtype="float32"
             )
         self.fused_moe(p)
+
+    def build(self) -> None:
+        a, par, pos = self.a, self.par, self.pos
+        h = a.hidden_size
+        start, end = sglang_pp_indices(a.num_layers, pos.pp, par.pp, self.opts.pp_layer_partition)
+        first, last = pos.pp == 0, pos.pp == par.pp - 1
+        if first:
+            self.vocab("model.embed_tokens.weight", "model.embed_tokens.weight")
+        for layer in range(start, end):
+            p = f"model.layers.{layer}"
+            self.replicated(f"{p}.input_layernorm.weight", (h,))
+            self.attention(f"{p}.self_attn")
+            self.replicated(f"{p}.post_attention_layernorm.weight", (h,))
+            self.mlp(layer, f"{p}.mlp")
+        if last:
+            self.replicated("model.norm.weight", (h,))
+        # DeepSeek's lm_head is its own (vLLM's rule, kept); Qwen3-MoE's and DeepSeek's
+        # tied configs under pp are refused (check_sglang_parallel).
+        tied = a.tie_word_embeddings and a.family != "deepseek_v3"
+        if not (last or a.family in ("llama", "qwen3_moe")):
+            return
+        if not tied:
+            self.vocab("lm_head.weight", "lm_head.weight")
+        elif par.pp > 1:  # Qwen2 / Qwen3: the last stage's own head, from the embedding
+            self.vocab("lm_head.weight", "model.embed_tokens.weight")
