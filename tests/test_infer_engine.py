@@ -63,6 +63,28 @@ def test_simulate_for_sglang_names_it(capsys) -> None:
 
 
 def test_sglang_refusals_reach_the_command_line(capsys) -> None:
-    argv = ["plan", *ARGS[:4], "--infer", "tp=2,pp=2", "--infer-engine", "sglang"]
+    argv = ["plan", *ARGS[:4], "--infer", "tp=2,engine_dp=2", "--infer-engine", "sglang"]
     assert main(argv) == 2
     assert "error: SGLang layouts cover tensor parallelism" in capsys.readouterr().err
+
+
+def test_sglang_layout_takes_the_pp_partition(capsys, monkeypatch) -> None:
+    """``layout --framework sglang``: ``--pp-partition``, else SGLang's own
+    ``SGLANG_PP_LAYER_PARTITION``, else SGLang's split (the last stages take the extra
+    layers: 36 over 3 stages is 12 each; 10,10,16 puts layers 20-35 on stage 2)."""
+    base = ["layout", "--framework", "sglang", "--model", "qwen3-8b", "--parallel", "tp=2,pp=3"]
+    first = "model.layers.{}.input_layernorm.weight  [4096] bfloat16"
+
+    def first_layer(*extra: str) -> str:
+        assert main([*base, "--rank", "5", *extra]) == 0
+        return capsys.readouterr().out.splitlines()[2]
+
+    assert first_layer() == first.format(24)
+    assert first_layer("--pp-partition", "10,10,16") == first.format(20)
+    monkeypatch.setenv("SGLANG_PP_LAYER_PARTITION", "11,11,14")
+    assert first_layer() == first.format(22)
+    assert main([*base, "--rank", "0", "--pp-partition", "10,10"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "error: pp layer partition [10, 10] must have pp=3 entries summing to "
+        "num_hidden_layers=36 (SGLANG_PP_LAYER_PARTITION, SGLang's rule)"
+    )

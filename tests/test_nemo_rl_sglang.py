@@ -139,7 +139,7 @@ def test_misplaced_sglang_rank_is_refused_before_it_connects(tmp_path: Path) -> 
     assert error.startswith("RuntimeError: connecting the colocated refit failed on "), error
     for mine, host in (("gpu1", "gpu0"), ("gpu0", "gpu1")):
         assert (
-            f"SGLang 0.5.23 tp rank 0 runs on GPU {socket.gethostname()}:{mine}, but the plan "
+            f"SGLang 0.5.23 engine rank 0 runs on GPU {socket.gethostname()}:{mine}, but the plan "
             f"made the training rank on GPU {socket.gethostname()}:{host} its host"
         ) in error, error
     for server in out["init_status"]:

@@ -142,8 +142,9 @@ def test_plan_of_another_fingerprint_is_refused(ranks: list[dict[str, Any]]) -> 
         op, ok, message = rank["answers"][4]
         assert (op, ok) == ("load_plan", False) and message == status["errors"][0]
         (error,) = status["errors"]
+        version = rank["sglang_version"]
         assert error.startswith(
-            f"nemo_refit_reshard.load_plan: PlanError: SGLang {rank['sglang_version']} tp rank {tp}"
+            f"nemo_refit_reshard.load_plan: PlanError: SGLang {version} engine rank {tp}"
         )
         assert "not the driver's plan 000000000000" in error
 
@@ -156,7 +157,7 @@ def test_dead_peer_leaves_weights_stale(ranks: list[dict[str, Any]]) -> None:
         # the wording after this depends on how gloo saw the training ranks go
         assert f"refit rank {2 + tp}: step 3 round 0" in status["stale"]
         assert "step 3 failed" in rank["require_fresh"]
-        assert rank["require_fresh"].startswith("generation on SGLang tp rank")
+        assert rank["require_fresh"].startswith("generation on SGLang engine rank")
         assert rank["moved_after_failure"] == []
         op, ok, message = rank["answers"][5]
         assert (op, ok) == ("step", False) and "TransportError" in message

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
 from typing import Any
@@ -63,7 +64,7 @@ def build_layout(args: argparse.Namespace, spec: ModelSpec) -> RankLayout:
     if args.framework == "vllm":
         return vllm_rank_layout(args, spec)
     if args.framework == "sglang":  # what layouts/sglang.py proves against SGLang
-        return sglang_layout(spec, InferParallel.parse(args.parallel), args.rank)
+        return sglang_rank_layout(args, spec)
     return dtensor_rank_layout(args, spec)
 
 
@@ -88,6 +89,18 @@ def vllm_rank_layout(args: argparse.Namespace, spec: ModelSpec) -> RankLayout:
     base = VllmOptions(pp_layer_partition=partition) if partition else VllmOptions.from_env()
     opts = replace(base, vllm_version=args.vllm_version, all2all_backend=args.all2all_backend)
     return vllm_layout(spec, InferParallel.parse(args.parallel), args.rank, opts)
+
+
+def sglang_rank_layout(args: argparse.Namespace, spec: ModelSpec) -> RankLayout:
+    """``--framework sglang``: ``--pp-partition`` when given, else the environment's
+    ``SGLANG_PP_LAYER_PARTITION`` (SGLang's own variable; its split otherwise)."""
+    text = args.pp_partition or os.environ.get("SGLANG_PP_LAYER_PARTITION")
+    try:
+        partition = tuple(int(x) for x in text.split(",")) if text else None
+    except ValueError:
+        raise ValueError(f"pp layer partition {text!r} is not a comma list of ints") from None
+    parallel = InferParallel.parse(args.parallel)
+    return sglang_layout(spec, parallel, args.rank, pp_layer_partition=partition)
 
 
 def dtensor_rank_layout(args: argparse.Namespace, spec: ModelSpec) -> RankLayout:

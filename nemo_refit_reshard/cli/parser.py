@@ -59,7 +59,10 @@ def add_layout_parser(sub: argparse._SubParsersAction) -> None:
     meg.add_argument("--first-stage-layers", type=int, default=None)
     meg.add_argument("--last-stage-layers", type=int, default=None)
     vll = lay.add_argument_group("vllm options")
-    vll.add_argument("--pp-partition", help="layers per stage, like VLLM_PP_LAYER_PARTITION")
+    vll.add_argument(
+        "--pp-partition",
+        help="layers per stage, as VLLM_PP_LAYER_PARTITION / SGLANG_PP_LAYER_PARTITION",
+    )
     vll.add_argument(
         "--vllm-version", help="vLLM release to follow (default: the installed one, else 0.33)"
     )

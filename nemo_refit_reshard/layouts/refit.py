@@ -20,7 +20,9 @@ def engine_layouts(
 ) -> list[RankLayout]:
     """Every inference rank's layout, in rank order, for ``engine`` (``vllm`` or
     ``sglang``). ``vllm``'s ``params_dtype`` (default: the checkpoint dtype) is the
-    local tensors' dtype for either engine; its other options are vLLM's own."""
+    local tensors' dtype and its ``pp_layer_partition`` the stages' layer counts
+    (``VLLM_PP_LAYER_PARTITION`` / ``SGLANG_PP_LAYER_PARTITION``) for either engine; its
+    other options are vLLM's own."""
     if engine == "vllm":
         return vllm_layouts(spec, infer, vllm)
     if engine != "sglang":
@@ -28,7 +30,8 @@ def engine_layouts(
     dtype = (vllm.params_dtype if vllm is not None else None) or spec.arch.dtype
     out: list[RankLayout] = []
     for rank in range(infer.world_size):
-        layout = sglang_layout(spec, infer, rank, dtype)
+        partition = vllm.pp_layer_partition if vllm is not None else None
+        layout = sglang_layout(spec, infer, rank, dtype, pp_layer_partition=partition)
         first = layout.replicas[0]
         # A replica shares its first member's tensors (as vllm_layouts does): the planner
         # recognises it at once, and replicas cost one replica's memory.

@@ -159,6 +159,12 @@ def sglang_rollout_layouts(
             "covered; set rollout.data_parallel_size=1 and drop engine_dp from the engine's "
             "infer (more rollout GPUs make more replicas)"
         )
+    if infer.pp > 1:
+        raise ValueError(
+            f"SGLang pipeline parallelism (pp={infer.pp}) cannot go through veRL's SGLang "
+            "adapter: it names a replica's tensors by TP rank 0's over its TP group, and "
+            "pipeline stages hold other tensors; drop pp for SGLang"
+        )
     spec = checkpoint.unquantized()
     try:
         layouts = infer_engine_layouts(spec, infer, "sglang", opts)

@@ -90,7 +90,7 @@ def refit_loader(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
         try:
             op, arguments = _decode(name, tensor)
             result = OPS[op](model, **arguments)
-            logger.info("refit %s on tp rank %s: %s", op, receiver.engine_rank(), result)
+            logger.info("refit %s on engine rank %s: %s", op, receiver.engine_rank(), result)
         except Exception as err:  # noqa: BLE001 - kept for refit_status, never raised
             lines = str(err).strip().splitlines()
             label = name.partition(SEPARATOR)[0][:80]  # the operation, not its arguments

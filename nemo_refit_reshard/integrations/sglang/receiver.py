@@ -130,7 +130,7 @@ def refit_check_plan(
     driver's plan (``fingerprint``) when given. A mismatch is a ``PlanError``."""
     s = _state(model)
     loaded = load_plan_json(plan_text(plan, group_rank, "rank"))
-    where = f"SGLang {sglang_version()} tp rank {s.engine_rank}"
+    where = f"SGLang {sglang_version()} engine rank {s.engine_rank}"
     if fingerprint is not None and loaded.fingerprint != fingerprint:
         raise PlanError(
             f"{where}: the plan shipped to refit rank {group_rank} is "
@@ -184,7 +184,7 @@ def refit_connect_colocated(
     s = _state(model)
     refit_close(model)
     rank = first_rank + s.engine_rank
-    where = f"SGLang {sglang_version()} tp rank {s.engine_rank}"
+    where = f"SGLang {sglang_version()} engine rank {s.engine_rank}"
     if s.engine_rank >= len(addresses) or len(host_gpus) != len(addresses):
         raise PlanError(
             f"{where}: the driver named hosts for {len(addresses)} ranks and GPUs for "
@@ -257,7 +257,7 @@ def refit_require_fresh(model: torch.nn.Module) -> None:
     """Raise ``StaleWeightsError`` naming the failed step if this rank's weights may be
     torn: ask every rank before continuing generation."""
     s = _state(model)
-    s.weights.require_fresh(f"generation on SGLang tp rank {s.engine_rank}")
+    s.weights.require_fresh(f"generation on SGLang engine rank {s.engine_rank}")
 
 
 def refit_close(model: torch.nn.Module) -> None:
