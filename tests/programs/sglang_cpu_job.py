@@ -57,7 +57,9 @@ def _build(build: dict[str, Any], rank: int, port: int) -> tuple[Any, Any, Any]:
             f"{m}.{attr}": t.detach().contiguous()
             for m, module in model.named_modules()
             for attr, t in vars(module).items()
-            if isinstance(t, torch.Tensor)
+            # a rotary embedding's cos/sin tables come from the config, not the weights
+            # (0.5.12.post1 keeps DeepSeek's as plain tensors; 0.5.23 only on NPU)
+            if isinstance(t, torch.Tensor) and not m.endswith("rotary_emb")
         }
     finally:
         os.environ.pop("SGLANG_PP_LAYER_PARTITION", None)
