@@ -14,7 +14,10 @@ import pytest
 from nemo_refit_reshard.integrations.nemo_rl.config import NemoRlConfigError, RefitConfig
 from nemo_refit_reshard.integrations.nemo_rl.grpo import check_reshard_config
 from nemo_refit_reshard.integrations.nemo_rl.plans import plan_nemo_rl_sglang
-from nemo_refit_reshard.integrations.nemo_rl.sglang_config import sglang_infer_parallel
+from nemo_refit_reshard.integrations.nemo_rl.sglang_config import (
+    check_sglang_servers,
+    sglang_infer_parallel,
+)
 from nemo_refit_reshard.layouts import MegatronOptions, megatron_layout, megatron_position
 from nemo_refit_reshard.layouts.fp8_wire import live_tensors
 from nemo_refit_reshard.plan import PlanError
@@ -158,4 +161,22 @@ def test_plan_refusals() -> None:
     assert str(err.value) == (
         "colocated SGLang: 2 servers of tp 2 need 4 GPUs, the policy runs on 2; give "
         "SGLang at most the policy's GPUs (sglang_server_config.num_gpus)"
+    )
+
+
+def test_servers_must_carry_our_loader() -> None:
+    """NeMo RL's own SGLang worker (no ``begin_weight_update``) is named before any
+    request: SGLang would refuse our load_format inside its scheduler."""
+
+    class Ours:
+        def begin_weight_update(self) -> bool:
+            return True
+
+    check_sglang_servers([Ours(), Ours()])
+    with pytest.raises(NemoRlConfigError) as err:
+        check_sglang_servers([Ours(), object()])
+    assert str(err.value) == (
+        "SGLang servers [1] were started by NeMo RL's own SGLangGenerationWorker, without "
+        "our refit loader: call grpo.policy_factory(refit, config) before NeMo RL's setup "
+        "(examples/nemo_rl/run_grpo.py does)"
     )

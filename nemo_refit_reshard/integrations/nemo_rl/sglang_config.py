@@ -68,3 +68,20 @@ def sglang_infer_parallel(generation: Mapping[str, Any], engines: int) -> InferP
     scfg = check_sglang_generation(generation)
     tp, ep = _size(scfg, "tp_size"), _size(scfg, "ep_size")
     return InferParallel(tp=tp, dp=engines, ep=ep)
+
+
+def check_sglang_servers(servers: list[Any]) -> None:
+    """The SGLang server actors must be ours (``sglang_worker.py``): NeMo RL's own worker
+    starts SGLang without our loader, which SGLang would refuse as an unknown
+    ``load_format`` inside its scheduler. Ours has ``begin_weight_update``."""
+    if not servers:
+        raise NemoRlConfigError(
+            "policy.generation.backend=sglang: NeMo RL started no SGLang servers"
+        )
+    theirs = [i for i, s in enumerate(servers) if not hasattr(s, "begin_weight_update")]
+    if theirs:
+        raise NemoRlConfigError(
+            f"SGLang servers {theirs} were started by NeMo RL's own SGLangGenerationWorker, "
+            "without our refit loader: call grpo.policy_factory(refit, config) before NeMo "
+            "RL's setup (examples/nemo_rl/run_grpo.py does)"
+        )

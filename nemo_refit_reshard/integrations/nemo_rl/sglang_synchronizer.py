@@ -31,6 +31,7 @@ import ray
 from ..sglang.loader import LOADER, serialized_refit_command
 from .config import NemoRlConfigError, RefitConfig
 from .plans import plan_nemo_rl_sglang
+from .sglang_config import check_sglang_servers
 from .synchronizer import ReshardWeightSynchronizer, gather
 
 
@@ -95,8 +96,9 @@ class ReshardSGLangWeightSynchronizer(ReshardWeightSynchronizer):
     def init_communicator(self) -> None:
         """Plan on the driver; the policy ranks listen, join their group and accept the
         SGLang rank on their GPU, which connects (one request per server)."""
-        reports = gather(self._policy_call("reshard_describe"), "reshard_describe")
         servers = self._servers()
+        check_sglang_servers(servers)
+        reports = gather(self._policy_call("reshard_describe"), "reshard_describe")
         self.plan = plan = plan_nemo_rl_sglang(self._config, self._refit, reports, len(servers))
         print(plan, flush=True)
         t, tp = plan.num_policy, plan.infer.tp
