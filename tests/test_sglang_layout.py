@@ -55,13 +55,41 @@ def _spec(model: str) -> ModelSpec:
             "SGLang layouts do not cover FP8 engines yet; serve BF16 weights",
         ),
         (
-            "qwen3",
+            "llama",
             P(tp=2, engine_dp=2),
             None,
-            "SGLang layouts cover tensor parallelism (tp=), pipeline parallelism (pp=), "
-            "expert parallelism (ep=) and replicas (dp=) so far, not --dp-size / "
-            "--enable-dp-attention (engine_dp=2, attention TP = tp / dp): use dp= for "
-            "independent SGLang replicas and engine_dp=1",
+            "--tp-size 4 --dp-size 2 --enable-dp-attention (engine_dp=2) is not covered for "
+            "llama: SGLang 0.5.23's llama attention is split over the whole tp group, not the "
+            "attention tp group (its dp attention covers qwen3, qwen3_moe and deepseek_v3 "
+            "here); use engine_dp=1",
+        ),
+        (
+            "qwen3",
+            P(pp=2, engine_dp=2),
+            None,
+            "--tp-size 2 --dp-size 2 --enable-dp-attention (engine_dp=2) with pp=2 is not "
+            "covered: SGLang numbers such an engine pp_rank·tp_size + tp_rank, not the "
+            "engine_dp-major order of engine_dp; use pp=1",
+        ),
+        (
+            "deepseek_v3_tied",
+            P(engine_dp=2),
+            None,
+            "--tp-size 2 --dp-size 2 --enable-dp-attention (engine_dp=2) is not covered for "
+            "deepseek_v3_tied, which ties its word embeddings (deepseek_v3): untie them or "
+            "use engine_dp=1",
+        ),
+        (
+            "qwen3",
+            P(engine_dp=64),
+            None,
+            "engine_dp·tp=64 must divide intermediate_size=96 (SGLang's rule)",
+        ),
+        (
+            "qwen3_moe_sparse",
+            P(tp=4, engine_dp=2),
+            None,
+            "engine_dp·tp=8 exceeds num_experts=4 (SGLang's rule)",
         ),
         ("qwen3", P(pp=4), None, "pp=4 exceeds num_hidden_layers=3 (SGLang's rule)"),
         (
@@ -243,3 +271,46 @@ def test_lm_head_per_family_under_pipeline_parallelism() -> None:
     }
     assert _layers(qwen3) == [1, 2]
     assert "lm_head.weight" not in _outside_layers(sglang_layout(_spec("qwen3"), P(), 0))
+
+
+def test_dp_attention_splits_attention_over_tp_and_the_rest_over_the_engine() -> None:
+    """``--tp-size 8 --dp-size 8 --enable-dp-attention --ep-size 8`` (DeepSeek-V3's usual
+    serving) is InferParallel(tp=1, engine_dp=8, ep=8): MLA and embed_tokens whole on
+    every rank, experts 32 per rank, the dense MLP, shared experts and lm_head over 8."""
+    spec, par = load_model_spec("deepseek-v3"), P(tp=1, engine_dp=8, ep=8, dp=2)
+    layout = sglang_layout(spec, par, 8 + 3)  # replica 1, SGLang tp rank 3
+    assert layout.position == dict(dp=1, engine_dp=3, pp=0, tp=0)
+    assert layout.replicas == (3, 11)  # no other rank of its engine holds its MLP rows
+    assert _outside_layers(layout)["model.embed_tokens.weight"] == (129280, 7168)
+    assert _outside_layers(layout)["lm_head.weight"] == (16160, 7168)
+    assert layout.tensor("model.layers.0.self_attn.kv_b_proj.weight").shape == (32768, 512)
+    assert _mlp(layout, 0) == {
+        "gate_up_proj.weight": (4608, 7168),
+        "down_proj.weight": (7168, 2304),
+    }
+    assert _mlp(layout, 5)["experts.w13_weight"] == (32, 4096, 7168)
+    w2 = layout.tensor("model.layers.5.mlp.experts.w2_weight")
+    assert {p.canonical.split(".")[5] for p in w2.pieces} == {str(e) for e in range(96, 128)}
+    assert _mlp(layout, 5)["shared_experts.down_proj.weight"] == (7168, 256)
+    down = layout.tensor("model.layers.0.mlp.down_proj.weight")
+    assert [p.canonical_box.offsets for p in down.pieces] == [(0, 3 * 2304)]
+    assert sglang_derived_tensors(spec, par, 11)["model.layers.0.self_attn.w_kc"] == (
+        128,
+        128,
+        512,
+    )
+
+
+def test_dp_attention_groups_share_attention_rows_not_mlp_rows() -> None:
+    """Qwen3-8B, ``--tp-size 4 --dp-size 2 --enable-dp-attention``: rank 3 (attention dp
+    rank 1, attention tp rank 1) holds rank 1's attention and embedding rows, and its own
+    quarter of every MLP."""
+    spec, par = load_model_spec("qwen3-8b"), P(tp=2, engine_dp=2)
+    one, three = sglang_layout(spec, par, 1), sglang_layout(spec, par, 3)
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.qkv_proj.weight"):
+        assert one.tensor(name) == three.tensor(name)
+    gate_up = three.tensor("model.layers.0.mlp.gate_up_proj.weight")
+    assert gate_up.shape == (2 * 12288 // 4, 4096)
+    assert gate_up.pieces[0].canonical_box.offsets == (3 * 3072, 0)
+    assert three.tensor("lm_head.weight").shape == (151936 // 4, 4096)
+    assert [lay.replicas for lay in (one, three)] == [(1,), (3,)]

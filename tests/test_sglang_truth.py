@@ -10,13 +10,15 @@ box zeros. What SGLang derives after
 loading (DeepSeek's ``w_kc``/``w_vc``: module attributes, not parameters) must be exactly
 :func:`sglang_derived_tensors` and hold the split of the rank's ``kv_b_proj``. A negative
 control shows the content check fails when ranks are swapped. Under pipeline
-parallelism each rank's SGLang pipeline and tensor-parallel rank must be the layout's
+parallelism and data-parallel attention each rank's SGLang pipeline and tensor-parallel
+rank (and attention data-parallel and tensor-parallel rank) must be the layout's
 position, and our receiver's ``engine_rank()`` there the rank.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 from typing import Any
 
 import pytest
@@ -90,13 +92,22 @@ CASES = [
     ("qwen3_moe_sparse", P(pp=2)),  # lm_head on every stage, embed first, norm last
     # dense layer 0 on stage 0, MoE layers 1-2 on stage 1, w_kc/w_vc per stage
     ("deepseek_v3", P(tp=2, pp=2)),
+    # data-parallel attention, --tp-size S --dp-size D --enable-dp-attention as
+    # InferParallel(tp=S/D, engine_dp=D): attention and embed_tokens over S/D ranks
+    # (whole at S/D = 1), replicated over the D groups; MLP, experts, lm_head over S
+    ("qwen3", P(engine_dp=2)),  # S=2, D=2: tied (lm_head is embed_tokens)
+    ("qwen3", P(tp=2, engine_dp=2)),  # S=4, D=2: attention halves, MLP quarters
+    ("qwen3_moe_sparse", P(engine_dp=2)),  # experts sliced over S=2
+    ("qwen3_moe_sparse", P(engine_dp=2, ep=2)),  # --ep-size 2: whole experts
+    ("deepseek_v3", P(engine_dp=2)),  # MLA whole, dense layer 0 and shared experts over S
 ]
 
 
 def _id(case: tuple[str, InferParallel]) -> str:
     par = case[1]
     pp, ep = (f"-pp{par.pp}" if par.pp > 1 else ""), (f"-ep{par.ep}" if par.ep > 1 else "")
-    return f"{case[0]}-tp{par.tp}{pp}{ep}"
+    edp = f"-engine_dp{par.engine_dp}" if par.engine_dp > 1 else ""
+    return f"{case[0]}-tp{par.tp}{pp}{ep}{edp}"
 
 
 def _layout(case: tuple[str, InferParallel], rank: int) -> RankLayout:
@@ -127,13 +138,18 @@ def sglang_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         (work / model).mkdir()
         (work / model / "config.json").write_text(json.dumps(CONFIGS[model]))
         save_file(random_tensors(_spec(model), 0), str(work / f"{model}.safetensors"))
+    # dp attention is proven on 0.5.23 (build_model refuses it on 0.5.12.post1)
+    dp_attention = not _sglang_version().startswith("0.5.12")
     for case in CASES:
         model, par = case
+        if par.engine_dp > 1 and not dp_attention:
+            continue
         builds.append(
             dict(
                 id=_id(case),
                 model_dir=str(work / model),
-                tp=par.tp,
+                tp=par.engine_dp * par.tp,  # SGLang's --tp-size
+                dp=par.engine_dp,  # --dp-size with --enable-dp-attention
                 pp=par.pp,
                 ep=par.ep,
                 fuse_shared=model in FUSED,
@@ -153,6 +169,18 @@ def sglang_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     result = json.loads((work / "result.json").read_text())
     assert "error" not in result, result["error"]
     return {"work": work, "shapes": result}
+
+
+def _sglang_version() -> str:
+    python = vllm_env.sglang_python()
+    assert python is not None
+    probe = "from importlib.metadata import version; print(version('sglang'))"
+    return subprocess.run([python, "-c", probe], capture_output=True, text=True).stdout.strip()
+
+
+def _built(runs: dict[str, Any], case: tuple[str, InferParallel]) -> None:
+    if _id(case) not in runs["shapes"]:
+        pytest.skip("data-parallel attention is proven against SGLang 0.5.23 only")
 
 
 def _loaded(runs: dict[str, Any], case: tuple[str, InferParallel], rank: int, what: str = ""):
@@ -178,6 +206,7 @@ def _content_mismatches(
 def test_provider_matches_sglang_parameters_and_contents(
     case: tuple[str, InferParallel], sglang_runs: dict[str, Any]
 ) -> None:
+    _built(sglang_runs, case)
     model, par = case
     canonical = random_tensors(_spec(model), 0)
     for rank in range(par.world_size):
@@ -195,6 +224,7 @@ def test_derived_weights_are_exactly_the_named_ones(
 ) -> None:
     """Every tensor SGLang derived after loading is in sglang_derived_tensors (names,
     shapes) and none is a parameter; w_kc / w_vc are the split of the loaded kv_b_proj."""
+    _built(sglang_runs, case)
     model, par = case
     mla = _spec(model).arch.mla
     for rank in range(par.world_size):
@@ -218,19 +248,25 @@ def test_derived_weights_are_exactly_the_named_ones(
 
 @pytest.mark.slow
 @requires(vllm_env.sglang_skip_reason)
-@pytest.mark.parametrize("case", [c for c in CASES if c[1].pp > 1], ids=_id)
+@pytest.mark.parametrize("case", [c for c in CASES if c[1].pp * c[1].engine_dp > 1], ids=_id)
 def test_rank_order_is_sglangs(
     case: tuple[str, InferParallel], sglang_runs: dict[str, Any]
 ) -> None:
     """SGLang's world rank r is pipeline rank r // tp, tensor-parallel rank r % tp (the
-    layout's position), and our receiver's engine_rank() answers r there."""
+    layout's position), and our receiver's engine_rank() answers r there. Under dp
+    attention (``--tp-size`` engine_dp·tp) SGLang's tp rank is edp·tp + tp_rank, its
+    attention data-parallel rank edp and its attention tensor-parallel rank tp_rank."""
+    _built(sglang_runs, case)
     par = case[1]
-    expected = [
-        [vllm_position(par, r).pp, vllm_position(par, r).tp, r] for r in range(par.world_size)
-    ]
-    assert sglang_runs["shapes"]["ranks"][_id(case)] == expected
-    assert [_layout(case, r).position["pp"] for r in range(par.world_size)] == [
-        pp for pp, _, _ in expected
+    got = sglang_runs["shapes"]["ranks"][_id(case)]
+    where = [vllm_position(par, r) for r in range(par.world_size)]
+    expected = [[w.pp, w.edp * par.tp + w.tp, r] for r, w in enumerate(where)]
+    assert [g[:3] for g in got] == expected
+    if len(got[0]) > 3:  # SGLang 0.5.23 reports its attention ranks
+        assert [g[3:] for g in got] == [[w.edp, w.tp] for w in where]
+    positions = [_layout(case, r).position for r in range(par.world_size)]
+    assert [(p["pp"], p["engine_dp"], p["tp"]) for p in positions] == [
+        (w.pp, w.edp, w.tp) for w in where
     ]
 
 

@@ -53,12 +53,24 @@ the vocabulary is padded to a multiple of 64 and split by rows. Where SGLang dif
   embedding only the first stage builds, and its Qwen3-MoE and DeepSeek load ``lm_head``
   only from a ``lm_head.weight`` a tied checkpoint lacks.
 
-Refused by name (:func:`check_sglang_parallel`): SGLang's
-``--dp-size`` / ``--enable-dp-attention`` (attention TP = tp / dp; use ``dp=`` for
-independent replicas), ``ep`` with fused shared experts (SGLang fuses them under ep only
-on AMD), FP8 engines, and other families. Not covered either (they change the layout
-and no config says so): ``SGLANG_ENABLE_EMBED_REPLICATION``, ``SGLANG_SHARED_EXPERT_TP1``
-and the all-to-all MoE backends (``--moe-a2a-backend``), which replicate tensors here split.
+* Data-parallel attention (``--tp-size S --dp-size D --enable-dp-attention``, 0.5.23's
+  ``--attn-dp-size D``) is ``InferParallel(tp=S/D, engine_dp=D)``: an engine of
+  ``engine_dp·tp = S`` ranks, engine rank = SGLang's tp rank ``t = edp·tp + tp_rank``
+  (``attn_dp_rank = t // (S/D)``, ``attn_tp_rank = t % (S/D)``). Attention and
+  ``embed_tokens`` are split over ``tp`` = S/D and replicated over the D groups; the
+  dense MLP, shared experts, FusedMoE (ep = 1 or S) and ``lm_head`` over all S ranks
+  (``layouts/sglang_walk.py`` has the file:line rules). Covered for Qwen3, Qwen3-MoE and
+  DeepSeek-V3 at ``pp=1``; Llama and Qwen2 (SGLang builds their attention over the whole
+  tp group), ``pp`` > 1 (SGLang's rank order ``pp_rank·S + t`` is not ``engine_dp``'s)
+  and tied Qwen3-MoE / DeepSeek are refused by name. Only ``plan`` / ``simulate`` use it:
+  the receiver and the NeMo RL / veRL routes still refuse ``engine_dp``.
+
+Refused by name (:func:`check_sglang_parallel`): ``ep`` with fused shared experts (SGLang
+fuses them under ep only on AMD), FP8 engines, other families, and the dp-attention cases
+above. Not covered either (they change the layout and no config says so):
+``SGLANG_ENABLE_EMBED_REPLICATION``, ``SGLANG_SHARED_EXPERT_TP1``, the all-to-all MoE
+backends (``--moe-a2a-backend``), which replicate tensors here split, and under dp attention
+``--enable-dp-lm-head``, ``--moe-dense-tp-size 1`` and ``--attn-cp-size``.
 """
 
 from __future__ import annotations
@@ -75,6 +87,8 @@ from .vllm_releases import VllmOptions
 SGLANG_VERSION = "0.5.23"
 # proven against SGLang's classes
 SGLANG_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+# whose attention SGLang builds over the attention tp group (dp attention, proven)
+SGLANG_DP_ATTENTION_FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3")
 # vLLM's release whose MoE names SGLang's match (``experts.w13_weight``)
 _MOE_NAMES_OF = "0.11.0"
 # What SGLang's post_load_weights derives in every MLA layer's self_attn (unquantized).
@@ -99,7 +113,8 @@ def _rule(text: str) -> ValueError:
 
 
 def _check_moe(spec: ModelSpec, par: InferParallel, fuse_shared: bool) -> None:
-    a, moe, s = spec.arch, spec.arch.moe, par.tp
+    a, moe = spec.arch, spec.arch.moe
+    s, s_name = _ffn_ranks(par)
     if moe is None:
         if par.expert_parallel:
             raise ValueError(f"ep={par.ep} given for {a.family}, which has no experts")
@@ -112,7 +127,7 @@ def _check_moe(spec: ModelSpec, par: InferParallel, fuse_shared: bool) -> None:
             "layer, so its parameters would not match the checkpoint there"
         )
     if s > moe.num_experts:
-        raise _rule(f"tp={s} exceeds num_experts={moe.num_experts}")
+        raise _rule(f"{s_name}={s} exceeds num_experts={moe.num_experts}")
     if par.expert_parallel:
         if moe.num_experts % par.ep:
             raise ValueError(
@@ -127,12 +142,14 @@ def _check_moe(spec: ModelSpec, par: InferParallel, fuse_shared: bool) -> None:
             )
     elif moe.expert_intermediate_size % s:
         raise ValueError(
-            f"tp={s} must divide moe_intermediate_size={moe.expert_intermediate_size} "
+            f"{s_name}={s} must divide moe_intermediate_size={moe.expert_intermediate_size} "
             "(SGLang's rule: without --ep-size its FusedMoE slices every expert over the tp "
-            f"ranks); use ep={s} or a smaller tp"
+            f"ranks); use ep={s} or a smaller {s_name}"
         )
     if moe.num_shared_experts and moe.shared_intermediate_size % s:
-        raise _rule(f"tp={s} must divide the shared-expert size {moe.shared_intermediate_size}")
+        raise _rule(
+            f"{s_name}={s} must divide the shared-expert size {moe.shared_intermediate_size}"
+        )
     if fuse_shared and moe.num_shared_experts != 1:
         raise ValueError(
             f"shared-expert fusion needs one shared expert; {spec.name} has "
@@ -156,14 +173,8 @@ def check_sglang_parallel(
         )
     if a.quant is not None:
         raise ValueError("SGLang layouts do not cover FP8 engines yet; serve BF16 weights")
-    covered = "SGLang layouts cover tensor parallelism (tp=), pipeline parallelism (pp=), "
-    covered += "expert parallelism (ep=) and replicas (dp=) so far, not"
     _check_pp(spec, parallel, pp_layer_partition)
-    if parallel.engine_dp > 1:
-        raise ValueError(
-            f"{covered} --dp-size / --enable-dp-attention (engine_dp={parallel.engine_dp}, "
-            "attention TP = tp / dp): use dp= for independent SGLang replicas and engine_dp=1"
-        )
+    _check_dp_attention(spec, parallel)
     _check_moe(spec, parallel, _fusion(spec, parallel, shared_experts_fusion))
     if a.num_attention_heads % s:
         raise _rule(f"tp={s} must divide num_attention_heads={a.num_attention_heads}")
@@ -174,11 +185,45 @@ def check_sglang_parallel(
             "(SGLang's QKVParallelLinear)"
         )
     has_dense = a.moe is None or len(a.moe.sparse_layers) < a.num_layers + a.num_mtp_layers
-    if has_dense and a.intermediate_size % s:
-        raise _rule(f"tp={s} must divide intermediate_size={a.intermediate_size}")
+    ffn, ffn_name = _ffn_ranks(parallel)
+    if has_dense and a.intermediate_size % ffn:
+        raise _rule(f"{ffn_name}={ffn} must divide intermediate_size={a.intermediate_size}")
     vp = vllm_padded_vocab(a.vocab_size)
     if vp % s:
         raise _rule(f"tp={s} must divide the padded vocabulary {vp} (vocab padded to 64)")
+    if vp % ffn and not a.tie_word_embeddings:  # lm_head over SGLang's whole tp group
+        raise _rule(f"{ffn_name}={ffn} must divide the padded vocabulary {vp} (lm_head)")
+
+
+def _ffn_ranks(par: InferParallel) -> tuple[int, str]:
+    """SGLang's ``--tp-size``: the ranks its MLP, experts and lm_head are split over."""
+    if par.engine_dp == 1:
+        return par.tp, "tp"
+    return par.engine_dp * par.tp, "engine_dp·tp"
+
+
+def _check_dp_attention(spec: ModelSpec, par: InferParallel) -> None:
+    """Data-parallel attention (``engine_dp`` > 1): what is proven, by name."""
+    a, d = spec.arch, par.engine_dp
+    if d == 1:
+        return
+    flags = f"--tp-size {d * par.tp} --dp-size {d} --enable-dp-attention (engine_dp={d})"
+    if a.family not in SGLANG_DP_ATTENTION_FAMILIES:
+        raise ValueError(
+            f"{flags} is not covered for {a.family}: SGLang 0.5.23's {a.family} attention is "
+            "split over the whole tp group, not the attention tp group (its dp attention "
+            "covers qwen3, qwen3_moe and deepseek_v3 here); use engine_dp=1"
+        )
+    if par.pp > 1:
+        raise ValueError(
+            f"{flags} with pp={par.pp} is not covered: SGLang numbers such an engine "
+            "pp_rank·tp_size + tp_rank, not the engine_dp-major order of engine_dp; use pp=1"
+        )
+    if a.tie_word_embeddings and a.family != "qwen3":
+        raise ValueError(
+            f"{flags} is not covered for {spec.name}, which ties its word embeddings "
+            f"({a.family}): untie them or use engine_dp=1"
+        )
 
 
 def _check_pp(spec: ModelSpec, par: InferParallel, partition: tuple[int, ...] | None) -> None:

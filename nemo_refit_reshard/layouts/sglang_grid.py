@@ -1,9 +1,12 @@
 """Where an SGLang 0.5.23 inference rank sits: the layers its pipeline stage builds
 (:func:`sglang_pp_indices`) and the ranks that hold the same pieces
-(:func:`sglang_replicas`). Ranks are numbered as vLLM's are (``vllm_grid.vllm_position``)
-with ``engine_dp`` = 1::
+(:func:`sglang_replicas`). Ranks are numbered as vLLM's are (``vllm_grid.vllm_position``)::
 
-    rank = (replica·pp + pp_rank)·tp + tp_rank
+    rank = ((replica·engine_dp + edp)·pp + pp_rank)·tp + tp_rank
+
+with ``engine_dp`` > 1 (data-parallel attention) only where ``pp`` = 1: there an engine's
+rank ``edp·tp + tp_rank`` is SGLang's tp rank ``attn_dp_rank·attn_tp_size +
+attn_tp_rank`` (``runtime_context.derive_attention_ranks``, attention cp = 1).
 
 Inside one engine that is SGLang's own world rank ``pp_rank·tp + tp_rank``
 (``runtime_context.spawn_world_rank``): its launcher starts the scheduler processes
@@ -49,14 +52,16 @@ def sglang_pp_indices(
 
 
 def sglang_replicas(par: InferParallel, rank: int) -> tuple[int, ...]:
-    """Ranks with identical pieces: the same pipeline stage and tensor-parallel rank in
-    every replica. SGLang's engine-internal data parallelism is refused
-    (``check_sglang_parallel``), so unlike ``vllm_replicas`` no stage's experts tell
-    replicas apart and the layer split does not enter."""
+    """Ranks with identical pieces: the same pipeline stage, attention data-parallel rank
+    (``edp``) and tensor-parallel rank in every replica. Under dp attention the ``edp``
+    groups of one engine share attention and ``embed_tokens`` but every layer's MLP or
+    experts are split over all ``engine_dp·tp`` ranks, so no two ranks of an engine
+    match (unlike ``vllm_replicas``, no stage without experts joins them); the layer
+    split does not enter."""
     me = vllm_position(par, rank)
     out = []
     for other in range(par.world_size):
         o = vllm_position(par, other)
-        if (o.pp, o.tp) == (me.pp, me.tp):
+        if (o.pp, o.edp, o.tp) == (me.pp, me.edp, me.tp):
             out.append(other)
     return tuple(out)

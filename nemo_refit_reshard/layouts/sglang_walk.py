@@ -28,6 +28,22 @@ rank s: ``moe_ep_rank = s // moe_tp``, ``moe_tp_rank = s % moe_tp``:
   Qwen2/Qwen3 under P > 1 build a separate ``lm_head.weight`` on stage P-1, loaded from
   ``model.embed_tokens.weight`` (their ``load_weights``); under P = 1 ``lm_head`` *is*
   ``embed_tokens`` (one parameter).
+* data-parallel attention (``--dp-size D --enable-dp-attention``, 0.5.23's
+  ``--attn-dp-size D``, with ``--tp-size S``) is ``InferParallel(tp=S/D, engine_dp=D)``:
+  the engine's S ranks, SGLang's tp rank ``t = attn_dp_rank·(S/D) + attn_tp_rank``
+  (``runtime_context.derive_attention_ranks``) = ``edp·tp + tp_rank`` of
+  ``vllm_position``. Attention (``parallel_group="attn_tp"``: ``qkv_proj``, ``o_proj``
+  in ``qwen3.py`` ~203 and ``qwen3_moe.py`` ~532, MLA's ``q_proj``/``q_b_proj``/
+  ``kv_b_proj``/``o_proj`` in ``deepseek_v2.py`` ~2084-2161) and ``embed_tokens``
+  (``use_attn_tp_group=is_dp_attention_enabled()``: ``qwen2.py`` ~374, ``qwen2_moe.py``
+  ~1118, ``vocab_parallel_embedding.get_embedding_tp_kwargs``) are split over ``tp`` =
+  S/D by ``tp_rank``, replicated across the D groups; the dense MLP (Qwen3's
+  ``Qwen2MLP``, group ``tp``; DeepSeek's dense layers, ``deepseek_v2.py`` ~2665, with
+  ``--moe-dense-tp-size`` unset; shared experts ~896), the FusedMoE (``moe_tp = S/ep``,
+  ``runtime_context.derive_parallel_widths``) and ``lm_head``
+  (``use_attn_tp_group=enable_dp_lm_head``, off by default: ``qwen3.py`` ~586,
+  ``qwen3_moe.py`` ~1022, ``deepseek_v2.py`` ~3296) over all S ranks by ``t``
+  (:attr:`SglangRank.ffn_rank`).
 """
 
 from __future__ import annotations
@@ -36,7 +52,7 @@ from ..spec.model import ModelSpec
 from ..spec.parallel import InferParallel
 from .base import Box
 from .sglang_grid import sglang_pp_indices
-from .vllm import VllmRankWalker
+from .vllm import VllmRankWalker, vllm_padded_vocab
 from .vllm_releases import VllmOptions
 
 
@@ -53,9 +69,14 @@ class SglangRank(VllmRankWalker):
     ):
         super().__init__(spec, par, rank, opts)
         self.fuse_shared = fuse_shared
+        # SGLang's whole tp group (--tp-size): engine_dp·tp ranks under dp attention,
+        # where this rank is SGLang tp rank edp·tp + tp_rank; the MLP, experts and
+        # lm_head are split over it, attention and embed_tokens over tp only.
+        self.ffn_tp = par.engine_dp * par.tp
+        self.ffn_rank = self.pos.edp * par.tp + self.pos.tp
         # SGLang builds shared experts with parallel_group="tp" (only its all-to-all MoE
         # backends, not covered here, replicate them).
-        self.shared_tp = par.tp
+        self.shared_tp = self.ffn_tp
 
     def mla(self, p: str) -> None:
         a, h, nq = self.a, self.a.hidden_size, self.a.num_attention_heads
@@ -88,8 +109,8 @@ class SglangRank(VllmRankWalker):
         moe = a.moe
         assert moe is not None
         h, fe, e_total = a.hidden_size, moe.expert_intermediate_size, moe.num_experts
-        moe_tp = par.tp // par.ep
-        ep_rank, tp_rank = self.pos.tp // moe_tp, self.pos.tp % moe_tp
+        moe_tp = self.ffn_tp // par.ep
+        ep_rank, tp_rank = self.ffn_rank // moe_tp, self.ffn_rank % moe_tp
         n_routed = e_total // par.ep
         experts = [f"{p}.experts.{e}" for e in range(ep_rank * n_routed, (ep_rank + 1) * n_routed)]
         if self.fuse_shared:
@@ -110,6 +131,36 @@ class SglangRank(VllmRankWalker):
         self.b.stacked_pieces(
             w2, down, [(f"{hf}.down_proj.weight", (j, 0, 0)) for j, hf in enumerate(experts)]
         )
+
+    def dense_mlp(self, p: str, hf: str, ffn: int, tp: int | None = None) -> None:
+        """``gate_up_proj``/``down_proj`` over SGLang's whole tp group (vLLM's walker
+        when there is no dp attention: the same split; no FP8 here)."""
+        if self.par.engine_dp == 1:
+            super().dense_mlp(p, hf, ffn, tp)
+            return
+        s, r, h = self.ffn_tp, self.ffn_rank, self.a.hidden_size
+        n = ffn // s
+        name, gate, up = (
+            f"{p}.gate_up_proj.weight",
+            f"{hf}.gate_proj.weight",
+            f"{hf}.up_proj.weight",
+        )
+        self.b.tensor(name, (2 * n, h), self.dtype)
+        self.b.rows(name, [(0, ffn, gate, 0)], r * n, (r + 1) * n, 0)
+        self.b.rows(name, [(0, ffn, up, 0)], r * n, (r + 1) * n, n)
+        down, hf_down = f"{p}.down_proj.weight", f"{hf}.down_proj.weight"
+        self.b.tensor(down, (h, n), self.dtype)
+        self.b.piece(hf_down, Box((0, r * n), (h, n)), down, Box((0, 0), (h, n)))
+
+    def lm_head(self, canonical: str) -> None:
+        """``lm_head.weight``: the padded vocabulary's rows over SGLang's whole tp group."""
+        if self.par.engine_dp == 1:
+            self.vocab("lm_head.weight", canonical)
+            return
+        s, r = self.ffn_tp, self.ffn_rank
+        n = vllm_padded_vocab(self.a.vocab_size) // s
+        self.b.tensor("lm_head.weight", (n, self.a.hidden_size), self.dtype)
+        self.b.rows("lm_head.weight", [(0, self.a.vocab_size, canonical, 0)], r * n, (r + 1) * n)
 
     def mlp(self, layer: int, p: str) -> None:
         a = self.a
@@ -146,6 +197,6 @@ class SglangRank(VllmRankWalker):
         if not (last or a.family in ("llama", "qwen3_moe")):
             return
         if not tied:
-            self.vocab("lm_head.weight", "lm_head.weight")
+            self.lm_head("lm_head.weight")
         elif par.pp > 1:  # Qwen2 / Qwen3: the last stage's own head, from the embedding
-            self.vocab("lm_head.weight", "model.embed_tokens.weight")
+            self.lm_head("model.embed_tokens.weight")

@@ -104,6 +104,7 @@ def build_model(
     ep: int = 1,
     fuse_shared: bool = False,
     pp: int = 1,
+    dp: int = 1,
 ) -> Any:
     """SGLang's model class for ``config.json`` in ``model_dir``, rank ``rank`` of the
     ``tp·pp`` ranks of one engine (every rank a process; they meet at
@@ -113,12 +114,20 @@ def build_model(
     ``fuse_shared`` is ``--enforce-shared-experts-fusion`` (SGLang's default on a CUDA
     GPU for DeepSeek-V3's 256 experts; on CPU only the flag turns it on). The shared-expert
     decision is SGLang's loader's own (``resolve_shared_experts_config`` around the
-    constructor, as ``model_loader.loader._initialize_model`` does)."""
+    constructor, as ``model_loader.loader._initialize_model`` does). ``dp`` > 1 is
+    ``--dp-size dp --enable-dp-attention`` (SGLang resolves it to ``--attn-dp-size dp``):
+    ``tp`` stays SGLang's ``--tp-size``, every rank's attention data-parallel rank is
+    ``tp_rank // (tp / dp)`` as its data-parallel controller spawns it
+    (``compute_dp_attention_world_info``), and ``initialize_dp_attention`` runs after the
+    parallel groups, as ``distributed/bootstrap._init_parallel_groups`` does."""
     stub_torchvision()
     stub_rotary_kernel()
     if importlib.util.find_spec("sglang.srt.runtime_context") is None:
+        if dp > 1:  # built there, its attention still came out split over all tp ranks
+            raise ValueError("dp attention is proven on SGLang 0.5.23 only (build_model)")
         return _build_model_0512(model_dir, tp, rank, port, ep, fuse_shared, pp)
     from sglang.srt.distributed import parallel_state
+    from sglang.srt.layers.dp_attention import initialize_dp_attention
     from sglang.srt.layers.moe.utils import resolve_shared_experts_config
     from sglang.srt.models.registry import ModelRegistry
     from sglang.srt.runtime_context import SpawnRanks, get_model, publish
@@ -133,8 +142,10 @@ def build_model(
         ep_size=ep,
         enforce_shared_experts_fusion=fuse_shared,
         skip_tokenizer_init=True,
+        **(dict(dp_size=dp, enable_dp_attention=True) if dp > 1 else {}),
     )
-    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank, dp_rank=0, gpu_id=0))
+    dp_rank = (rank % tp) // (tp // dp)
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank, dp_rank=dp_rank, gpu_id=0))
     parallel_state.init_distributed_environment(
         world_size=tp * pp,
         rank=rank,
@@ -143,6 +154,7 @@ def build_model(
         backend="gloo",
     )
     parallel_state.initialize_model_parallel(backend="gloo")
+    initialize_dp_attention(args)
     config = AutoConfig.from_pretrained(model_dir)
     model_cls, _ = ModelRegistry.resolve_model_cls(config.architectures)
     shared = resolve_shared_experts_config(model_cls, config, None)

@@ -4,7 +4,9 @@
     python -m tests.programs.sglang_cpu_job JOB.json RESULT.json
 
 JOB: ``{"builds": [{"id", "model_dir", "tp", "weights", "out"[, "ep", "fuse_shared",
-"pp", "pp_layer_partition"]}]}`` (the last as ``SGLANG_PP_LAYER_PARTITION``): SGLang
+"pp", "pp_layer_partition", "dp"]}]}`` (``pp_layer_partition`` as
+``SGLANG_PP_LAYER_PARTITION``; ``dp`` > 1 as ``--dp-size dp --enable-dp-attention``
+with ``tp`` SGLang's ``--tp-size``): SGLang
 world rank r = pp_rank·tp + tp_rank of every build runs in worker process r, the builds
 one after another (``tests/helpers/sglang_cpu.py``; SGLang is imported once per worker
 and its parallel state released between builds). Each rank
@@ -12,9 +14,10 @@ writes its ``named_parameters()`` to ``out`` with ``_r<rank>`` before ``.safeten
 and the tensors SGLang derived after loading (plain tensor attributes of a module, not
 parameters or buffers: DeepSeek's ``w_kc``/``w_vc``) with ``_r<rank>_derived``. RESULT:
 ``{id: [{name: [shape, dtype]} per rank], "derived": {id: [{name: [shape, dtype]} per
-rank]}, "ranks": {id: [[pp_rank, tp_rank, engine_rank] per rank]}}``: SGLang's own
-pipeline and tensor-parallel ranks of each world rank, and what our receiver's
-``engine_rank()`` answers there.
+rank]}, "ranks": {id: [[pp_rank, tp_rank, engine_rank, attn_dp_rank, attn_tp_rank] per
+rank]}}``: SGLang's own pipeline and tensor-parallel ranks of each world rank, what our
+receiver's ``engine_rank()`` answers there, and SGLang's attention data-parallel and
+tensor-parallel ranks (the last two on 0.5.23 only).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ def _build(build: dict[str, Any], rank: int, port: int) -> tuple[Any, Any, Any]:
             ep=build.get("ep", 1),
             fuse_shared=build.get("fuse_shared", False),
             pp=build.get("pp", 1),
+            dp=build.get("dp", 1),
         )
         model.load_weights(iter(load_file(build["weights"]).items()))
         ranks = _ranks()
@@ -71,13 +75,20 @@ def _build(build: dict[str, Any], rank: int, port: int) -> tuple[Any, Any, Any]:
 
 
 def _ranks() -> list[int]:
-    """SGLang's pipeline and tensor-parallel ranks here, and our receiver's engine rank."""
+    """SGLang's pipeline and tensor-parallel ranks here, our receiver's engine rank, and
+    SGLang's attention data-parallel and attention tensor-parallel ranks."""
     from sglang.srt.distributed import parallel_state as ps
 
     from nemo_refit_reshard.integrations.sglang.receiver import engine_rank
 
     pp_rank = ps.get_pp_group().rank_in_group
-    return [pp_rank, ps.get_tensor_model_parallel_rank(), engine_rank()]
+    where = [pp_rank, ps.get_tensor_model_parallel_rank(), engine_rank()]
+    try:
+        from sglang.srt.runtime_context import get_parallel
+    except ImportError:  # 0.5.12.post1: no runtime context (and no dp attention here)
+        return where
+    par = get_parallel()
+    return [*where, par.attn_dp_rank, par.attn_tp_rank]
 
 
 def _worker(rank: int, tasks: Any, out: Any) -> None:
