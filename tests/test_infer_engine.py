@@ -63,9 +63,12 @@ def test_simulate_for_sglang_names_it(capsys) -> None:
 
 
 def test_sglang_refusals_reach_the_command_line(capsys) -> None:
-    argv = ["plan", *ARGS[:4], "--infer", "tp=2,engine_dp=2", "--infer-engine", "sglang"]
+    argv = ["plan", *ARGS[:4], "--infer", "tp=2,pp=2,engine_dp=2", "--infer-engine", "sglang"]
     assert main(argv) == 2
-    assert "error: SGLang layouts cover tensor parallelism" in capsys.readouterr().err
+    assert (
+        "error: --tp-size 4 --dp-size 2 --enable-dp-attention (engine_dp=2) with pp=2 is not "
+        "covered"
+    ) in capsys.readouterr().err
 
 
 def test_sglang_layout_takes_the_pp_partition(capsys, monkeypatch) -> None:
@@ -84,7 +87,11 @@ def test_sglang_layout_takes_the_pp_partition(capsys, monkeypatch) -> None:
     monkeypatch.setenv("SGLANG_PP_LAYER_PARTITION", "11,11,14")
     assert first_layer() == first.format(22)
     assert main([*base, "--rank", "0", "--pp-partition", "10,10"]) == 2
-    assert capsys.readouterr().err.strip().endswith(
-        "error: pp layer partition [10, 10] must have pp=3 entries summing to "
-        "num_hidden_layers=36 (SGLANG_PP_LAYER_PARTITION, SGLang's rule)"
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            "error: pp layer partition [10, 10] must have pp=3 entries summing to "
+            "num_hidden_layers=36 (SGLANG_PP_LAYER_PARTITION, SGLang's rule)"
+        )
     )

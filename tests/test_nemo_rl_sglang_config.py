@@ -74,9 +74,9 @@ def _sglang(**edit: Any):
         ),
         (
             _sglang(dp_size=2),
-            "policy.generation.sglang_cfg.dp_size=2: SGLang updates weights from tensors "
-            "with dp_size 1 only (DP attention is not planned); set it to 1 and run more "
-            "servers (sglang_server_config.num_gpus)",
+            "policy.generation.sglang_cfg.dp_size=2: NeMo RL passes it as SGLang's "
+            "--dp-size (replicas inside one server), whose update_weights_from_tensor SGLang "
+            "refuses; set it to 1 and run more servers (sglang_server_config.num_gpus)",
         ),
         (
             _sglang(pp_size=2),

@@ -29,8 +29,8 @@ def _size(cfg: Mapping[str, Any], key: str) -> int:
 
 def check_sglang_generation(generation: Mapping[str, Any]) -> Mapping[str, Any]:
     """``policy.generation`` with ``backend: sglang`` as ``reshard`` serves it; returns
-    ``sglang_cfg``. Colocated (as NeMo RL runs SGLang), one SGLang data-parallel rank per
-    server (SGLang's ``update_weights_from_tensor`` asserts it), tensor parallel with
+    ``sglang_cfg``. Colocated (as NeMo RL runs SGLang), one SGLang data-parallel replica
+    per server (SGLang's ``update_weights_from_tensor`` asserts it), tensor parallel with
     expert parallelism 1 or ``tp_size`` (the SGLang layouts, ``layouts/sglang.py``)."""
     if not (generation.get("colocated") or {}).get("enabled", True):
         raise NemoRlConfigError(
@@ -42,8 +42,9 @@ def check_sglang_generation(generation: Mapping[str, Any]) -> Mapping[str, Any]:
     tp = _size(scfg, "tp_size")
     rules = [
         ("dp_size", _size(scfg, "dp_size") == 1,
-         "SGLang updates weights from tensors with dp_size 1 only (DP attention is not "
-         "planned); set it to 1 and run more servers (sglang_server_config.num_gpus)"),
+         "NeMo RL passes it as SGLang's --dp-size (replicas inside one server), whose "
+         "update_weights_from_tensor SGLang refuses; set it to 1 and run more servers "
+         "(sglang_server_config.num_gpus)"),
         ("pp_size", _size(scfg, "pp_size") == 1,
          "the SGLang layouts are tensor parallel only; set it to 1"),
         ("ep_size", _size(scfg, "ep_size") in (1, tp),
