@@ -95,3 +95,24 @@ def test_sglang_layout_takes_the_pp_partition(capsys, monkeypatch) -> None:
             "num_hidden_layers=36 (SGLANG_PP_LAYER_PARTITION, SGLang's rule)"
         )
     )
+
+
+def test_plan_for_a_block_fp8_sglang_engine_sends_e4m3_and_scales(tmp_path, capsys) -> None:
+    """A block-FP8 Qwen3 served by SGLang: the FP8 wire of refit_layouts (e4m3 weights and
+    float32 block scales cross, as for vLLM). SGLang's FP8 shards are vLLM's for Qwen3
+    (tests/test_sglang_truth.py proves SGLang's), so the plan is vLLM's, byte for byte."""
+    from nemo_refit_reshard.spec import spec_from_hf_config
+    from tests.helpers.model_configs import MODELS
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(MODELS["qwen3_fp8"]))
+    argv = ["plan", "--model", str(config), "--train", "tp=2", "--infer", "tp=2", "--json"]
+    assert main([*argv, "--infer-engine", "sglang"]) == 0
+    sglang = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0
+    vllm = json.loads(capsys.readouterr().out)
+    assert sglang["fingerprint"] == vllm["fingerprint"]
+    assert sglang["total_bytes"] == sglang["min_bytes"] == vllm["total_bytes"]
+    spec = spec_from_hf_config(MODELS["qwen3_fp8"])
+    fp8 = [t for t in spec if t.dtype == "float8_e4m3fn"]
+    assert fp8 and sglang["total_bytes"] < 2 * spec.num_params  # less than BF16 weights

@@ -19,7 +19,7 @@ from nemo_refit_reshard.layouts.sglang import (
 from nemo_refit_reshard.layouts.sglang_grid import sglang_pp_indices
 from nemo_refit_reshard.layouts.vllm_grid import vllm_pp_indices
 from nemo_refit_reshard.spec import InferParallel, ModelSpec, load_model_spec, spec_from_hf_config
-from tests.helpers.model_configs import MODELS
+from tests.helpers.model_configs import BLOCK_FP8, MODELS
 
 P = InferParallel
 SPARSE = {**MODELS["qwen3_moe"], "mlp_only_layers": []}
@@ -29,6 +29,14 @@ CONFIGS = {
     "llama_tied": {**MODELS["llama"], "tie_word_embeddings": True},
     "qwen3_moe_tied": {**SPARSE, "tie_word_embeddings": True},
     "deepseek_v3_tied": {**MODELS["deepseek_v3"], "tie_word_embeddings": True},
+    "qwen3_moe_fp8_sparse": {
+        **MODELS["qwen3_moe_fp8"],
+        "mlp_only_layers": [],
+        "quantization_config": dict(
+            BLOCK_FP8, modules_to_not_convert=[f"model.layers.{i}.mlp.gate" for i in range(3)]
+        ),
+    },
+    "qwen3_fp8_i256": {**MODELS["qwen3_fp8"], "intermediate_size": 256},
 }
 
 
@@ -49,10 +57,41 @@ def _spec(model: str) -> ModelSpec:
         ),
         ("qwen3_moe_sparse", P(tp=8), None, "tp=8 exceeds num_experts=4 (SGLang's rule)"),
         (
-            "qwen3_fp8",
+            "deepseek_v3_fp8",
             P(tp=2),
             None,
-            "SGLang layouts do not cover FP8 engines yet; serve BF16 weights",
+            "SGLang FP8 layouts cover qwen3, qwen3_moe so far; deepseek_v3_fp8 is family "
+            "'deepseek_v3': serve BF16 weights or use the vLLM engine",
+        ),
+        (
+            "qwen3_fp8",
+            P(engine_dp=2),
+            None,
+            "SGLang FP8 layouts cover engine_dp=1 and pp=1 so far (engine_dp=2, pp=1): serve "
+            "BF16 weights or use the vLLM engine",
+        ),
+        (
+            "qwen3_fp8",
+            P(pp=2),
+            None,
+            "SGLang FP8 layouts cover engine_dp=1 and pp=1 so far (engine_dp=1, pp=2): serve "
+            "BF16 weights or use the vLLM engine",
+        ),
+        (
+            "qwen3_moe_fp8",
+            P(tp=2),
+            None,
+            "qwen3_moe_fp8 quantizes the router gate of layers [2]: SGLang 0.5.23's Qwen3-MoE "
+            "builds mlp.gate unquantized under fp8 (models/qwen3_moe.py, gate_quant_config), "
+            "so it cannot hold that checkpoint; list each model.layers.N.mlp.gate in "
+            "modules_to_not_convert",
+        ),
+        (
+            "qwen3_moe_fp8_sparse",
+            P(tp=4),
+            None,
+            "64 expert intermediate rows per rank is not a multiple of the FP8 block 128 "
+            "(SGLang's Fp8MoEMethod refuses it); use ep=4 or a smaller tp",
         ),
         (
             "llama",
@@ -146,6 +185,35 @@ def test_what_is_not_proven_is_refused_by_name(
 ) -> None:
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         check_sglang_parallel(_spec(model), par, fusion)
+
+
+def test_fp8_shards_off_the_block_are_refused_with_sglangs_rule() -> None:
+    """128 gate rows per rank at tp=2 are whole blocks; 64 at tp=4 are not, which SGLang's
+    Fp8LinearMethod.validate_block_quant_shapes refuses (a merged gate_up_proj)."""
+    sglang_layout(_spec("qwen3_fp8_i256"), P(tp=2), 0)
+    with pytest.raises(ValueError) as err:
+        sglang_layout(_spec("qwen3_fp8_i256"), P(tp=4), 0)
+    assert str(err.value) == (
+        "model.layers.0.mlp.gate_up_proj.weight: gate rows per rank 64 is not a multiple of "
+        "the FP8 block 128; SGLang 0.5.23 cannot hold this checkpoint at this "
+        "tensor-parallel size (Fp8LinearMethod.validate_block_quant_shapes; choose one "
+        "whose shards are whole blocks)"
+    )
+
+
+def test_fp8_qwen3_moe_names_sglangs_scales() -> None:
+    """e4m3 weights with float32 weight_scale_inv per 128x128 block; the router gate,
+    embeddings, norms and lm_head unquantized (SGLang's names; contents proven in
+    tests/test_sglang_truth.py)."""
+    layout = sglang_layout(_spec("qwen3_moe_fp8_sparse"), P(tp=2, ep=2), 1)
+    got = {t.name: (t.shape, t.dtype) for t in layout.tensors}
+    p = "model.layers.2.mlp."
+    assert got[p + "experts.w13_weight"] == ((2, 512, 256), "float8_e4m3fn")
+    assert got[p + "experts.w13_weight_scale_inv"] == ((2, 4, 2), "float32")
+    assert got[p + "experts.w2_weight_scale_inv"] == ((2, 2, 2), "float32")
+    assert got[p + "gate.weight"][1] == got["lm_head.weight"][1] == "bfloat16"
+    assert got["model.layers.0.self_attn.qkv_proj.weight_scale_inv"] == ((4, 2), "float32")
+    assert not any(n.endswith("input_scale") for n in got)  # dynamic activation scales
 
 
 def test_qwen_at_a_tp_sglang_refuses_says_sglangs_rule() -> None:

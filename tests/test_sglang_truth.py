@@ -31,7 +31,7 @@ from nemo_refit_reshard.layouts.vllm_grid import vllm_position
 from nemo_refit_reshard.spec import InferParallel, ModelSpec, spec_from_hf_config
 from tests.helpers import vllm_env
 from tests.helpers.checkpoints import random_tensors
-from tests.helpers.model_configs import MODELS
+from tests.helpers.model_configs import BLOCK_FP8, MODELS
 from tests.helpers.requires import requires
 
 P = InferParallel
@@ -65,6 +65,15 @@ CONFIGS = {
     "deepseek_v3_fused": {**MODELS["deepseek_v3"], **_DS_SGLANG},
     # Qwen3 (3 layers, tied) under SGLANG_PP_LAYER_PARTITION=2,1
     "qwen3_split_2_1": MODELS["qwen3"],
+    # block FP8: every layer an MoE block, every router gate unquantized (SGLang's
+    # Qwen3-MoE builds mlp.gate in bfloat16 under fp8; the checkpoint names it)
+    "qwen3_moe_fp8_sparse": {
+        **MODELS["qwen3_moe_fp8"],
+        "mlp_only_layers": [],
+        "quantization_config": dict(
+            BLOCK_FP8, modules_to_not_convert=[f"model.layers.{i}.mlp.gate" for i in range(3)]
+        ),
+    },
 }
 FUSED = {"deepseek_v3_fused"}
 PARTITION = {"qwen3_split_2_1": (2, 1)}
@@ -100,6 +109,12 @@ CASES = [
     ("qwen3_moe_sparse", P(engine_dp=2)),  # experts sliced over S=2
     ("qwen3_moe_sparse", P(engine_dp=2, ep=2)),  # --ep-size 2: whole experts
     ("deepseek_v3", P(engine_dp=2)),  # MLA whole, dense layer 0 and shared experts over S
+    # block FP8 (e4m3 weights, float32 weight_scale_inv per 128x128 block), as SGLang's
+    # load_weights leaves them: whole-block shards of weights and scales
+    ("qwen3_fp8", P(tp=2)),
+    ("qwen3_fp8", P(tp=4)),  # 2 KV heads over 4 ranks: k/v scale rows replicated too
+    ("qwen3_moe_fp8_sparse", P(tp=2)),  # w13/w2_weight_scale_inv sliced with the experts
+    ("qwen3_moe_fp8_sparse", P(tp=2, ep=2)),  # whole experts and scales per rank
 ]
 
 
@@ -127,6 +142,17 @@ def _spec(model: str) -> ModelSpec:
     return spec_from_hf_config(CONFIGS[model], name=model)
 
 
+def _checkpoint(model: str) -> dict[str, torch.Tensor]:
+    """Random float32 checkpoint tensors; a block-FP8 model's quantized weights as e4m3
+    (their scales float32), as its checkpoint has them."""
+    spec = _spec(model)
+    out = random_tensors(spec, 0)
+    for t in spec:
+        if t.dtype == "float8_e4m3fn":
+            out[t.name] = out[t.name].to(torch.float8_e4m3fn)
+    return out
+
+
 @pytest.fixture(scope="module")
 def sglang_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every case built and loaded by SGLang, one process per rank."""
@@ -137,12 +163,13 @@ def sglang_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for model in sorted({m for m, _ in CASES}):
         (work / model).mkdir()
         (work / model / "config.json").write_text(json.dumps(CONFIGS[model]))
-        save_file(random_tensors(_spec(model), 0), str(work / f"{model}.safetensors"))
+        save_file(_checkpoint(model), str(work / f"{model}.safetensors"))
     # dp attention is proven on 0.5.23 (build_model refuses it on 0.5.12.post1)
     dp_attention = not _sglang_version().startswith("0.5.12")
     for case in CASES:
         model, par = case
-        if par.engine_dp > 1 and not dp_attention:
+        # so is block FP8 (build_model refuses it there)
+        if (par.engine_dp > 1 or "fp8" in model) and not dp_attention:
             continue
         builds.append(
             dict(
@@ -180,7 +207,7 @@ def _sglang_version() -> str:
 
 def _built(runs: dict[str, Any], case: tuple[str, InferParallel]) -> None:
     if _id(case) not in runs["shapes"]:
-        pytest.skip("data-parallel attention is proven against SGLang 0.5.23 only")
+        pytest.skip("data-parallel attention and FP8 are proven against SGLang 0.5.23 only")
 
 
 def _loaded(runs: dict[str, Any], case: tuple[str, InferParallel], rank: int, what: str = ""):
@@ -189,9 +216,16 @@ def _loaded(runs: dict[str, Any], case: tuple[str, InferParallel], rank: int, wh
     return load_file(str(runs["work"] / f"{_id(case)}_r{rank}{what}.safetensors"))
 
 
+def _bytes(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    fp8 = torch.float8_e4m3fn
+    return {n: t.view(torch.uint8) if t.dtype == fp8 else t for n, t in tensors.items()}
+
+
 def _content_mismatches(
     layout: RankLayout, loaded: dict[str, torch.Tensor], canonical: dict[str, torch.Tensor]
 ) -> list[str]:
+    # FP8 contents compared as bytes (torch.equal on e4m3 values would take -0 for 0)
+    loaded, canonical = _bytes(loaded), _bytes(canonical)
     out = mismatches(layout, loaded, canonical)
     for t in layout.tensors:
         for box in t.padding:
@@ -208,7 +242,7 @@ def test_provider_matches_sglang_parameters_and_contents(
 ) -> None:
     _built(sglang_runs, case)
     model, par = case
-    canonical = random_tensors(_spec(model), 0)
+    canonical = _checkpoint(model)
     for rank in range(par.world_size):
         layout = _layout(case, rank)
         ours = {t.name: [list(t.shape), t.dtype] for t in layout.tensors}
@@ -280,3 +314,16 @@ def test_a_wrong_shard_is_caught(sglang_runs: dict[str, Any]) -> None:
     layout = sglang_layout(_spec("llama"), case[1], 0, params_dtype="float32")
     wrong = _content_mismatches(layout, _loaded(sglang_runs, case, 1), canonical)
     assert any("qkv_proj" in m for m in wrong) and any("embed_tokens" in m for m in wrong)
+
+
+@pytest.mark.slow
+@requires(vllm_env.sglang_skip_reason)
+def test_a_wrong_fp8_shard_is_caught(sglang_runs: dict[str, Any]) -> None:
+    """The FP8 negative control: rank 1's loaded e4m3 weights and block scales against
+    rank 0's layout: the byte comparison names weights and scales whose blocks differ."""
+    case = ("qwen3_fp8", P(tp=2))
+    _built(sglang_runs, case)
+    layout = sglang_layout(_spec("qwen3_fp8"), case[1], 0, params_dtype="float32")
+    wrong = _content_mismatches(layout, _loaded(sglang_runs, case, 1), _checkpoint("qwen3_fp8"))
+    for name in ("qkv_proj.weight ", "qkv_proj.weight_scale_inv", "down_proj.weight_scale_inv"):
+        assert any(name in m for m in wrong), (name, wrong)

@@ -65,9 +65,26 @@ the vocabulary is padded to a multiple of 64 and split by rows. Where SGLang dif
   and tied Qwen3-MoE / DeepSeek are refused by name. Only ``plan`` / ``simulate`` use it:
   the receiver and the NeMo RL / veRL routes still refuse ``engine_dp``.
 
+* Block FP8 (``quantization_config`` ``quant_method: fp8``, 128x128 ``weight_block_size``,
+  dynamic activations), Qwen3 and Qwen3-MoE at ``engine_dp=1``, ``pp=1``: SGLang's
+  ``Fp8LinearMethod.create_weights`` (``layers/quantization/fp8.py`` ~613-716) registers
+  ``weight`` e4m3 and ``weight_scale_inv`` float32 ``[ceil(rows/128), ceil(cols/128)]``
+  per quantized linear, ``Fp8MoEMethod`` (~1545-1746) ``w13_weight_scale_inv`` /
+  ``w2_weight_scale_inv`` per local expert; no ``input_scale`` (dynamic). Its loaders
+  shard scales in whole blocks as vLLM's do, so the names, shapes and slices are vLLM's
+  (``layouts/vllm_fp8.py``); embeddings, norms, ``lm_head`` and Qwen3-MoE's router
+  ``mlp.gate`` stay unquantized (``models/qwen3_moe.py`` ~280-289: the gate takes a quant
+  config only for ModelSlim), so a checkpoint that quantizes the gate is refused. The
+  layout is what SGLang's ``load_weights`` leaves; ``process_weights_after_loading`` keeps
+  it on an NVIDIA Hopper GPU (~835-848) but requantizes scales to UE8M0 where DeepGEMM
+  runs UE8M0 (sm100/sm120, ``requant_block_scale_ue8m0_for_deepgemm``), pre-shuffles on
+  AMD (aiter) and repacks for AMX on CPU (~826-834), none of which a refit written in
+  place reproduces. DeepSeek FP8 (MLA's ``w_kc``/``w_vc`` are dequantized from the FP8
+  ``kv_b_proj``), ``engine_dp`` > 1 and ``pp`` > 1 under FP8 are refused.
+
 Refused by name (:func:`check_sglang_parallel`): ``ep`` with fused shared experts (SGLang
-fuses them under ep only on AMD), FP8 engines, other families, and the dp-attention cases
-above. Not covered either (they change the layout and no config says so):
+fuses them under ep only on AMD), FP8 engines other than the above, other families, and
+the dp-attention cases above. Not covered either (they change the layout and no config says so):
 ``SGLANG_ENABLE_EMBED_REPLICATION``, ``SGLANG_SHARED_EXPERT_TP1``, the all-to-all MoE
 backends (``--moe-a2a-backend``), which replicate tensors here split, and under dp attention
 ``--enable-dp-lm-head``, ``--moe-dense-tp-size 1`` and ``--attn-cp-size``.
@@ -77,6 +94,7 @@ from __future__ import annotations
 
 from ..spec.model import ModelSpec
 from ..spec.parallel import InferParallel
+from ..spec.quantization import FP8
 from .base import RankLayout, paused_gc
 from .sglang_grid import sglang_pp_indices, sglang_replicas
 from .sglang_walk import SglangRank
@@ -87,6 +105,8 @@ from .vllm_releases import VllmOptions
 SGLANG_VERSION = "0.5.23"
 # proven against SGLang's classes
 SGLANG_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+# whose block-FP8 engines are proven against SGLang's classes
+SGLANG_FP8_FAMILIES = ("qwen3", "qwen3_moe")
 # whose attention SGLang builds over the attention tp group (dp attention, proven)
 SGLANG_DP_ATTENTION_FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3")
 # vLLM's release whose MoE names SGLang's match (``experts.w13_weight``)
@@ -171,8 +191,7 @@ def check_sglang_parallel(
             f"SGLang layouts cover {', '.join(SGLANG_FAMILIES)} so far; {spec.name} is "
             f"family {a.family!r}: use the vLLM engine for it"
         )
-    if a.quant is not None:
-        raise ValueError("SGLang layouts do not cover FP8 engines yet; serve BF16 weights")
+    _check_fp8(spec, parallel)
     _check_pp(spec, parallel, pp_layer_partition)
     _check_dp_attention(spec, parallel)
     _check_moe(spec, parallel, _fusion(spec, parallel, shared_experts_fusion))
@@ -193,6 +212,45 @@ def check_sglang_parallel(
         raise _rule(f"tp={s} must divide the padded vocabulary {vp} (vocab padded to 64)")
     if vp % ffn and not a.tie_word_embeddings:  # lm_head over SGLang's whole tp group
         raise _rule(f"{ffn_name}={ffn} must divide the padded vocabulary {vp} (lm_head)")
+
+
+def _check_fp8(spec: ModelSpec, par: InferParallel) -> None:
+    """Block-FP8 engines: proven for Qwen3 and Qwen3-MoE at engine_dp=1, pp=1."""
+    a = spec.arch
+    if a.quant is None:
+        return
+    if a.family not in SGLANG_FP8_FAMILIES:
+        raise ValueError(
+            f"SGLang FP8 layouts cover {', '.join(SGLANG_FP8_FAMILIES)} so far; {spec.name} "
+            f"is family {a.family!r}: serve BF16 weights or use the vLLM engine"
+        )
+    if par.engine_dp > 1 or par.pp > 1:
+        raise ValueError(
+            f"SGLang FP8 layouts cover engine_dp=1 and pp=1 so far (engine_dp="
+            f"{par.engine_dp}, pp={par.pp}): serve BF16 weights or use the vLLM engine"
+        )
+    moe = a.moe
+    if moe is None:
+        return
+    quantized = [
+        layer
+        for layer in moe.sparse_layers
+        if spec.tensor(f"model.layers.{layer}.mlp.gate.weight").dtype == FP8
+    ]
+    if quantized:
+        raise ValueError(
+            f"{spec.name} quantizes the router gate of layers {quantized}: SGLang 0.5.23's "
+            "Qwen3-MoE builds mlp.gate unquantized under fp8 (models/qwen3_moe.py, "
+            "gate_quant_config), so it cannot hold that checkpoint; list each "
+            "model.layers.N.mlp.gate in modules_to_not_convert"
+        )
+    n = moe.expert_intermediate_size * par.ep // (par.tp * par.engine_dp)
+    if n % a.quant.block[0]:
+        raise ValueError(
+            f"{n} expert intermediate rows per rank is not a multiple of the FP8 block "
+            f"{a.quant.block[0]} (SGLang's Fp8MoEMethod refuses it); use ep={par.tp} or a "
+            "smaller tp"
+        )
 
 
 def _ffn_ranks(par: InferParallel) -> tuple[int, str]:

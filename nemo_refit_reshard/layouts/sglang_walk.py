@@ -14,6 +14,10 @@ rank s: ``moe_ep_rank = s // moe_tp``, ``moe_tp_rank = s % moe_tp``:
   (``_map_global_expert_id_to_local_expert_id``; ep must divide E), each expert's
   ``w13_weight[j] = [gate rows r·Fe/moe_tp.. ; up rows]`` and ``w2_weight[j]`` columns
   ``[r·Fe/moe_tp, ..)`` with r = moe_tp_rank.
+* block FP8: each local expert's ``w13_weight_scale_inv[j]`` = [gate scale rows ; up
+  scale rows] of its slice and ``w2_weight_scale_inv[j]`` the scale columns of its slice,
+  in whole 128x128 blocks (``Fp8MoEMethod.create_fp8_moe_weight_``, vLLM's rule:
+  ``Fp8Layout.expert_scales``); dense linears take vLLM's FP8 walker unchanged.
 * fused shared experts (``num_fused_shared_experts = 1``): the shared expert is expert
   ``E`` of the checkpoint (the loader renames ``mlp.shared_experts`` to ``mlp.experts.E``)
   and sits after the local routed experts, in slot ``E/ep``, sliced like them; no
@@ -50,6 +54,7 @@ from __future__ import annotations
 
 from ..spec.model import ModelSpec
 from ..spec.parallel import InferParallel
+from ..spec.quantization import FP8
 from .base import Box
 from .sglang_grid import sglang_pp_indices
 from .vllm import VllmRankWalker, vllm_padded_vocab
@@ -77,6 +82,14 @@ class SglangRank(VllmRankWalker):
         # SGLang builds shared experts with parallel_group="tp" (only its all-to-all MoE
         # backends, not covered here, replicate them).
         self.shared_tp = self.ffn_tp
+
+    def _refuse(self, name: str, what: str, size: int, block: int) -> ValueError:
+        return ValueError(
+            f"{name}: {what} {size} is not a multiple of the FP8 block {block}; SGLang "
+            "0.5.23 cannot hold this checkpoint at this tensor-parallel size "
+            "(Fp8LinearMethod.validate_block_quant_shapes; choose one whose shards are "
+            "whole blocks)"
+        )
 
     def mla(self, p: str) -> None:
         a, h, nq = self.a, self.a.hidden_size, self.a.num_attention_heads
@@ -117,9 +130,13 @@ class SglangRank(VllmRankWalker):
             experts.append(f"{p}.shared_experts")  # loaded as experts.E, in the last slot
         n = fe // moe_tp
         w13, w2 = f"{p}.experts.w13_weight", f"{p}.experts.w2_weight"
-        self.b.tensor(w13, (len(experts), 2 * n, h), self.dtype)
-        self.b.tensor(w2, (len(experts), h, n), self.dtype)
+        dtype = self.weight_dtype(f"{experts[0]}.gate_proj.weight")
+        self.b.tensor(w13, (len(experts), 2 * n, h), dtype)
+        self.b.tensor(w2, (len(experts), h, n), dtype)
         lo = tp_rank * n
+        if dtype == FP8:  # SGLang's Fp8MoEMethod: vLLM's scale names, shapes and slices
+            first = ep_rank * n_routed
+            self.expert_scales(f"{p}.experts", p, range(first, first + n_routed), n, lo, h)
         gate_up, down = Box((lo, 0), (n, h)), Box((0, lo), (h, n))
         halves = (("gate_proj", 0), ("up_proj", n))
         w13_slots = [

@@ -29,8 +29,10 @@ import enum
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import json
 import sys
 import types
+from pathlib import Path
 from typing import Any
 
 
@@ -119,12 +121,16 @@ def build_model(
     ``tp`` stays SGLang's ``--tp-size``, every rank's attention data-parallel rank is
     ``tp_rank // (tp / dp)`` as its data-parallel controller spawns it
     (``compute_dp_attention_world_info``), and ``initialize_dp_attention`` runs after the
-    parallel groups, as ``distributed/bootstrap._init_parallel_groups`` does."""
+    parallel groups, as ``distributed/bootstrap._init_parallel_groups`` does. A
+    ``quantization_config`` in ``config.json`` becomes the constructor's ``quant_config``
+    as SGLang's loader makes it (0.5.23 only: block FP8 is not proven on 0.5.12.post1)."""
     stub_torchvision()
     stub_rotary_kernel()
     if importlib.util.find_spec("sglang.srt.runtime_context") is None:
         if dp > 1:  # built there, its attention still came out split over all tp ranks
             raise ValueError("dp attention is proven on SGLang 0.5.23 only (build_model)")
+        if "quantization_config" in json.loads(Path(model_dir, "config.json").read_text()):
+            raise ValueError("block FP8 is proven on SGLang 0.5.23 only (build_model)")
         return _build_model_0512(model_dir, tp, rank, port, ep, fuse_shared, pp)
     from sglang.srt.distributed import parallel_state
     from sglang.srt.layers.dp_attention import initialize_dp_attention
@@ -159,7 +165,7 @@ def build_model(
     model_cls, _ = ModelRegistry.resolve_model_cls(config.architectures)
     shared = resolve_shared_experts_config(model_cls, config, None)
     with get_model().override(shared_experts=shared):
-        model = model_cls(config)
+        model = model_cls(config, **_quant_config(config))
     model.shared_experts_config = shared
     return model
 
@@ -212,6 +218,18 @@ def _build_model_0512(
     initialize_dp_attention(server_args=args, model_config=ModelConfig.from_server_args(args))
     model_cls, _ = ModelRegistry.resolve_model_cls(config.architectures)
     return model_cls(config)
+
+
+def _quant_config(config: Any) -> dict[str, Any]:
+    """``quant_config=`` as SGLang's loader passes it for a checkpoint's
+    ``quantization_config`` (``get_quantization_config(method).from_config``; none
+    without one)."""
+    q = getattr(config, "quantization_config", None)
+    if not q:
+        return {}
+    from sglang.srt.layers.quantization import get_quantization_config
+
+    return {"quant_config": get_quantization_config(q["quant_method"]).from_config(q)}
 
 
 def release_model() -> None:
