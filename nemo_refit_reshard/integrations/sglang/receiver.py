@@ -142,6 +142,7 @@ def refit_check_plan(
         f"{n}: live, but the plan does not write it" for n in sorted(set(s.params) - set(expected))
     ]
     problems += live_tensor_problems(expected, s.params, None)
+    problems += fp8_relayout_problems(s.params)
     if problems:
         raise PlanError.listing(
             f"{where}: live parameters do not match the plan",
@@ -149,6 +150,31 @@ def refit_check_plan(
             "build the plan with layouts/sglang.py for this engine's tp and dtype",
         )
     return loaded
+
+
+def fp8_relayout_problems(params: Mapping[str, torch.Tensor]) -> list[str]:
+    """Why an in-place refit of FP8 parameters would be wrong on this device. SGLang's
+    ``process_weights_after_loading`` keeps block-FP8 weights and scales as loaded on
+    NVIDIA Hopper (sm90) only: with DeepGEMM's UE8M0 scales (sm100/sm120) it requantizes
+    them, on AMD it pre-shuffles them, on an AMX CPU it repacks them; the refit writes
+    them as the checkpoint has them and reruns only ``post_load_weights``."""
+    fp8 = [n for n, p in params.items() if p.dtype == torch.float8_e4m3fn]
+    if not fp8:
+        return []
+    device = next(iter(params.values())).device
+    if device.type == "cuda" and torch.version.hip is None:
+        major, minor = torch.cuda.get_device_capability(device)
+        if major == 9:
+            return []
+        where = f"a CUDA sm{major}{minor} GPU"
+    else:
+        where = "AMD GPUs" if torch.version.hip is not None else f"{device.type}"
+    return [
+        f"{len(fp8)} block-FP8 parameters ({fp8[0]}, ...) on {where}: SGLang re-lays FP8 "
+        "weights after loading there (UE8M0 requantization, pre-shuffle or repack), which "
+        "an in-place refit would not match; refit FP8 SGLang engines on Hopper (sm90), or "
+        "serve BF16"
+    ]
 
 
 def refit_load_plan(
