@@ -95,6 +95,11 @@ def _sglang(**edit: Any):
             "equal tp_size=2 (one SGLang server per tp_size GPUs)",
         ),
         (
+            lambda c: c["refit"].update(delta=True),
+            "refit.delta=true with policy.generation.backend=sglang: delta refits are served "
+            "for vLLM generation only; set refit.delta=false",
+        ),
+        (
             lambda c: c["policy"]["generation"].update(refit_transport="nccl_reshard"),
             "policy.generation.refit_transport='nccl_reshard': refit.backend=reshard "
             "replaces NeMo RL's refit transports; set it to null",

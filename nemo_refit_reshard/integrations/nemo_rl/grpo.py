@@ -17,6 +17,10 @@ from typing import Any
 
 from .config import NemoRlConfigError, RefitConfig, check_generation, check_megatron
 
+SGLANG_DELTA = (
+    "refit.delta=true with policy.generation.backend=sglang: delta refits are served for "
+    "vLLM generation only; set refit.delta=false"
+)
 WORKER_FQN = "nemo_refit_reshard.integrations.nemo_rl.megatron_worker.ReshardMegatronPolicyWorker"
 
 
@@ -51,6 +55,8 @@ def check_reshard_config(config: Mapping[str, Any]) -> None:
     workers NeMo RL actually starts, in ``init_communicator``."""
     check_generation(config["policy"]["generation"])
     check_megatron(config["policy"])
+    if _backend(config) == "sglang" and RefitConfig.from_config(config.get("refit")).delta:
+        raise NemoRlConfigError(SGLANG_DELTA)
     if (config["policy"].get("draft") or {}).get("enabled", False):
         raise NemoRlConfigError(
             "policy.draft.enabled=True: refit.backend=reshard refits the policy's own "

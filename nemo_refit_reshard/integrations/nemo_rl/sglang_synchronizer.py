@@ -30,6 +30,7 @@ import ray
 
 from ..sglang.loader import LOADER, serialized_refit_command
 from .config import NemoRlConfigError, RefitConfig
+from .grpo import SGLANG_DELTA
 from .plans import plan_nemo_rl_sglang
 from .sglang_config import check_sglang_servers
 from .synchronizer import ReshardWeightSynchronizer, gather
@@ -47,10 +48,7 @@ class ReshardSGLangWeightSynchronizer(ReshardWeightSynchronizer):
     ) -> None:
         super().__init__(policy, generation, master_config, refit)
         if self._refit.delta:
-            raise NemoRlConfigError(
-                "refit.delta=true with policy.generation.backend=sglang: delta refits are "
-                "served for vLLM generation only; set refit.delta=false"
-            )
+            raise NemoRlConfigError(SGLANG_DELTA)
         self._gpus: list[str] = []
 
     def _servers(self) -> list[Any]:
