@@ -16,11 +16,8 @@ from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 from .config import NemoRlConfigError, RefitConfig, check_generation, check_megatron
+from .sglang_config import SGLANG_DELTA
 
-SGLANG_DELTA = (
-    "refit.delta=true with policy.generation.backend=sglang: delta refits are served for "
-    "vLLM generation only; set refit.delta=false"
-)
 WORKER_FQN = "nemo_refit_reshard.integrations.nemo_rl.megatron_worker.ReshardMegatronPolicyWorker"
 
 

@@ -17,6 +17,10 @@ from ...spec.parallel import InferParallel
 from .errors import NemoRlConfigError
 
 WHERE = "policy.generation.sglang_cfg"
+SGLANG_DELTA = (
+    "refit.delta=true with policy.generation.backend=sglang: delta refits are served for "
+    "vLLM generation only; set refit.delta=false"
+)
 
 
 def _size(cfg: Mapping[str, Any], key: str) -> int:

@@ -30,9 +30,8 @@ import ray
 
 from ..sglang.loader import LOADER, serialized_refit_command
 from .config import NemoRlConfigError, RefitConfig
-from .grpo import SGLANG_DELTA
 from .plans import plan_nemo_rl_sglang
-from .sglang_config import check_sglang_servers
+from .sglang_config import SGLANG_DELTA, check_sglang_servers
 from .synchronizer import ReshardWeightSynchronizer, gather
 
 
