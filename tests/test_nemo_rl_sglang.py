@@ -127,6 +127,7 @@ def test_grpo_refits_sglang_servers_bit_exact(tmp_path: Path) -> None:
             None
         )  # connect, two steps, close
     assert out["closed"] is True
+    assert out["shm_left"] == []  # every policy rank's staging released at shutdown
     assert out["exit_codes"] == [0, 0]
 
 
@@ -145,6 +146,8 @@ def test_misplaced_sglang_rank_is_refused_before_it_connects(tmp_path: Path) -> 
     for server in out["init_status"]:
         [rank] = server["ranks"]
         assert rank["status"]["step"] is None and len(rank["status"]["errors"]) == 1
+    # the failed join released what the policy ranks opened (their shared-memory staging)
+    assert out["shm_left"] == []
     assert out["exit_codes"] == [0, 0]
 
 

@@ -164,6 +164,7 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
     )
     from nemo_refit_reshard.spec import TrainParallel
 
+    shm_before = _staging_segments()
     ray.init(num_cpus=16, include_dashboard=False)
     env = {"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}}
     config = master_config(spec)
@@ -238,6 +239,8 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
         except Exception as err:
             result["init_error"] = f"{type(err).__name__}: {err}"
             result["init_status"] = _status(actors, spec["checkpoints"][0])
+            # the policy ranks live on: what they opened must be closed already
+            result["shm_left"] = sorted(_staging_segments() - shm_before)
             return
         result["synchronizer"] = type(sync).__name__
         result["plan"] = str(sync.plan)
@@ -264,9 +267,16 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
         result["policy_calls"] = ray.get([a.calls_made.remote() for a in policy_actors])
         sync.shutdown()
         result["closed"] = True
+        result["shm_left"] = sorted(_staging_segments() - shm_before)
         result["final"] = _status(actors, spec["checkpoints"][-1])
     finally:
         result["exit_codes"] = ray.get([a.stop_server.remote() for a in actors])
+
+
+def _staging_segments() -> set[str]:
+    """Our colocated staging in OS shared memory (``nrr-*``): a segment left after its
+    owner closed outlives the process (Ray kills workers without exit handlers)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith("nrr-")}
 
 
 def _status(actors: list, checkpoint: str) -> list[Any]:

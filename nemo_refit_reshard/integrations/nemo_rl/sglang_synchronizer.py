@@ -100,36 +100,30 @@ class ReshardSGLangWeightSynchronizer(ReshardWeightSynchronizer):
         print(plan, flush=True)
         t, tp = plan.num_policy, plan.infer.tp
         self._gpus = [str(r["gpu"]) for r in sorted(reports, key=lambda r: int(r["rank"]))]
-        endpoint = self._endpoint(t)
-        addresses = gather(
-            self._policy_each(
-                "reshard_colocated_listen",
-                endpoint_json=[endpoint] * t,
-                slices=[plan.host_slices(r) for r in range(t)],
-            ),
-            "preparing the colocated refit",
-        )
-        hosts = plan.plan.colocated_hosts
-        per_server = []
-        for i in range(len(servers)):
-            first = t + i * tp
-            ranks = [hosts[first - t + k] for k in range(tp)]
-            per_server.append(
-                {
-                    "endpoint_json": endpoint,
-                    "first_rank": first,
-                    "addresses": [addresses[h] for h in ranks],
-                    "host_gpus": [self._gpus[h] for h in ranks],
-                    "plan": plan.engine_slices(first, tp),
-                    "fingerprint": plan.plan.fingerprint,
-                }
-            )
-        with self._session("connecting the colocated refit"):
-            gather(
-                self._policy_call("reshard_colocated_join")
-                + self._command("connect_colocated", per_server),
-                "connecting the colocated refit",
-            )
+        with self._released_on_failure():
+            endpoint = self._endpoint(t)
+            addresses = self._listen_colocated(plan, endpoint)
+            hosts = plan.plan.colocated_hosts
+            per_server = []
+            for i in range(len(servers)):
+                first = t + i * tp
+                ranks = [hosts[first - t + k] for k in range(tp)]
+                per_server.append(
+                    {
+                        "endpoint_json": endpoint,
+                        "first_rank": first,
+                        "addresses": [addresses[h] for h in ranks],
+                        "host_gpus": [self._gpus[h] for h in ranks],
+                        "plan": plan.engine_slices(first, tp),
+                        "fingerprint": plan.plan.fingerprint,
+                    }
+                )
+            with self._session("connecting the colocated refit"):
+                gather(
+                    self._policy_call("reshard_colocated_join")
+                    + self._command("connect_colocated", per_server),
+                    "connecting the colocated refit",
+                )
 
     def _refit_all(self) -> list[Any]:
         """One refit: every policy rank sends, every SGLang rank receives (one request per

@@ -32,8 +32,8 @@ vLLM's weights, transfer, then ``offload_after_refit`` and wake the KV cache.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from contextlib import nullcontext
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import ray
@@ -131,21 +131,41 @@ class ReshardWeightSynchronizer(WeightSynchronizer):
         self.plan = plan = plan_nemo_rl(self._config, self._refit, policy_reports, engine_reports)
         print(plan, flush=True)
         engines = len(engine_reports)
-        if plan.colocated:
-            self._init_colocated(plan, engines)
-            return
-        endpoint = self._endpoint(plan.train.world_size + plan.infer.world_size)
-        firsts = self._engine_first_ranks(engines)
-        gather(
-            self._policy_call("reshard_join", endpoint_json=endpoint)
-            + self._vllm_each(refit_join, [(endpoint, f) for f in firsts]),
-            "joining the refit group",
-        )
-        gather(
-            self._policy_each("reshard_load_plan", slice_json=list(plan.slices[: plan.num_policy]))
-            + self._vllm_each(refit_load_plan, [(self._engine_slices(i),) for i in range(engines)]),
-            "loading the refit plan",
-        )
+        with self._released_on_failure():
+            if plan.colocated:
+                self._init_colocated(plan, engines)
+                return
+            endpoint = self._endpoint(plan.train.world_size + plan.infer.world_size)
+            firsts = self._engine_first_ranks(engines)
+            gather(
+                self._policy_call("reshard_join", endpoint_json=endpoint)
+                + self._vllm_each(refit_join, [(endpoint, f) for f in firsts]),
+                "joining the refit group",
+            )
+            slices = list(plan.slices[: plan.num_policy])
+            gather(
+                self._policy_each("reshard_load_plan", slice_json=slices)
+                + self._vllm_each(
+                    refit_load_plan, [(self._engine_slices(i),) for i in range(engines)]
+                ),
+                "loading the refit plan",
+            )
+
+    @contextmanager
+    def _released_on_failure(self) -> Iterator[None]:
+        """A failed join leaves nothing behind on the policy ranks: each closes what it
+        opened (its group, a colocated host's listening socket and shared-memory staging,
+        which would outlive a worker Ray kills), best effort; the synchronizer keeps no
+        plan, and the join's own failure is what is raised."""
+        try:
+            yield
+        except BaseException:
+            try:
+                gather(self._policy_call("reshard_close"), "closing after the failed join")
+            except Exception as err:  # noqa: BLE001 - the join's failure matters more
+                print(f"after the failed join: {err}", flush=True)
+            self.plan = None
+            raise
 
     def _endpoint(self, world_size: int) -> str:
         # Policy rank 0 (refit rank 0) hosts the group's store, so it picks the port, on
@@ -173,14 +193,7 @@ class ReshardWeightSynchronizer(WeightSynchronizer):
         node) while the policy ranks join."""
         t = plan.num_policy
         endpoint = self._endpoint(t)
-        addresses = gather(
-            self._policy_each(
-                "reshard_colocated_listen",
-                endpoint_json=[endpoint] * t,
-                slices=[plan.host_slices(r) for r in range(t)],
-            ),
-            "preparing the colocated refit",
-        )
+        addresses = self._listen_colocated(plan, endpoint)
         hosts = plan.plan.colocated_hosts
         group = plan.infer.engine_world_size
         firsts = self._engine_first_ranks(engines)
@@ -193,6 +206,19 @@ class ReshardWeightSynchronizer(WeightSynchronizer):
             self._policy_call("reshard_colocated_join")
             + self._vllm_each(refit_connect_colocated, calls),
             "connecting the colocated refit",
+        )
+
+    def _listen_colocated(self, plan: NemoRlPlan, endpoint: str) -> list[str | None]:
+        """Every policy rank compiles its share and its guest's and listens for the guest:
+        the address each guest connects to (None: no guest on that GPU)."""
+        t = plan.num_policy
+        return gather(
+            self._policy_each(
+                "reshard_colocated_listen",
+                endpoint_json=[endpoint] * t,
+                slices=[plan.host_slices(r) for r in range(t)],
+            ),
+            "preparing the colocated refit",
         )
 
     def _engine_first_ranks(self, engines: int) -> list[int]:
