@@ -119,6 +119,15 @@ def _spec(model: str) -> ModelSpec:
             "use engine_dp=1",
         ),
         (
+            "qwen3_moe_tied",
+            P(),
+            None,
+            "qwen3_moe_tied ties its word embeddings, but SGLang 0.5.23's qwen3_moe model never "
+            "ties lm_head to embed_tokens and loads it only from lm_head.weight, which a tied "
+            "checkpoint lacks: its lm_head would hold no checkpoint tensor; untie the embeddings "
+            "(save lm_head.weight) or serve the model with vLLM",
+        ),
+        (
             "qwen3",
             P(engine_dp=64),
             None,

@@ -60,6 +60,8 @@ CONFIGS = {
     "qwen3_moe_sparse": {**MODELS["qwen3_moe"], "mlp_only_layers": []},
     "deepseek_v3": {**MODELS["deepseek_v3"], **_DS_SGLANG},
     "deepseek_v3_no_q_lora": {**MODELS["deepseek_v3_no_q_lora"], **_DS_SGLANG},
+    # tied: SGLang's DeepSeek at pp=1 makes lm_head the embed_tokens module
+    "deepseek_v3_tied": {**MODELS["deepseek_v3"], **_DS_SGLANG, "tie_word_embeddings": True},
     # the same model under --enforce-shared-experts-fusion (SGLang's default on a CUDA
     # GPU for DeepSeek-V3's 256 experts; on CPU only the flag turns it on)
     "deepseek_v3_fused": {**MODELS["deepseek_v3"], **_DS_SGLANG},
@@ -80,6 +82,7 @@ PARTITION = {"qwen3_split_2_1": (2, 1)}
 CASES = [
     ("llama", P()),
     ("deepseek_v3", P()),  # tp=1: every tensor whole
+    ("deepseek_v3_tied", P()),  # lm_head is embed_tokens: no lm_head of its own
     ("llama", P(tp=2)),
     ("llama", P(tp=4)),  # 2 KV heads over 4 ranks: each replicated twice
     ("qwen2", P(tp=4)),  # qkv biases, KV replication

@@ -193,6 +193,15 @@ def check_sglang_parallel(
         )
     _check_fp8(spec, parallel)
     _check_pp(spec, parallel, pp_layer_partition)
+    if a.tie_word_embeddings and a.family == "qwen3_moe":
+        # qwen3_moe.py builds its own ParallelLMHead whatever the config says and loads it
+        # only from lm_head.weight: SGLang itself would serve an unloaded head.
+        raise ValueError(
+            f"{spec.name} ties its word embeddings, but SGLang 0.5.23's qwen3_moe model "
+            "never ties lm_head to embed_tokens and loads it only from lm_head.weight, which "
+            "a tied checkpoint lacks: its lm_head would hold no checkpoint tensor; untie the "
+            "embeddings (save lm_head.weight) or serve the model with vLLM"
+        )
     _check_dp_attention(spec, parallel)
     _check_moe(spec, parallel, _fusion(spec, parallel, shared_experts_fusion))
     if a.num_attention_heads % s:

@@ -208,9 +208,9 @@ class SglangRank(VllmRankWalker):
             self.mlp(layer, f"{p}.mlp")
         if last:
             self.replicated("model.norm.weight", (h,))
-        # DeepSeek's lm_head is its own (vLLM's rule, kept); Qwen3-MoE's and DeepSeek's
-        # tied configs under pp are refused (check_sglang_parallel).
-        tied = a.tie_word_embeddings and a.family != "deepseek_v3"
+        # A tied DeepSeek at pp=1 is lm_head = embed_tokens (deepseek_v2.py ~3288); tied
+        # configs of Qwen3-MoE, and DeepSeek's under pp, are refused (check_sglang_parallel).
+        tied = a.tie_word_embeddings
         if not (last or a.family in ("llama", "qwen3_moe")):
             return
         if not tied:
