@@ -151,14 +151,20 @@ class RefitWorker:
         self.weights.done(step, fingerprint)
         return timing
 
-    def rejoin(self, endpoint: RefitEndpoint) -> None:
+    def rejoin(
+        self, endpoint: RefitEndpoint, plan: RefitPlan | RankPlan | str | None = None
+    ) -> None:
         """Join a new refit group (after a failed one: a replaced peer, a new port and
-        secret) and load the same plan again. Collective over the new group. The weights
-        stay stale until the next refit succeeds."""
+        secret; or engines fenced or admitted, ``integrations/worker/membership.py``) and
+        load ``plan`` — the plan for that group — or, if None, the same plan again.
+        Collective over the new group. Stale weights stay stale until the next refit
+        succeeds."""
         self.close()
         self.endpoint = endpoint
         self.join()
-        if self._loaded is not None:
+        if plan is not None:
+            self.load_plan(plan)
+        elif self._loaded is not None:
             self.load_plan(*self._loaded)
 
     def forget_version(self) -> None:
