@@ -228,9 +228,7 @@ def refit_step(
     raise RuntimeError(f"the refit of step {step} failed on every attempt")
 
 
-def admit_engine(
-    membership: Membership, parties: Parties, engine: int, version: int
-) -> RefitGroup:
+def admit_engine(membership: Membership, parties: Parties, engine: int, version: int) -> RefitGroup:
     """Between steps: refit the newcomer ``engine`` alone to ``version`` (what the
     training ranks hold now, and the serving engines since the last step), then join
     everyone serving in the group for the next step, which is returned. A newcomer that
