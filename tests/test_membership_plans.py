@@ -183,3 +183,23 @@ def test_membership_plans_are_cached_per_set_and_checked() -> None:
     assert str(err.value) == (
         "destinations to keep must be distinct, increasing indices below 6; got [3, 2]"
     )
+
+
+def test_planning_again_replaces_the_derived_plan_for_the_next_group() -> None:
+    infer = InferParallel(tp=2, dp=3)
+    src, dst = _layouts(SPEC, TrainParallel(tp=2), infer)
+    plan = plan_refit(SPEC, src, dst, 0.05, relay="none")
+
+    def replan(kept):
+        return plan_refit(SPEC, src, kept, 0.05, relay="none")
+
+    plans = MembershipPlans(plan, SPEC, src, dst, _engines(infer), replan)
+    derived = plans.for_engines([0, 2])
+    fresh = plans.plan_again([0, 2])
+    assert (derived.how, fresh.how) == ("derived", "planned again")
+    assert fresh.plan == replan(narrowed_layouts(dst, (0, 1, 4, 5)))
+    assert plans.for_engines([2, 0]) is fresh and plans.plan_again([0, 2]) is fresh
+    assert fresh.plan.num_rounds < derived.plan.num_rounds  # the fresh one packs rounds
+    with pytest.raises(PlanError) as err:
+        MembershipPlans(plan, SPEC, src, dst, _engines(infer)).plan_again([0])
+    assert str(err.value) == "planning again needs MembershipPlans(replan=...)"

@@ -53,7 +53,7 @@ class MemberPlan:
     plan: RefitPlan
     engines: tuple[int, ...]
     destinations: tuple[int, ...]
-    how: str  # "full", "derived" or "re-planned: <why>"
+    how: str  # "full", "derived", "re-planned: <why>" or "planned again"
     seconds: float
 
     def refit_rank(self, full_destination: int) -> int:
@@ -365,3 +365,22 @@ class MembershipPlans:
         made = MemberPlan(plan, chosen, keep, how, time.perf_counter() - t0)
         self._cache[key] = made
         return made
+
+    def plan_again(self, engines: Iterable[int]) -> MemberPlan:
+        """The set planned afresh with ``replan`` (a derived plan keeps the full plan's
+        rounds: at most a few percent slower, ``docs/benchmarks.md``), cached in place of
+        the derived one so that the next group made for the set uses it. Slow (a full
+        plan): call it off the step's critical path, e.g. in a thread between steps."""
+        import time
+
+        if self.replan is None:
+            raise PlanError("planning again needs MembershipPlans(replan=...)")
+        made = self.for_engines(engines)
+        if made.how != "derived":
+            return made
+        t0 = time.perf_counter()
+        plan = self.replan(narrowed_layouts(self.destinations, made.destinations))
+        fresh = MemberPlan(plan, made.engines, made.destinations, "planned again",
+                           time.perf_counter() - t0)  # fmt: skip
+        self._cache[frozenset(made.engines)] = fresh
+        return fresh
