@@ -105,7 +105,7 @@ def test_killed_hung_and_restarted_engines() -> None:
             [
                 "engine      ranks  status    version  note",
                 "     0        0-1  serving         5  ",
-                "     1        2-3  serving         5  admitted at step 3",
+                "     1        2-3  serving         5  caught up to step 3",
                 "     2        4-5  fenced          -  step 5: rank 1 silent",
             ]
         )
@@ -145,7 +145,7 @@ def test_two_lost_in_one_step_then_one_admitted_while_another_leaves() -> None:
             (0, "fenced", None, "step 3: rank 0 raised RuntimeError: injected"),
             (1, "fenced", None, "step 2: rank 0 dead"),
             (2, "serving", 3, ""),
-            (3, "serving", 3, "admitted at step 2"),
+            (3, "serving", 3, "caught up to step 2"),
         ]
     finally:
         parties.close()

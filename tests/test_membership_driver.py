@@ -80,7 +80,7 @@ def test_membership_records_and_groups() -> None:
         [
             "engine      ranks  status    version  note",
             "     0        0-1  serving         1  ",
-            "     1        2-3  serving         1  admitted at step 1",
+            "     1        2-3  serving         1  caught up to step 1",
             "     2        4-5  serving         1  ",
         ]
     )

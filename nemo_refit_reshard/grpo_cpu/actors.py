@@ -85,6 +85,26 @@ class _RefitMember:
             assert self.worker.refitter is not None
             self.refitters[backend] = self.worker.refitter
 
+    def enter(self, endpoint_json: str, slice_json: str) -> None:
+        """Join a refit group of a run whose engines come and go (``elastic.py``) and
+        load its plan (collective over that group): the first group joined, or the next
+        one after a membership change (``RefitWorker.rejoin``)."""
+        endpoint = RefitEndpoint.from_json(endpoint_json)
+        self.group_rank = endpoint.group_rank
+        self.slice = RankPlan.from_json(slice_json)
+        if self.worker is None:
+            self.worker = RefitWorker(endpoint, self._tensors())
+            self.worker.join()
+            self.worker.load_plan(self.slice)
+        else:
+            self.worker.rejoin(endpoint, self.slice)
+        assert self.worker.refitter is not None
+        self.refitters = {"reshard": self.worker.refitter}
+
+    def weights(self) -> dict[str, Any]:
+        """This rank's weights version (``WeightsState``): what the driver's view must say."""
+        return self.worker.weights.as_dict() if self.worker is not None else {}
+
     def refit(self, backend: str, step: int, verify: bool) -> dict[str, Any]:
         """One refit with ``backend`` (collective over the refit group): barrier, replay,
         and with ``verify`` this rank's checksums (see ``engine/checksum.py``); a delta

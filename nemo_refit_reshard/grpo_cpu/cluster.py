@@ -83,6 +83,9 @@ class GrpoCluster:
         # The last refit's delta bytes over the training actors (sent, dense); None when
         # it was not a delta refit.
         self.last_delta: tuple[int, int] | None = None
+        # refit rank -> the step at whose refit that generation actor exits (fault
+        # injection, taken by the actor's next setup: elastic.py)
+        self.exit_steps: dict[int, int | None] = {}
         s = len(sources)
         tp = cfg.infer.tp
         self.trainers = [ActorInfo("training", r, r) for r in range(s)]
@@ -152,15 +155,15 @@ class GrpoCluster:
         return self.gather(calls, timeout_s, what)
 
     # -- lifecycle --------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, replicas: Sequence[int] | None = None) -> None:
         """Create the actors, build their worlds and models, check their tensors against
-        the plans, join the refit group and load the plans."""
+        the plans, join the refit group and load the plans. With ``replicas`` (a run
+        whose engines come and go, ``elastic.py``): only those generation replicas start,
+        and joining is left to the membership's groups."""
         import ray
 
-        from .actors import GenerationActor, TrainingActor
-
         cfg = self.cfg
-        exit_rank, exit_step = cfg.test_only_exit or (-1, -1)
+        exit_rank, _ = cfg.test_only_exit or (-1, -1)
         if cfg.test_only_exit is not None and exit_rank not in {
             a.refit_rank for a in self.generators
         }:
@@ -172,18 +175,43 @@ class GrpoCluster:
         # Fractional CPUs so every actor fits the cluster at once (collectives need all
         # ranks running); each actor runs one torch thread.
         total = float(ray.cluster_resources().get("CPU", cfg.ray.num_cpus))
-        per_actor = min(1.0, int(total / len(self.actors) * 100) / 100)
-        if per_actor <= 0:
+        self._per_actor = min(1.0, int(total / len(self.actors) * 100) / 100)
+        if self._per_actor <= 0:
             raise ValueError(f"{len(self.actors)} actors do not fit {total} Ray CPUs")
-        opts = dict(num_cpus=per_actor, max_restarts=0, max_task_retries=0)
+        chosen = range(cfg.num_replicas) if replicas is None else replicas
+        started = self._create(self.trainers, chosen)
+        self._setup(started)
+        if replicas is not None:
+            return
+        self._join_all()
+
+    def _create(self, trainers: Sequence[ActorInfo], replicas: Sequence[int]) -> list[ActorInfo]:
+        """Ray actors for ``trainers`` and every tp rank of ``replicas``."""
+        import ray
+
+        from .actors import GenerationActor, TrainingActor
+
+        opts = dict(num_cpus=self._per_actor, max_restarts=0, max_task_retries=0)
         train_cls = ray.remote(TrainingActor).options(**opts)
         gen_cls = ray.remote(GenerationActor).options(**opts)
-        self.trainers = [_with(a, train_cls.remote()) for a in self.trainers]
-        self.generators = [_with(a, gen_cls.remote()) for a in self.generators]
+        made = []
+        for i, a in enumerate(self.trainers):
+            if a in trainers:
+                self.trainers[i] = _with(a, train_cls.remote())
+                made.append(self.trainers[i])
+        for i, a in enumerate(self.generators):
+            if a.replica in replicas:
+                self.generators[i] = _with(a, gen_cls.remote())
+                made.append(self.generators[i])
+        return made
 
-        timeout, setup_s = cfg.refit.timeout_s, cfg.ray.setup_timeout_s
+    def _setup(self, actors: Sequence[ActorInfo]) -> None:
+        """Build the actors' worlds and models; check their tensors against the plan."""
+        cfg = self.cfg
+        exit_rank, exit_step = cfg.test_only_exit or (-1, -1)
+        setup_s = cfg.ray.setup_timeout_s
         train_port = free_port()
-        replica_ports = [free_port() for _ in range(cfg.num_replicas)]
+        replica_ports = {a.replica: free_port() for a in actors if a.role == "generation"}
         calls = [
             (
                 a,
@@ -191,7 +219,8 @@ class GrpoCluster:
                     cfg.policy, a.rank, str(cfg.train), cfg.grpo, cfg.seed, train_port, setup_s
                 ),
             )
-            for a in self.trainers
+            for a in actors
+            if a.role == "training"
         ]
         calls += [
             (
@@ -204,17 +233,36 @@ class GrpoCluster:
                     cfg.infer_dtype,
                     replica_ports[a.replica],
                     setup_s,
-                    exit_step if a.refit_rank == exit_rank else None,
+                    self.exit_steps.pop(
+                        a.refit_rank, exit_step if a.refit_rank == exit_rank else None
+                    ),
                 ),
-            )
-            for a in self.generators
+            )  # fmt: skip
+            for a in actors
+            if a.role == "generation"
         ]
         self.gather(calls, setup_s, "actor setup")
-
-        described = self.call_all(self.actors, "describe", (), setup_s, "describe_tensors")
-        for a, tensors in zip(self.actors, described):
+        described = self.call_all(actors, "describe", (), setup_s, "describe_tensors")
+        for a, tensors in zip(actors, described):
             check_worker_tensors(self.plan, self.broadcast, a.refit_rank, tensors, str(a))
 
+    def start_replica(self, replica: int) -> None:
+        """Start (or start again) every tp rank of generation ``replica``."""
+        self._setup(self._create((), (replica,)))
+
+    def stop_replica(self, replica: int) -> None:
+        """End every actor of generation ``replica`` (a fenced engine receives nothing)."""
+        import ray
+
+        for i, a in enumerate(self.generators):
+            if a.replica == replica and a.handle is not None:
+                ray.kill(a.handle, no_restart=True)
+                self.generators[i] = _with(a, None)
+
+    def _join_all(self) -> None:
+        """Every actor joins one refit group and loads the full plans."""
+        cfg = self.cfg
+        timeout, setup_s = cfg.refit.timeout_s, cfg.ray.setup_timeout_s
         world = len(self.actors)
         # This run's rendezvous: only the actors its secret is shipped to can join.
         meet = new_rendezvous()
@@ -305,12 +353,15 @@ class GrpoCluster:
         )
         return canonical_from_ranks(self.shapes, self.sources, states, "training actors")
 
-    def generator_canonical(self) -> dict[str, torch.Tensor]:
-        """Canonical tensors reassembled from every generation rank's live tensors."""
+    def generator_canonical(self, replicas: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+        """Canonical tensors reassembled from the live tensors of every generation rank
+        (of ``replicas`` only, if given); replicas must agree bit for bit."""
+        actors = [a for a in self.generators if replicas is None or a.replica in replicas]
         states = self.call_all(
-            self.generators, "local_state", (), self.cfg.ray.call_timeout_s, "local_state"
+            actors, "local_state", (), self.cfg.ray.call_timeout_s, "local_state"
         )
-        return canonical_from_ranks(self.shapes, self.destinations, states, "generation actors")
+        layouts = [self.destinations[a.rank] for a in actors]
+        return canonical_from_ranks(self.shapes, layouts, states, "generation actors")
 
 
 def _with(info: ActorInfo, handle: Any) -> ActorInfo:

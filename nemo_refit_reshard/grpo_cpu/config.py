@@ -99,6 +99,32 @@ class RaySettings:
 
 
 @dataclass(frozen=True)
+class FaultSettings:
+    """Engines that come and go while the run trains (``grpo_cpu/elastic.py``).
+
+    ``lose_engine_at_step=K``: generation engine ``engine`` (a replica) dies when the
+    refit of step K starts; it is fenced and the others finish step K's refit.
+    ``add_engine_at_step=M``: engine ``engine`` joins before step M generates — restarted
+    if it was lost before M, else a new engine (the run then starts without it)."""
+
+    lose_engine_at_step: int | None = None
+    add_engine_at_step: int | None = None
+    engine: int | None = None  # which replica; None: the last one (infer.dp - 1)
+
+    @property
+    def active(self) -> bool:
+        return self.lose_engine_at_step is not None or self.add_engine_at_step is not None
+
+    def engine_of(self, num_replicas: int) -> int:
+        return num_replicas - 1 if self.engine is None else self.engine
+
+    def starts_without_it(self) -> bool:
+        """Whether the run starts without the engine (it joins as a new one)."""
+        add, lose = self.add_engine_at_step, self.lose_engine_at_step
+        return add is not None and (lose is None or lose >= add)
+
+
+@dataclass(frozen=True)
 class GrpoRunConfig:
     train: TrainParallel = field(default_factory=lambda: TrainParallel(tp=2))
     infer: InferParallel = field(default_factory=lambda: InferParallel(tp=2, dp=2))
@@ -110,6 +136,7 @@ class GrpoRunConfig:
     seed: int = 0
     refit: RefitSettings = field(default_factory=RefitSettings)
     ray: RaySettings = field(default_factory=RaySettings)
+    faults: FaultSettings = field(default_factory=FaultSettings)
     progress: bool = True  # tqdm bar and one printed line per step
     # Test-only fault injection (never set by the YAML):
     test_only_drop_tensor: str | None = None  # remove this canonical tensor from the plans
@@ -135,14 +162,55 @@ class GrpoRunConfig:
                 f"grpo.max_new_tokens={g.max_new_tokens} but the task scores exactly "
                 f"model.length={self.task.completion_len} tokens; make them equal"
             )
+        self._check_faults()
+        out = (
+            [("the generation replicas serving while an engine is out", self.infer.dp - 1)]
+            if self.faults.active
+            else []
+        )
         for what, n in (
             ("infer.dp (generation replicas)", self.infer.dp),
+            *out,
             ("train.dp", self.train.dp),
         ):
             if g.prompts_per_step % n:
                 raise ValueError(
                     f"grpo.prompts_per_step={g.prompts_per_step} must split evenly over {what}={n}"
                 )
+
+    def _check_faults(self) -> None:
+        f, dp = self.faults, self.infer.dp
+        if not f.active:
+            if f.engine is not None:
+                raise ValueError(
+                    "faults.engine applies with faults.lose_engine_at_step or "
+                    "faults.add_engine_at_step; set one, or drop faults.engine"
+                )
+            return
+        for key in ("lose_engine_at_step", "add_engine_at_step"):
+            value = getattr(f, key)
+            if value is not None and not 1 <= value <= self.num_steps:
+                raise ValueError(
+                    f"faults.{key}={value} must be a step of the run (1..{self.num_steps})"
+                )
+        if f.lose_engine_at_step is not None and f.lose_engine_at_step == f.add_engine_at_step:
+            raise ValueError(
+                f"faults.lose_engine_at_step and faults.add_engine_at_step are both "
+                f"{f.add_engine_at_step}: the engine joins before that step generates and "
+                "would die in its refit; choose different steps"
+            )
+        engine = f.engine_of(dp)
+        if dp < 2 or not 0 <= engine < dp:
+            raise ValueError(
+                f"faults.engine={engine} with infer.dp={dp}: the run needs another engine "
+                f"serving while it is out (infer.dp >= 2, faults.engine in 0..{dp - 1})"
+            )
+        r = self.refit
+        if r.backend != "reshard" or r.compare_broadcast or r.verify:
+            raise ValueError(
+                "faults: engines that come and go refit with the reshard backend only: set "
+                "refit.backend: reshard, refit.compare_broadcast: false, refit.verify: false"
+            )
 
     @property
     def num_replicas(self) -> int:
@@ -153,7 +221,7 @@ class GrpoRunConfig:
         """Build from the YAML layout: ``model``, ``train``, ``infer``, ``grpo``, ``refit``,
         ``ray`` and ``progress`` (a ``hydra`` key, if present, is ignored)."""
         cfg = {k: v for k, v in cfg.items() if k != "hydra"}
-        _known(cfg, {"model", "train", "infer", "grpo", "refit", "ray", "progress"}, "")
+        _known(cfg, {"model", "train", "infer", "grpo", "refit", "ray", "faults", "progress"}, "")
         model = dict(cfg.get("model") or {})
         sizes = {"hidden_size", "intermediate_size", "num_layers"}
         _known(model, {"policy", "task", "length", "alphabet", "init_std"} | sizes, "model.")
@@ -197,6 +265,11 @@ class GrpoRunConfig:
         _known(refit, {f.name for f in fields(RefitSettings)}, "refit.")
         ray = dict(cfg.get("ray") or {})
         _known(ray, {f.name for f in fields(RaySettings)}, "ray.")
+        faults = dict(cfg.get("faults") or {})
+        _known(faults, {f.name for f in fields(FaultSettings)}, "faults.")
+        faults = {
+            k: None if v is None else _typed(f"faults.{k}", v, int) for k, v in faults.items()
+        }
         train_par = TrainParallel.parse(_parallel_string(train))
         infer_par = InferParallel.parse(_parallel_string(infer))
         _check_parallel(hf, train_par, infer_par)
@@ -211,6 +284,7 @@ class GrpoRunConfig:
             seed=seed,
             refit=RefitSettings(**refit),
             ray=RaySettings(**ray),
+            faults=FaultSettings(**faults),
             progress=bool(cfg.get("progress", True)),
         )
 
@@ -250,4 +324,4 @@ def _parallel_string(section: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in section.items())
 
 
-__all__ = ["GrpoRunConfig", "RaySettings", "RefitSettings"]
+__all__ = ["FaultSettings", "GrpoRunConfig", "RaySettings", "RefitSettings"]

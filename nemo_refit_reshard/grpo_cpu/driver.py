@@ -34,17 +34,21 @@ import torch
 from ..plan import plan_broadcast, plan_refit
 from .cluster import GrpoCluster
 from .config import GrpoRunConfig
+from .elastic import ElasticRefit
 from .plans import broadcast_without_canonical, build_layouts, without_canonical
 from .report import StepReport, format_step
 
 
 @dataclass(frozen=True)
 class RefitEvent:
-    """Passed to ``after_refit`` after every refit (step 0 = the initial one)."""
+    """Passed to ``after_refit`` after every refit (step 0 = the initial one).
+    ``replicas``: the generation replicas that hold the step (all but fenced ones)."""
 
     step: int
     backend: str
     cluster: GrpoCluster
+    replicas: tuple[int, ...] = ()
+    elastic: ElasticRefit | None = None
 
 
 def run_grpo(
@@ -82,27 +86,66 @@ def run_grpo(
         )
     shapes = {t.name: t.shape for t in spec}
     cluster = GrpoCluster(cfg, plan, bplan, sources, destinations, shapes)
+    elastic = None
+    if cfg.faults.active:
+        elastic = ElasticRefit(cfg, cluster, plan, spec, sources, destinations)
     try:
-        cluster.start()
-        for backend in cfg.refit.backends:  # step 0
-            cluster.refit(backend, 0)
-            if after_refit is not None:
-                after_refit(RefitEvent(0, backend, cluster))
-        return _loop(cfg, cluster, nbytes, after_refit, on_step)
+        if elastic is not None:
+            elastic.start()
+        else:
+            cluster.start()
+        steps = _Steps(cfg, cluster, nbytes, elastic, after_refit)
+        steps.refit(0)
+        return _loop(cfg, steps, on_step)
     finally:
         cluster.shutdown()
         if started_ray:
             ray.shutdown()
 
 
+class _Steps:
+    """Each step's refit(s) and generation, over every replica or the membership's."""
+
+    def __init__(
+        self,
+        cfg: GrpoRunConfig,
+        cluster: GrpoCluster,
+        nbytes: dict[str, int],
+        elastic: ElasticRefit | None,
+        after_refit: Callable[[RefitEvent], None] | None,
+    ) -> None:
+        self.cfg, self.cluster, self.nbytes = cfg, cluster, nbytes
+        self.elastic, self.after_refit = elastic, after_refit
+
+    @property
+    def replicas(self) -> tuple[int, ...]:
+        if self.elastic is not None:
+            return self.elastic.serving
+        return tuple(range(self.cfg.num_replicas))
+
+    def refit(self, step: int) -> tuple[dict[str, float], tuple[int, int] | None]:
+        """Every backend's refit of ``step`` (the real one last); seconds per backend
+        and a delta refit's bytes."""
+        seconds: dict[str, float] = {}
+        delta: tuple[int, int] | None = None
+        for backend in self.cfg.refit.backends:
+            if self.elastic is not None:
+                seconds[backend] = self.elastic.refit(step)
+                delta = self.elastic.last_delta or delta
+                self.nbytes[backend] = self.elastic.bytes_per_refit
+            else:
+                seconds[backend] = self.cluster.refit(backend, step)
+                delta = self.cluster.last_delta or delta
+            if self.after_refit is not None:
+                event = RefitEvent(step, backend, self.cluster, self.replicas, self.elastic)
+                self.after_refit(event)
+        return seconds, delta
+
+
 def _loop(
-    cfg: GrpoRunConfig,
-    cluster: GrpoCluster,
-    nbytes: dict[str, int],
-    after_refit: Callable[[RefitEvent], None] | None,
-    on_step: Callable[[StepReport], None] | None,
+    cfg: GrpoRunConfig, steps: _Steps, on_step: Callable[[StepReport], None] | None
 ) -> list[StepReport]:
-    g, task = cfg.grpo, cfg.task
+    g, task, cluster = cfg.grpo, cfg.task, steps.cluster
     prompt_gen = torch.Generator().manual_seed(cfg.seed)
     bar = _progress(cfg)
     reports = []
@@ -111,7 +154,9 @@ def _loop(
             t0 = time.perf_counter()
             prompts = task.sample_prompts(g.prompts_per_step, prompt_gen)
             prompts = prompts.repeat_interleave(g.group_size, dim=0)
-            completions, gen_logprobs = _generate(cfg, cluster, prompts, step)
+            if steps.elastic is not None:
+                steps.elastic.before_generation(step)
+            completions, gen_logprobs = _generate(cfg, cluster, prompts, step, steps.replicas)
             rewards = task.reward(prompts, completions)
             tokens = torch.cat([prompts, completions], dim=1)
             results = cluster.call_all(
@@ -123,25 +168,24 @@ def _loop(
             )
             train_logprobs, metrics = results[0]
             diff = float((gen_logprobs - train_logprobs).abs().max())
-            seconds: dict[str, float] = {}
-            delta: tuple[int, int] | None = None
-            for backend in cfg.refit.backends:
-                seconds[backend] = cluster.refit(backend, step)
-                delta = cluster.last_delta or delta
-                if after_refit is not None:
-                    after_refit(RefitEvent(step, backend, cluster))
+            seconds, delta = steps.refit(step)
             report = StepReport(
                 step=step,
                 reward=float(rewards.mean()),
                 refit_seconds=seconds,
-                refit_bytes={b: nbytes[b] for b in seconds},
+                refit_bytes={b: steps.nbytes[b] for b in seconds},
                 max_logprob_diff=diff,
                 seconds=time.perf_counter() - t0,
                 metrics=metrics,
                 delta_bytes=delta,
+                engines=steps.replicas if steps.elastic is not None else None,
             )
             reports.append(report)
             if bar is not None:
+                for event in steps.elastic.events if steps.elastic is not None else ():
+                    bar.write(event)
+                if steps.elastic is not None:
+                    steps.elastic.events.clear()
                 bar.write(format_step(report, cfg.refit.backend))
                 bar.update(1)
             if on_step is not None:
@@ -149,26 +193,32 @@ def _loop(
     finally:
         if bar is not None:
             bar.close()
+    if cfg.progress and steps.elastic is not None:
+        print(steps.elastic.membership)
     return reports
 
 
 def _generate(
-    cfg: GrpoRunConfig, cluster: GrpoCluster, prompts: torch.Tensor, step: int
+    cfg: GrpoRunConfig,
+    cluster: GrpoCluster,
+    prompts: torch.Tensor,
+    step: int,
+    replicas: tuple[int, ...],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample on every replica (whole prompt groups per replica); tokens, logprobs."""
-    chunks = prompts.chunk(cfg.num_replicas, dim=0)
+    """Sample on every replica of ``replicas`` (whole prompt groups per replica);
+    tokens, logprobs."""
+    chunks = dict(zip(replicas, prompts.chunk(len(replicas), dim=0)))
     calls = []
-    for a in cluster.generators:
+    actors = [a for a in cluster.generators if a.replica in chunks]
+    for a in actors:
         # One seed per (run, step, replica): tp ranks of a replica must agree on it.
         seed = (cfg.seed * 1_000_003 + step) * 1009 + a.replica
         args = (chunks[a.replica], cfg.grpo.max_new_tokens, cfg.grpo.temperature, seed)
         calls.append((a, a.handle.generate.remote(*args)))
     out = cluster.gather(calls, cfg.ray.call_timeout_s, f"step {step}, generation")
-    per_replica: dict[int, Any] = {
-        a.replica: o for a, o in zip(cluster.generators, out) if a.tp_rank == 0
-    }
-    tokens = torch.cat([per_replica[r][0] for r in range(cfg.num_replicas)])
-    logprobs = torch.cat([per_replica[r][1] for r in range(cfg.num_replicas)])
+    per_replica: dict[int, Any] = {a.replica: o for a, o in zip(actors, out) if a.tp_rank == 0}
+    tokens = torch.cat([per_replica[r][0] for r in replicas])
+    logprobs = torch.cat([per_replica[r][1] for r in replicas])
     return tokens, logprobs
 
 

@@ -25,6 +25,8 @@ class StepReport:
     # refit.delta: (bytes sent, bytes the same messages weigh dense), summed over the
     # training actors (payloads and headers sent; dense without headers); else None
     delta_bytes: tuple[int, int] | None = None
+    # faults: the generation engines (replicas) that hold the step after its refit
+    engines: tuple[int, ...] | None = None
 
 
 def pop_plot_flag(argv: list[str]) -> str | None:
@@ -57,6 +59,8 @@ def format_step(r: StepReport, backend: str) -> str:
     if r.delta_bytes is not None:
         sent, dense = r.delta_bytes
         refits += f"  delta sent {_kb(sent)} of {_kb(dense)} dense"
+    if r.engines is not None:
+        refits += f"  engines {','.join(map(str, r.engines))}"
     return (
         f"step {r.step:3d}  reward {r.reward:.3f}  refit {refits}  "
         f"max|Δlogprob| {r.max_logprob_diff:.1e}  step {r.seconds:5.2f} s"

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ...engine.delta import DeltaOptions
 from ...engine.rendezvous import new_rendezvous
 from ...plan.membership import MemberPlan, MembershipPlans
 from .endpoint import RefitEndpoint
@@ -88,6 +89,9 @@ class Membership:
     timeout_s: float = 60.0
     connect_timeout_s: float | None = None
     transport: str = "gloo"
+    delta: DeltaOptions | None = (
+        None  # delta refit on every rank (the first step of a group is dense)
+    )
     engines: dict[int, EngineRecord] = field(init=False)
     groups_made: int = field(init=False, default=0)
 
@@ -117,7 +121,7 @@ class Membership:
         def endpoint(rank: int) -> RefitEndpoint:
             return RefitEndpoint(
                 rdv.ip, rdv.port, world, rank, self.transport, self.timeout_s,
-                self.connect_timeout_s, secret=rdv.secret,
+                self.connect_timeout_s, secret=rdv.secret, delta=self.delta,
             )  # fmt: skip
 
         endpoints: dict[tuple, RefitEndpoint] = {
@@ -134,7 +138,7 @@ class Membership:
             record = self.engines[e]
             record.version = step
             if record.status == JOINING:
-                record.status, record.note = SERVING, f"admitted at step {step}"
+                record.status, record.note = SERVING, f"caught up to step {step}"
 
     def fence(self, engine: int, why: str) -> None:
         """``engine`` receives nothing more; what it holds is stale from now on."""
