@@ -203,3 +203,39 @@ def test_example_overrides_compose_with_verls_config(tmp_path: Path, rollout: st
     assert config.infer_engine == cfg["actor_rollout_ref"]["rollout"]["name"] == rollout
     assert cfg["trainer"]["v1"]["trainer_mode"] == "separate_async"
     assert cfg["actor_rollout_ref"]["hybrid_engine"] is False
+
+
+def test_replicas_removed_added_and_lost_through_verls_elastic_calls(tmp_path: Path) -> None:
+    """veRL's own ``remove_replicas`` / ``add_replicas`` between updates, and the caller's
+    recovery from a dead rollout worker (remove its replica, update again): every update
+    after a change joins a new refit group planned for the replicas serving (a re-added
+    replica leaves its old group), and every serving GPU holds exactly its shard of that
+    step; the failed attempt ends within the refit timeout."""
+    model = model_dir(tmp_path)
+    kwargs = {"model": str(model), "infer": "tp=1", "timeout_s": 60, **LOCAL}
+    out = drive(
+        tmp_path,
+        actors=2,
+        infer="tp=1",
+        replicas=3,
+        steps=5,
+        checkpoints=checkpoints(model, 5),
+        engine_kwargs=kwargs,
+        membership={"1": [0, 2], "2": [0, 1, 2]},
+        kill_rollout_before_step=3,
+        remove_dead_and_retry=True,
+    )
+    failed = [s for s in out["steps"] if "error" in s]
+    done = [s for s in out["steps"] if "error" not in s]
+    assert len(failed) == 1 and "RolloutWorker" in failed[0]["error"], failed
+    assert failed[0]["seconds"] < 60
+    # veRL appends an added replica: its rollout ranks come last in the new group
+    assert [s["replicas"] for s in done] == [[0, 1, 2], [0, 2], [0, 2, 1], [0, 1], [0, 1]]
+    config = ReshardEngineConfig.from_engine_kwargs(kwargs, 1 << 20)
+    for step in done:
+        plan = plan_full_tensors(config, 2, len(step["replicas"]))
+        assert step["metrics"]["reshard/plan"] == plan.plan.fingerprint[:16]
+        assert [c["rank"] for c in step["checks"]] == step["replicas"]
+        for check in step["checks"]:
+            assert check["wrong"] == check["extra"] == check["missing"] == [], check
+            assert check["bytes_received"] == plan.bytes // len(step["replicas"])

@@ -4,7 +4,9 @@
 
 SPEC: ``{"model", "actors", "infer", "replicas", "steps", "checkpoints": [one
 safetensors path per step], "engine_kwargs", "kill_rollout_before_step": int|null,
-"rollout_name": "vllm"|"sglang"}``.
+"rollout_name": "vllm"|"sglang", "membership": {step: [replica indices serving from that
+step on]} (veRL's ``remove_replicas`` / ``add_replicas`` before it), "remove_dead_and_retry":
+bool (a failed update: the replica of the killed worker is removed, the update retried)}``.
 
 Real veRL: ``CheckpointEngineManager``, ``RayWorkerGroup``, ``CheckpointEngineWorker``,
 ``RolloutReplica``, the registry and its ``custom_backend_module`` import, and (SGLang)
@@ -214,19 +216,44 @@ async def run(spec: dict) -> dict:
     manager = CheckpointEngineManager(config=config, actor_wg=actor_wg, replicas=replicas)
     full_infer = f"{spec['infer']},dp={spec['replicas']}"
     steps = []
+    membership = spec.get("membership", {})  # step -> the replicas serving from then on
+    dead: set[int] = set()
     for step in range(spec["steps"]):
+        if str(step) in membership:  # veRL's elastic calls, between updates
+            serving = [replicas[i] for i in membership[str(step)]]
+            manager.remove_replicas([r for r in manager.replicas if r not in serving])
+            manager.add_replicas([r for r in serving if r not in manager.replicas])
         if spec.get("kill_rollout_before_step") == step:
             ray.kill(rollout_wg.workers[-1])
-        t0 = time.perf_counter()
-        try:
-            metrics = await manager.update_weights(global_steps=step)
-        except Exception as err:
-            steps.append(
-                {"error": f"{type(err).__name__}: {err}", "seconds": time.perf_counter() - t0}
-            )
-            break
-        checks = rollout_wg.check_received(spec["checkpoints"][step], full_infer)
-        steps.append({"metrics": metrics, "checks": checks, "seconds": time.perf_counter() - t0})
+            dead.add(len(replicas) - 1)
+        for attempt in range(2):
+            t0 = time.perf_counter()
+            try:
+                metrics = await manager.update_weights(global_steps=step)
+                break
+            except Exception as err:
+                steps.append(
+                    {"error": f"{type(err).__name__}: {err}", "seconds": time.perf_counter() - t0}
+                )
+                if not spec.get("remove_dead_and_retry") or attempt:
+                    return {"steps": steps}
+                # the caller's recovery: the replica with the dead worker leaves
+                manager.remove_replicas([replicas[i] for i in dead])
+        serving_workers = [w for r in manager.replicas for w in r.workers]
+        checks = ray.get(
+            [
+                w.check_received.remote(spec["checkpoints"][step], full_infer)
+                for w in serving_workers
+            ]
+        )
+        steps.append(
+            {
+                "metrics": metrics,
+                "checks": checks,
+                "replicas": [r.replica_rank for r in manager.replicas],
+                "seconds": time.perf_counter() - t0,
+            }
+        )
     return {"steps": steps}
 
 

@@ -55,17 +55,30 @@ class CheckpointEngineRank:
     def joined(self) -> bool:
         return self.worker is not None
 
+    @property
+    def group_usable(self) -> bool:
+        """Joined, and no refit of the group failed on this rank (a failed one leaves the
+        group unusable until a new one is joined)."""
+        return self.worker is not None and self.worker.weights.stale is None
+
+    def group_identity(self) -> list[Any] | None:
+        """``[host, port, world size]`` of the group this rank is in and can refit with;
+        None if it is in none, or its group failed."""
+        if not self.group_usable:
+            return None
+        e = self.worker.endpoint  # type: ignore[union-attr]
+        return [e.host, e.port, e.world_size]
+
     def join(self, endpoint: RefitEndpoint, slice_: RankPlan, settings: str | None = None) -> None:
         """Allocate, rendezvous and compile (collective over the refit group). ``settings``:
         the settings the plan was built with (:func:`~.config.planning_settings`), if they differ
         from this worker's own."""
         if self.worker is not None:
-            if self.worker.endpoint != endpoint:
-                raise PlanError(
-                    f"refit group changed from {self.worker.endpoint} to {endpoint}; the "
-                    "reshard engine keeps one group for the whole run"
-                )
-            return
+            if self.worker.endpoint == endpoint and self.group_usable:
+                return
+            # Another group (replicas added or removed, or this one failed): leave it and
+            # join the new one afresh, its plan and buffers included.
+            self.close()
         if settings is not None:
             self.config = ReshardEngineConfig(**json.loads(settings))
         self.slice = rp = slice_

@@ -5,10 +5,13 @@ GPU's ``CheckpointEngineWorker``; its ``CheckpointEngineManager`` drives them ea
 update: ``prepare`` on all, ``build_topology`` on the driver, ``init_process_group``
 on all (concurrently), then ``send_weights`` / ``receive_weights``, ``finalize``.
 
-Here ``build_topology`` builds the plan once (the first update; config errors fail
-there, before any transfer) and hands each rank its slice; ``init_process_group``
-joins our refit group (a stateless gloo or CuPy NCCL group of its own, independent
-of veRL's process groups) and compiles, once. Sending and receiving are
+Here ``build_topology`` builds the plan once per world size (the first update; config
+errors fail there, before any transfer) and hands each rank its slice;
+``init_process_group`` joins our refit group (a stateless gloo or CuPy NCCL group of its
+own, independent of veRL's process groups) and compiles, once per group. The group
+changes when veRL's ``remove_replicas`` / ``add_replicas`` change the rollout ranks or an
+update failed: every rank then joins the new group actor rank 0 offered in ``prepare``.
+Sending and receiving are
 :class:`~nemo_refit_reshard.integrations.checkpoint_engine.CheckpointEngineRank`'s.
 With ``delta: true`` in the settings every endpoint carries the delta options
 (``engine/delta.py``): each update sends each message in its smallest form. A rollout
@@ -61,22 +64,32 @@ class ReshardCheckpointEngine(CheckpointEngine):
         )
         self.config = self.rank.config
         self.is_master = is_master
-        self.rendezvous: Rendezvous | None = None  # the master's, made once per group
+        self.rendezvous: Rendezvous | None = None  # the master's group's
+        self.spare: Rendezvous | None = None  # the master's offer of a new group
 
     @property
     def bytes_received(self) -> int:
         return self.rank.bytes_received
 
-    # -- setup (every update; the group and program are made once) -------------------
+    # -- setup (every update; the group and program are made once per group) ---------
     def prepare(self) -> dict[str, Any]:
-        if self.is_master and self.rendezvous is None:
-            self.rendezvous = group_rendezvous(self.config.host)
+        # The master offers the group it is in and a new one (``build_topology`` picks):
+        # the replicas can change between updates (veRL's add_replicas/remove_replicas)
+        # and a failed update leaves the group unusable; either way everyone joins anew.
+        spare = None
+        if self.is_master:
+            if self.rendezvous is None:
+                self.rendezvous = group_rendezvous(self.config.host)
+            spare = self.spare = group_rendezvous(self.config.host)
         r = self.rendezvous
         return worker_metadata(
             self.rank,
             master=self.is_master,
             address=[r.ip, r.port] if r else None,
             secret=r.secret if r else None,
+            spare_address=[spare.ip, spare.port] if spare else None,
+            spare_secret=spare.secret if spare else None,
+            group=self.rank.group_identity(),
             rollout_engines=loaded_rollout_engines(),
         )
 
@@ -93,9 +106,13 @@ class ReshardCheckpointEngine(CheckpointEngine):
         check_rollout_engine(config.infer_engine, metadata[a:], WHERE)
         # The first update plans; later ones reuse the plan and its slices' JSON.
         slices = cached_plan(text, a, r).slices_json
-        # The master made the rendezvous once per group (build_topology runs every
-        # update; the group, and so its endpoint, stays); shipped with each endpoint.
-        (ip, port), secret = masters[0]["address"], masters[0]["secret"]
+        # The group stays from update to update while every rank is in it, whole, with
+        # this world size; otherwise (a replica added or removed, an update that failed)
+        # every rank joins the master's new one. Shipped with each endpoint.
+        master = masters[0]
+        (ip, port), secret = master["address"], master["secret"]
+        if any(m.get("group") != [ip, port, a + r] for m in metadata):
+            (ip, port), secret = master["spare_address"], master["spare_secret"]
 
         delta = config.delta_options  # delta refit travels with every rank's endpoint
 
@@ -117,10 +134,14 @@ class ReshardCheckpointEngine(CheckpointEngine):
         return actor, rollout
 
     def init_process_group(self, endpoint: str, plan: str, settings: str) -> None:
-        if self.rank.joined:  # the group and program are made once per run
-            self.rank.join(RefitEndpoint.from_json(endpoint), self.rank.slice)  # type: ignore[arg-type]
+        """Join the group (kept while it stays the same: the program is made once per
+        group)."""
+        point = RefitEndpoint.from_json(endpoint)
+        if self.rank.joined and self.rank.worker.endpoint == point and self.rank.group_usable:  # type: ignore[union-attr]
             return
-        self.rank.join(RefitEndpoint.from_json(endpoint), RankPlan.from_json(plan), settings)
+        if self.is_master and self.spare is not None and point.port == self.spare.port:
+            self.rendezvous = self.spare  # the master's store serves the new group
+        self.rank.join(point, RankPlan.from_json(plan), settings)
 
     def delta_stats(self) -> dict[str, Any] | None:
         """This rank's last delta update (``DeltaStats`` fields: ``sent_bytes``,
