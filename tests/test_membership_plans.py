@@ -203,3 +203,20 @@ def test_planning_again_replaces_the_derived_plan_for_the_next_group() -> None:
     with pytest.raises(PlanError) as err:
         MembershipPlans(plan, SPEC, src, dst, _engines(infer)).plan_again([0])
     assert str(err.value) == "planning again needs MembershipPlans(replan=...)"
+
+
+def test_plans_derived_ahead_are_ready_and_the_same() -> None:
+    infer = InferParallel(tp=2, dp=3)
+    src, dst = _layouts(SPEC, TrainParallel(tp=2), infer)
+    plan = plan_refit(SPEC, src, dst, 0.05, relay="none")
+    plans = MembershipPlans(plan, SPEC, src, dst, _engines(infer))
+    done = plans.derive_ahead([(1, 2), (0, 2), (0, 1)])
+    first = plans.for_engines([0, 2])  # ready, or waited for: never derived twice
+    assert done.result(timeout=300) == 3
+    assert plans.for_engines([0, 2]) is first and first.how == "derived"
+    inline = MembershipPlans(plan, SPEC, src, dst, _engines(infer)).for_engines([0, 2])
+    assert inline.plan.fingerprint == first.plan.fingerprint
+    assert plans.derive_ahead([(0, 2)]).result(timeout=300) == 0  # cached: nothing to do
+    with pytest.raises(PlanError) as err:
+        plans.derive_ahead([(0, 7)])
+    assert str(err.value) == "engines [0, 7]: choose at least one of 0..2"

@@ -26,8 +26,11 @@ message a leaving engine stores into a relay buffer — is planned again with
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from operator import itemgetter
 
@@ -326,6 +329,9 @@ class MembershipPlans:
     engines: tuple[tuple[int, ...], ...]
     replan: Callable[[list[RankLayout]], RefitPlan] | None = None
     _cache: dict[frozenset[int], MemberPlan] = field(default_factory=dict, repr=False)
+    # sets being derived ahead (derive_ahead), and the lock over both tables
+    _pending: dict[frozenset[int], Future] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         flat = sorted(d for ranks in self.engines for d in ranks)
@@ -337,16 +343,59 @@ class MembershipPlans:
 
     def for_engines(self, engines: Iterable[int]) -> MemberPlan:
         """The plan for these engines (any order, at least one), built once per set."""
-        import time
+        chosen = self._chosen(engines)
+        key = frozenset(chosen)
+        with self._lock:
+            made = self._cache.get(key)
+            pending = self._pending.get(key)
+        if made is not None:
+            return made
+        if pending is not None:  # being derived ahead: wait for it rather than twice
+            return pending.result()
+        return self._made(chosen)
 
+    def derive_ahead(self, sets: Iterable[Iterable[int]]) -> Future:
+        """Derive the plans for ``sets`` in a thread, off the step's critical path (e.g.
+        every set of the engines serving less one, right after a group is made, so that
+        a failure finds its plan ready). ``for_engines`` of a set still being derived
+        waits for it. The future is done when all are."""
+        todo = []
+        wanted = [self._chosen(engines) for engines in sets]
+        with self._lock:
+            for chosen in wanted:
+                key = frozenset(chosen)
+                if key not in self._cache and key not in self._pending:
+                    self._pending[key] = Future()
+                    todo.append(chosen)
+        done: Future = Future()
+
+        def run() -> None:
+            for chosen in todo:
+                key = frozenset(chosen)
+                future = self._pending[key]
+                try:
+                    future.set_result(self._made(chosen))
+                except BaseException as err:  # for_engines of the set raises it
+                    future.set_exception(err)
+                finally:
+                    with self._lock:
+                        self._pending.pop(key, None)
+            done.set_result(len(todo))
+
+        threading.Thread(target=run, name="derive-ahead", daemon=True).start()
+        return done
+
+    def _chosen(self, engines: Iterable[int]) -> tuple[int, ...]:
         chosen = tuple(sorted(set(engines)))
         if not chosen or not all(0 <= e < len(self.engines) for e in chosen):
             raise PlanError(
                 f"engines {list(chosen)}: choose at least one of 0..{len(self.engines) - 1}"
             )
+        return chosen
+
+    def _made(self, chosen: tuple[int, ...]) -> MemberPlan:
+        """Derive (or plan again) the set ``chosen`` and cache it."""
         key = frozenset(chosen)
-        if key in self._cache:
-            return self._cache[key]
         keep = tuple(sorted(d for e in chosen for d in self.engines[e]))
         t0 = time.perf_counter()
         if len(chosen) == len(self.engines):
@@ -363,7 +412,8 @@ class MembershipPlans:
                 plan = self.replan(narrowed_layouts(self.destinations, keep))
                 how = f"re-planned: {err}"
         made = MemberPlan(plan, chosen, keep, how, time.perf_counter() - t0)
-        self._cache[key] = made
+        with self._lock:
+            self._cache[key] = made
         return made
 
     def plan_again(self, engines: Iterable[int]) -> MemberPlan:
@@ -371,8 +421,6 @@ class MembershipPlans:
         rounds: at most a few percent slower, ``docs/benchmarks.md``), cached in place of
         the derived one so that the next group made for the set uses it. Slow (a full
         plan): call it off the step's critical path, e.g. in a thread between steps."""
-        import time
-
         if self.replan is None:
             raise PlanError("planning again needs MembershipPlans(replan=...)")
         made = self.for_engines(engines)
@@ -382,5 +430,6 @@ class MembershipPlans:
         plan = self.replan(narrowed_layouts(self.destinations, made.destinations))
         fresh = MemberPlan(plan, made.engines, made.destinations, "planned again",
                            time.perf_counter() - t0)  # fmt: skip
-        self._cache[frozenset(made.engines)] = fresh
+        with self._lock:
+            self._cache[frozenset(made.engines)] = fresh
         return fresh

@@ -92,6 +92,7 @@ class Membership:
     delta: DeltaOptions | None = (
         None  # delta refit on every rank (the first step of a group is dense)
     )
+    derive_ahead: bool = True  # derive the plans for one engine fewer in a thread
     engines: dict[int, EngineRecord] = field(init=False)
     groups_made: int = field(init=False, default=0)
 
@@ -113,6 +114,8 @@ class Membership:
                 "no engine is serving: admit one (Membership.admit) before the next refit"
             )
         made = self.plans.for_engines(engines)
+        if self.derive_ahead and len(engines) > 1:  # a failure next finds its plan ready
+            self.plans.derive_ahead(tuple(x for x in engines if x != e) for e in engines)
         plan = made.plan
         world = plan.num_sources + plan.num_destinations
         rdv = new_rendezvous(self.host)
