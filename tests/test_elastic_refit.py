@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from nemo_refit_reshard.engine.delta import DeltaOptions
 from nemo_refit_reshard.integrations.worker.membership import (
     Membership,
     admit_engine,
@@ -20,10 +21,11 @@ from nemo_refit_reshard.plan.membership import MembershipPlans
 from nemo_refit_reshard.spec import InferParallel, TrainParallel
 from tests.helpers.elastic_parties import SPEC, ProcessParties
 
-TIMEOUT_S = 30.0  # every wait of a refit; a failed attempt must end within it (plus load)
+TIMEOUT_S = 30.0
+DELTA_FORMS = {"positions", "gaps", "bitmap"}  # every form but dense  # every wait of a refit; a failed attempt must end within it (plus load)
 
 
-def _run(train: str, infer: str):
+def _run(train: str, infer: str, delta: DeltaOptions | None = None):
     tp, ip = TrainParallel.parse(train), InferParallel.parse(infer)
     src = [megatron_layout(SPEC, tp, r) for r in range(tp.world_size)]
     dst = [vllm_layout(SPEC, ip, r) for r in range(ip.world_size)]
@@ -32,9 +34,11 @@ def _run(train: str, infer: str):
     engines = tuple(tuple(range(e * n, (e + 1) * n)) for e in range(ip.dp))
     membership = Membership(
         MembershipPlans(plan, SPEC, src, dst, engines), timeout_s=TIMEOUT_S,
-        connect_timeout_s=600,
+        connect_timeout_s=600, delta=delta,
     )  # fmt: skip
-    parties = ProcessParties(train, infer, deadline_s=4 * TIMEOUT_S, settle_s=TIMEOUT_S)
+    parties = ProcessParties(
+        train, infer, deadline_s=4 * TIMEOUT_S, settle_s=TIMEOUT_S, sparse=delta is not None
+    )
     for r in range(tp.world_size):
         parties.start(("training", r))
     for e in range(ip.dp):
@@ -147,5 +151,53 @@ def test_two_lost_in_one_step_then_one_admitted_while_another_leaves() -> None:
             (2, "serving", 3, ""),
             (3, "serving", 3, "caught up to step 2"),
         ]
+    finally:
+        parties.close()
+
+
+@pytest.mark.slow
+def test_delta_refit_goes_on_across_membership_changes() -> None:
+    """With delta refit: the retry after a loss is dense (its ranks are torn); the next
+    step on the plan for the engines left goes as deltas; a restarted engine's catch-up
+    is dense, and the step after its admission goes as deltas to every engine, the
+    newcomer included (the group was primed with the version all of them hold)."""
+    membership, parties = _run("tp=2", "tp=1,dp=3", delta=DeltaOptions())
+    trainers = [("training", 0), ("training", 1)]
+
+    def forms(parties_: list[tuple]) -> set[str]:
+        """Every form the last step's messages of ``parties_`` went in (none: empty)."""
+        out: set[str] = set()
+        for report in parties.delta(parties_).values():
+            out |= set(report["forms"]) | set(report["received"])
+        assert out, "no message"
+        return out
+
+    try:
+        group = membership.group()
+        assert set(parties.join(group).values()) == {"ok"}
+        for step in (1, 2):
+            parties.train_to(step)
+            group = refit_step(membership, parties, group, step)
+        assert forms(trainers) <= DELTA_FORMS  # one element per tensor changed
+        _holds(parties, membership, 2)
+
+        parties.train_to(3)
+        parties.faults[(("engine", 2, 0), 3)] = ("die", 0)
+        group = refit_step(membership, parties, group, 3)
+        parties.stop_engine(2)
+        assert forms(trainers) == {"dense"}  # the retry: the survivors were torn
+        parties.train_to(4)
+        group = refit_step(membership, parties, group, 4)
+        assert forms(trainers) <= DELTA_FORMS
+        _holds(parties, membership, 4)
+
+        parties.start_engine(2)
+        group = admit_engine(membership, parties, 2, 4)
+        assert group.version == 4 and group.engines == (0, 1, 2)
+        parties.train_to(5)
+        group = refit_step(membership, parties, group, 5)
+        engines = [("engine", e, 0) for e in range(3)]
+        assert forms(trainers) <= DELTA_FORMS and forms(engines) <= DELTA_FORMS
+        _holds(parties, membership, 5)
     finally:
         parties.close()

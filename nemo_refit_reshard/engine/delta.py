@@ -19,7 +19,10 @@ sizes (a DENSE payload is the staging span itself, received in place).
 
 Versions. Each rank holds a version: a sender the step its baselines hold, a receiver
 the step its live tensors hold; :data:`UNKNOWN` for a new, restarted or emptied one
-(a colocated engine woken from sleep mode), :data:`FAILED` after a failed step. A step
+(a colocated engine woken from sleep mode), :data:`FAILED` after a failed step. A new
+group whose every rank holds one version whole (engines admitted between steps,
+``integrations/worker/membership.py``) is primed with it (:meth:`DeltaProgram.prime`):
+its first step goes as deltas too. A step
 begins with every rank's version (one all-gather) and applies version
 ``max(versions) + 1``. A message goes as a delta only if its sender and receiver hold
 the same version ``>= 0`` (its fixed bytes always travel); otherwise dense. Any
@@ -163,6 +166,25 @@ class DeltaProgram:
         """Bytes this rank keeps: its baselines (and a colocated host's held messages)."""
         held = sum(b.numel() for b in self.held.values())
         return sum(b.numel() for b in self.baselines.values()) + held
+
+    def prime(self, version: int) -> bool:
+        """This rank's live tensors hold ``version`` whole, and so do every other rank's
+        (a new group of a run whose engines changed, joined between steps): take each
+        outgoing message's baseline from them, so that the next step can go as deltas
+        instead of dense. A colocated host's held messages are not rebuilt: it stays
+        dense (False)."""
+        if self.held:
+            return False
+        with torch.no_grad():
+            for k, phase in enumerate(self.program.rounds):
+                outgoing = {o.key: o for o in self.rounds[k].outgoing if o.key in self.baselines}
+                if not outgoing:
+                    continue
+                phase.pack_wire()
+                for o in outgoing.values():
+                    self.baselines[o.key].copy_(o.span)
+        self.version = version
+        return True
 
     def begin(self, versions: Sequence[int]) -> tuple[int, bool]:
         """The step's version and whether it is dense for everyone (module docstring);

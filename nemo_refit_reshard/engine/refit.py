@@ -162,6 +162,11 @@ class Refitter:
         versions = [int(v) for v in self.transport.all_gather_object_str(str(self.delta.version))]
         return self.delta.replay(timed, versions)  # type: ignore[arg-type]
 
+    def prime(self, version: int) -> bool:
+        """Every rank of the group holds ``version`` whole (``DeltaProgram.prime``): the
+        next delta step starts from it. False without delta, or where it cannot."""
+        return self.delta.prime(version) if self.delta is not None else False
+
     def forget_version(self) -> None:
         """This rank's weights no longer hold the last refit's version (a restarted or
         slept engine): its next delta step is dense."""

@@ -85,10 +85,11 @@ class _RefitMember:
             assert self.worker.refitter is not None
             self.refitters[backend] = self.worker.refitter
 
-    def enter(self, endpoint_json: str, slice_json: str) -> None:
+    def enter(self, endpoint_json: str, slice_json: str, version: int | None = None) -> None:
         """Join a refit group of a run whose engines come and go (``elastic.py``) and
         load its plan (collective over that group): the first group joined, or the next
-        one after a membership change (``RefitWorker.rejoin``)."""
+        one after a membership change (``RefitWorker.rejoin``; ``version``: the step
+        every party holds whole, from which a delta refit goes on)."""
         endpoint = RefitEndpoint.from_json(endpoint_json)
         self.group_rank = endpoint.group_rank
         self.slice = RankPlan.from_json(slice_json)
@@ -97,7 +98,7 @@ class _RefitMember:
             self.worker.join()
             self.worker.load_plan(self.slice)
         else:
-            self.worker.rejoin(endpoint, self.slice)
+            self.worker.rejoin(endpoint, self.slice, version)
         assert self.worker.refitter is not None
         self.refitters = {"reshard": self.worker.refitter}
 

@@ -81,7 +81,7 @@ class RayParties:
         plan = group.plan.plan
         calls = {
             self.actor(p).handle.enter.remote(
-                e.to_json(), rank_plan(plan, e.group_rank).to_json()
+                e.to_json(), rank_plan(plan, e.group_rank).to_json(), group.version
             ): p
             for p, e in group.endpoints.items()
         }

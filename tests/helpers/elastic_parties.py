@@ -28,10 +28,17 @@ from tests.helpers.hf_models import TINY_CONFIGS
 SPEC = spec_from_hf_config(dict(TINY_CONFIGS["llama"], torch_dtype="float32"))
 
 
-def canonical(step: int) -> dict[str, torch.Tensor]:
-    """The weights a training step leaves (step 0: the initial ones)."""
-    g = torch.Generator().manual_seed(1000 + step)
-    return {t.name: torch.randn(t.shape, generator=g) for t in SPEC}
+def canonical(step: int, sparse: bool = False) -> dict[str, torch.Tensor]:
+    """The weights a training step leaves (step 0: the initial ones). ``sparse``: each
+    step changes one element of every tensor (a delta refit's case), else all of them."""
+    if not sparse:
+        g = torch.Generator().manual_seed(1000 + step)
+        return {t.name: torch.randn(t.shape, generator=g) for t in SPEC}
+    out = canonical(0)
+    for s in range(1, step + 1):
+        for t in out.values():
+            t.view(-1)[(s * 7919) % t.numel()] += float(s)
+    return out
 
 
 def layout(party: tuple, train: str, infer: str):
@@ -63,7 +70,9 @@ def _stage(transport: Any, fault: tuple[str, int]) -> None:
     transport.start_exchange = faulty
 
 
-def party_main(party: tuple, train: str, infer: str, commands: Any, replies: Any) -> None:
+def party_main(
+    party: tuple, train: str, infer: str, commands: Any, replies: Any, sparse: bool = False
+) -> None:
     lay = layout(party, train, infer)
     training = party[0] == "training"
     tensors = materialize(lay, canonical(0)) if training else empty_like_layout(lay)
@@ -82,10 +91,10 @@ def party_main(party: tuple, train: str, infer: str, commands: Any, replies: Any
                     worker.join()
                     worker.load_plan(cmd[2])
                 else:
-                    worker.rejoin(endpoint, cmd[2])
+                    worker.rejoin(endpoint, cmd[2], cmd[3])
                 replies.put(OK)
             elif cmd[0] == "train":
-                for name, t in materialize(lay, canonical(cmd[1])).items():
+                for name, t in materialize(lay, canonical(cmd[1], sparse)).items():
                     tensors[name].copy_(t)
                 replies.put(OK)
             elif cmd[0] == "refit":
@@ -94,10 +103,16 @@ def party_main(party: tuple, train: str, infer: str, commands: Any, replies: Any
                     _stage(worker.transport, cmd[2])
                 worker.refit(cmd[1])
                 replies.put(OK)
+            elif cmd[0] == "delta":  # the last delta step's stats on this rank
+                assert worker is not None and worker.refitter is not None
+                last = worker.refitter.delta.last  # type: ignore[union-attr]
+                replies.put({"version": last.version, "forms": last.forms,
+                             "received": last.received})  # fmt: skip
             elif cmd[0] == "report":
                 state = worker.weights.as_dict() if worker is not None else None
                 step = state["step"] if state else None
-                wrong = None if step is None else len(mismatches(lay, tensors, canonical(step)))
+                wanted = None if step is None else canonical(step, sparse)
+                wrong = None if wanted is None else len(mismatches(lay, tensors, wanted))
                 replies.put({"weights": state, "mismatches": wrong})
         except Exception as err:  # noqa: BLE001 - reported to the driver as an outcome
             replies.put(_outcome(err))
@@ -111,6 +126,7 @@ class ProcessParties:
     infer: str
     deadline_s: float  # how long the driver waits for a refit's answers
     settle_s: float | None = None  # ... and for the last one after all others answered
+    sparse: bool = False  # canonical(step, sparse): one element per tensor per step
     join_deadline_s: float = 600.0
     procs: dict[tuple, Any] = field(default_factory=dict)
     faults: dict[tuple, tuple[str, int]] = field(default_factory=dict)  # (party, step)
@@ -127,7 +143,8 @@ class ProcessParties:
             old[0].kill()
         commands, replies = self.ctx.Queue(), self.ctx.Queue()
         proc = self.ctx.Process(
-            target=party_main, args=(party, self.train, self.infer, commands, replies)
+            target=party_main,
+            args=(party, self.train, self.infer, commands, replies, self.sparse),
         )
         proc.start()
         self.procs[party] = (proc, commands, replies)
@@ -181,7 +198,7 @@ class ProcessParties:
         plan = group.plan.plan
         for party, endpoint in group.endpoints.items():
             text = rank_plan(plan, endpoint.group_rank).to_json()
-            self.procs[party][1].put(("join", endpoint.to_json(), text))
+            self.procs[party][1].put(("join", endpoint.to_json(), text, group.version))
         return self._collect(list(group.endpoints), self.join_deadline_s)
 
     def refit(self, group: RefitGroup, step: int) -> dict[tuple, str]:
@@ -198,6 +215,9 @@ class ProcessParties:
     def train_to(self, step: int) -> None:
         trainers = [p for p in self.procs if p[0] == "training"]
         assert set(self.send(trainers, ("train", step)).values()) == {OK}
+
+    def delta(self, parties: list[tuple]) -> dict[tuple, Any]:
+        return self.send(parties, ("delta",))
 
     def reports(self, engines: list[int]) -> dict[tuple, Any]:
         parties = [p for p in self.procs if p[0] == "engine" and p[1] in engines]

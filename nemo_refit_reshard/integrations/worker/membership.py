@@ -71,6 +71,9 @@ class RefitGroup:
 
     plan: MemberPlan
     endpoints: dict[tuple, RefitEndpoint]
+    # the step every party holds whole when it joins (a group made between steps), or
+    # None: a delta refit may start from it (``RefitWorker.rejoin(..., version)``)
+    version: int | None = None
 
     @property
     def engines(self) -> tuple[int, ...]:
@@ -105,9 +108,12 @@ class Membership:
     def serving(self) -> tuple[int, ...]:
         return tuple(e for e, r in self.engines.items() if r.status == SERVING)
 
-    def group(self, engines: tuple[int, ...] | None = None) -> RefitGroup:
+    def group(
+        self, engines: tuple[int, ...] | None = None, version: int | None = None
+    ) -> RefitGroup:
         """A new refit group for ``engines`` (default: those serving) and the training
-        ranks: a new port and secret, the plan for those engines."""
+        ranks: a new port and secret, the plan for those engines. ``version``: the step
+        every party holds whole (see :class:`RefitGroup`)."""
         engines = self.serving if engines is None else tuple(sorted(engines))
         if not engines:
             raise RuntimeError(
@@ -133,7 +139,7 @@ class Membership:
         for e in engines:
             for i, d in enumerate(self.engines[e].ranks):
                 endpoints[("engine", e, i)] = endpoint(made.refit_rank(d))
-        return RefitGroup(made, endpoints)
+        return RefitGroup(made, endpoints, version)
 
     def refitted(self, engines: tuple[int, ...], step: int) -> None:
         """``engines`` completed the refit of ``step``: they hold it whole."""
@@ -197,7 +203,8 @@ class Parties(Protocol):
     (``OK``, ``DEAD``, ``SILENT`` by the deadline, or ``"raised <Type>: <line>"``)."""
 
     def join(self, group: RefitGroup) -> dict[tuple, str]:
-        """``RefitWorker.rejoin(endpoint, plan)`` on every party (collective)."""
+        """``RefitWorker.rejoin(endpoint, plan, group.version)`` on every party
+        (collective)."""
         ...
 
     def refit(self, group: RefitGroup, step: int) -> dict[tuple, str]:
@@ -249,6 +256,7 @@ def admit_engine(membership: Membership, parties: Parties, engine: int, version:
     else:
         blamed = engines_to_fence(outcomes) or {engine: "its catch-up failed"}
         membership.fence(engine, f"catch-up to step {version}: {blamed.get(engine, '')}")
-    group = membership.group()
+    # every party holds ``version`` whole: a delta refit's next step need not be dense
+    group = membership.group(version=version)
     _joined(parties, group)
     return group

@@ -152,13 +152,19 @@ class RefitWorker:
         return timing
 
     def rejoin(
-        self, endpoint: RefitEndpoint, plan: RefitPlan | RankPlan | str | None = None
+        self,
+        endpoint: RefitEndpoint,
+        plan: RefitPlan | RankPlan | str | None = None,
+        version: int | None = None,
     ) -> None:
         """Join a new refit group (after a failed one: a replaced peer, a new port and
         secret; or engines fenced or admitted, ``integrations/worker/membership.py``) and
         load ``plan`` — the plan for that group — or, if None, the same plan again.
         Collective over the new group. Stale weights stay stale until the next refit
-        succeeds."""
+        succeeds. ``version``: every party of the new group holds that step's weights
+        whole (the driver knows: engines admitted between steps), so a delta refit's
+        first step on the new plan goes as deltas (``Refitter.prime``); a rank whose
+        weights are not that version whole (by its own record) stays dense."""
         self.close()
         self.endpoint = endpoint
         self.join()
@@ -166,6 +172,9 @@ class RefitWorker:
             self.load_plan(plan)
         elif self._loaded is not None:
             self.load_plan(*self._loaded)
+        if version is not None and self.refitter is not None:
+            if self.weights.fresh and self.weights.step == version:
+                self.refitter.prime(version)
 
     def forget_version(self) -> None:
         """The live tensors no longer hold the last refit (an engine woken from sleep mode
