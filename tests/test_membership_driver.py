@@ -9,6 +9,7 @@ from nemo_refit_reshard.integrations.worker.membership import (
     Membership,
     TrainingRankFailed,
     engines_to_fence,
+    refit_step,
 )
 from nemo_refit_reshard.layouts import megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import plan_refit
@@ -91,3 +92,65 @@ def test_membership_records_and_groups() -> None:
     assert str(err2.value) == (
         "no engine is serving: admit one (Membership.admit) before the next refit"
     )
+
+
+class ScriptedParties:
+    """``Parties`` whose outcomes are scripted per call (what failed, by party)."""
+
+    def __init__(self, refits: list[dict], joins: list[dict] | None = None) -> None:
+        self.refits, self.joins = refits, joins or []
+        self.calls: list[tuple[str, tuple[int, ...]]] = []
+
+    def _outcomes(self, group, script: list[dict]) -> dict:
+        faults = script.pop(0) if script else {}
+        return {p: faults.get(p, "ok") for p in group.endpoints}
+
+    def join(self, group):
+        self.calls.append(("join", group.engines))
+        return self._outcomes(group, self.joins)
+
+    def refit(self, group, step):
+        self.calls.append(("refit", group.engines))
+        return self._outcomes(group, self.refits)
+
+
+def _membership() -> Membership:
+    tp, ip = TrainParallel(tp=2), InferParallel(tp=2, dp=3)
+    src = [megatron_layout(SPEC, tp, r) for r in range(2)]
+    dst = [vllm_layout(SPEC, ip, r) for r in range(6)]
+    plan = plan_refit(SPEC, src, dst, 0.05, relay="none")
+    return Membership(
+        MembershipPlans(plan, SPEC, src, dst, ((0, 1), (2, 3), (4, 5))), derive_ahead=False
+    )
+
+
+def test_refit_step_retries_an_unblamed_failure_once_then_raises() -> None:
+    membership = _membership()
+    parties = ScriptedParties([{("training", 0): PEER}, {}])
+    group = refit_step(membership, parties, membership.group(), 4)
+    assert group.engines == (0, 1, 2) and parties.calls == [
+        ("refit", (0, 1, 2)), ("join", (0, 1, 2)), ("refit", (0, 1, 2)),
+    ]  # fmt: skip
+    parties = ScriptedParties([{("training", 0): PEER}, {("engine", 1, 1): PEER}])
+    with pytest.raises(RuntimeError) as err:
+        refit_step(membership, parties, group, 5)
+    assert str(err.value) == (
+        f"the refit of step 5 failed twice with no engine to blame: ('engine', 1, 1): {PEER}"
+    )
+
+
+def test_an_engine_that_fails_to_join_is_fenced_too() -> None:
+    membership = _membership()
+    parties = ScriptedParties(
+        [{("engine", 0, 0): "dead"}], joins=[{("engine", 2, 1): "raised OSError: no route"}]
+    )
+    group = refit_step(membership, parties, membership.group(), 3)
+    assert group.engines == (1,)
+    assert parties.calls == [
+        ("refit", (0, 1, 2)), ("join", (1, 2)), ("join", (1,)), ("refit", (1,)),
+    ]  # fmt: skip
+    assert [(r.status, r.version, r.note) for r in membership.engines.values()] == [
+        ("fenced", None, "step 3: rank 0 dead"),
+        ("serving", 3, ""),
+        ("fenced", None, "step 3, joining: rank 1 raised OSError: no route"),
+    ]

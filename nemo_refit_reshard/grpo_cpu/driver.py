@@ -207,6 +207,12 @@ def _generate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample on every replica of ``replicas`` (whole prompt groups per replica);
     tokens, logprobs."""
+    if len(prompts) % (len(replicas) * cfg.grpo.group_size):
+        raise RuntimeError(
+            f"step {step}: {len(prompts) // cfg.grpo.group_size} prompt groups do not split "
+            f"over the {len(replicas)} generation replicas serving {list(replicas)}; set "
+            "grpo.prompts_per_step to a multiple of every count of engines the run can serve"
+        )
     chunks = dict(zip(replicas, prompts.chunk(len(replicas), dim=0)))
     calls = []
     actors = [a for a in cluster.generators if a.replica in chunks]

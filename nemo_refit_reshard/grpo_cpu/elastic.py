@@ -157,7 +157,10 @@ class ElasticRefit:
         self.cluster.start_replica(self.engine)
         self.group = admit_engine(self.membership, self.parties, self.engine, step - 1)
         record = self.membership.engines[self.engine]
-        self.events.append(f"before step {step}: engine {self.engine} {record.status}")
+        if record.status != "serving":  # its catch-up failed: it receives nothing more
+            self.cluster.stop_replica(self.engine)
+        note = f" ({record.note})" if record.status != "serving" else ""
+        self.events.append(f"before step {step}: engine {self.engine} {record.status}{note}")
 
     def refit(self, step: int) -> float:
         """Step ``step``'s refit over the engines serving (fencing those that fail it);

@@ -33,10 +33,19 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from operator import itemgetter
+from typing import Any
 
 from ..layouts.base import RankLayout, paused_gc
 from ..spec.model import ModelSpec
-from .base import PlanError, Transfer, in_message_order, new_transfer
+from .base import (
+    PlanError,
+    Transfer,
+    in_message_order,
+    is_relay,
+    new_transfer,
+    relay_tensor,
+    relayed_to,
+)
 from .pass6_messages import Message
 from .pass7_assemble import baseline_bytes
 from .result.expand import Expansion
@@ -108,6 +117,12 @@ def derive_plan(
     stored: dict[int, list[Message]] = defaultdict(list)  # stored receiver -> its messages
     for msgs in plan.class_rounds:
         for m in msgs:
+            finals = _relay_finals(m)
+            if finals and (m.src in gone or m.dst in gone or not finals.isdisjoint(gone)):
+                raise DerivationError(
+                    "a leaving engine carries, or is carried to, through relay buffers "
+                    "(carry: the plan's carried legs name it)"
+                )
             if m.src in gone:
                 raise DerivationError(
                     f"destination rank {m.src} forwards to other engines (relay='chain')"
@@ -157,6 +172,10 @@ def derive_plan(
         if not candidates:  # the group's own members and heirs take its entries
             candidates = _parts(group, key, gone, heirs, stored_as)
             groups.extend(candidates)
+            for part in candidates:  # ... and can take later groups' entries too
+                runs_entered = [run_id.get(x, -1 - x) for x in part]
+                if len(set(runs_entered)) == len(part):
+                    homes[frozenset(runs_entered)].append(part)
         for m in stored[key]:
             # where the busiest entry member has brought in least (ties: first home)
             store(m, min(candidates, key=lambda h: max(load[x] for x in h)))
@@ -257,8 +276,35 @@ def _in_round(m: Message, r: int) -> Message:
     return m if m.round == r else Message(r, m.src, m.dst, m.transfers)
 
 
+def _relay_finals(m: Message) -> set[int]:
+    """The final destinations named by the relay buffers ``m`` fills or empties
+    (carried legs, ``pass4_routes/carry.py``)."""
+    names = [t[2] for t in m.transfers if is_relay(t[2])]
+    names += [t[4] for t in m.transfers if is_relay(t[4])]
+    return {relayed_to(name)[0] for name in set(names)}  # type: ignore[index]
+
+
+def _renamed(name: str, new_rank: dict[int, int]) -> str:
+    """A relay buffer's name with its final destination renumbered."""
+    final = relayed_to(name)
+    return name if final is None else relay_tensor(new_rank[final[0]], final[1])
+
+
 def _renumbered(m: Message, new_rank: dict[int, int]) -> Message:
     src, dst = new_rank[m.src], new_rank[m.dst]
+    if _relay_finals(m):  # relay buffer names carry a rank too
+        return Message(
+            m.round,
+            src,
+            dst,
+            tuple(
+                new_transfer(
+                    Transfer,
+                    (src, dst, _renamed(t[2], new_rank), t[3], _renamed(t[4], new_rank), *t[5:]),
+                )
+                for t in m.transfers
+            ),
+        )
     if (src, dst) == (m.src, m.dst):
         return m
     return Message(
@@ -282,6 +328,7 @@ def _stats(
     received = [0] * (s + len(destinations))
     pairs: set[tuple[int, int, int]] = set()
     num_transfers = 0
+    carried = 0  # bytes destinations receive into relay buffers (they store none of it)
     by_dtype: Counter[str] = Counter()
     for msgs in rounds:
         for m in msgs:
@@ -290,14 +337,16 @@ def _stats(
                 content = m if whole or m.shared is None else m.shared
                 sent[key[1]] += content.nbytes
                 received[key[2]] += content.nbytes
+                if key[2] >= s and content.shared is not content:
+                    carried += sum(t.nbytes for t in content.transfers if is_relay(t[4]))
                 num_transfers += len(content.transfers)
                 pairs.add(key[:3])
                 if full.fp8_block is not None:
                     for t in content.transfers:
                         by_dtype[t.dtype] += t.nbytes
-    # Every destination receives exactly what it stores (the full plan's min_bytes is the
-    # sum of the same counts), so the floor is what the remaining destinations receive.
-    min_bytes = sum(received[s:])
+    # Every destination receives exactly what it stores, and a carrier also what it
+    # carries: the floor is what the remaining destinations receive, less that.
+    min_bytes = sum(received[s:]) - carried
     # identical layouts counted once per class, as pass 1's groups are
     classes = tuple(sorted({tuple(s + r for r in lay.replicas) for lay in destinations}))
     return PlanStats(
@@ -330,7 +379,7 @@ class MembershipPlans:
     replan: Callable[[list[RankLayout]], RefitPlan] | None = None
     _cache: dict[frozenset[int], MemberPlan] = field(default_factory=dict, repr=False)
     # sets being derived ahead (derive_ahead), and the lock over both tables
-    _pending: dict[frozenset[int], Future] = field(default_factory=dict, repr=False)
+    _pending: dict[frozenset[int], tuple[Future, bool]] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -342,48 +391,80 @@ class MembershipPlans:
             )
 
     def for_engines(self, engines: Iterable[int]) -> MemberPlan:
-        """The plan for these engines (any order, at least one), built once per set."""
+        """The plan for these engines (any order, at least one), built once per set: a
+        set the derive-ahead thread is deriving is waited for, one it has not reached yet
+        is derived here."""
         chosen = self._chosen(engines)
-        key = frozenset(chosen)
-        with self._lock:
-            made = self._cache.get(key)
-            pending = self._pending.get(key)
-        if made is not None:
-            return made
-        if pending is not None:  # being derived ahead: wait for it rather than twice
-            return pending.result()
-        return self._made(chosen)
+        what, value = self._claim(frozenset(chosen))
+        if what == "cached":
+            return value
+        if what == "wait":
+            return value.result()
+        return self._derive(chosen, value)
 
     def derive_ahead(self, sets: Iterable[Iterable[int]]) -> Future:
         """Derive the plans for ``sets`` in a thread, off the step's critical path (e.g.
         every set of the engines serving less one, right after a group is made, so that
-        a failure finds its plan ready). ``for_engines`` of a set still being derived
-        waits for it. The future is done when all are."""
-        todo = []
+        a failure usually finds its plan ready). The future is done when all are (its
+        result: how many this thread derived)."""
         wanted = [self._chosen(engines) for engines in sets]
+        queued = []
         with self._lock:
             for chosen in wanted:
                 key = frozenset(chosen)
                 if key not in self._cache and key not in self._pending:
-                    self._pending[key] = Future()
-                    todo.append(chosen)
+                    self._pending[key] = (Future(), False)  # queued, not claimed
+                    queued.append(chosen)
         done: Future = Future()
 
         def run() -> None:
-            for chosen in todo:
-                key = frozenset(chosen)
-                future = self._pending[key]
-                try:
-                    future.set_result(self._made(chosen))
-                except BaseException as err:  # for_engines of the set raises it
-                    future.set_exception(err)
-                finally:
-                    with self._lock:
-                        self._pending.pop(key, None)
-            done.set_result(len(todo))
+            count = 0
+            for chosen in queued:
+                what, value = self._claim(frozenset(chosen))
+                if what == "derive":
+                    # the collector stays on: gc.disable() is process-wide, and this
+                    # thread runs beside the driver
+                    self._derive(chosen, value, pause_gc=False)
+                    count += 1
+            done.set_result(count)
 
-        threading.Thread(target=run, name="derive-ahead", daemon=True).start()
+        try:
+            threading.Thread(target=run, name="derive-ahead", daemon=True).start()
+        except BaseException as err:  # no thread: nobody may wait on these sets
+            with self._lock:
+                for chosen in queued:
+                    future, _ = self._pending.pop(frozenset(chosen))
+                    future.set_exception(err)
+            raise
         return done
+
+    def _claim(self, key: frozenset[int]) -> tuple[str, Any]:
+        """``("cached", plan)``, ``("wait", future)`` (another thread derives it) or
+        ``("derive", future)`` (the caller derives it and resolves the future)."""
+        with self._lock:
+            if key in self._cache:
+                return "cached", self._cache[key]
+            future, claimed = self._pending.get(key, (None, False))
+            if future is not None and claimed:
+                return "wait", future
+            future = future or Future()
+            self._pending[key] = (future, True)
+            return "derive", future
+
+    def _derive(self, chosen: tuple[int, ...], future: Future, pause_gc: bool = True) -> MemberPlan:
+        key = frozenset(chosen)
+        try:
+            made = self._made(chosen, pause_gc)
+        except BaseException as err:
+            with self._lock:
+                self._pending.pop(key, None)
+            future.set_exception(err)
+            raise
+        with self._lock:
+            made = self._cache.setdefault(key, made)  # a plan planned again meanwhile stays
+            self._pending.pop(key, None)
+        future.set_result(made)
+        return made
 
     def _chosen(self, engines: Iterable[int]) -> tuple[int, ...]:
         chosen = tuple(sorted(set(engines)))
@@ -393,28 +474,24 @@ class MembershipPlans:
             )
         return chosen
 
-    def _made(self, chosen: tuple[int, ...]) -> MemberPlan:
-        """Derive (or plan again) the set ``chosen`` and cache it."""
-        key = frozenset(chosen)
+    def _made(self, chosen: tuple[int, ...], pause_gc: bool = True) -> MemberPlan:
+        """Derive (or plan again) the set ``chosen``."""
         keep = tuple(sorted(d for e in chosen for d in self.engines[e]))
         t0 = time.perf_counter()
         if len(chosen) == len(self.engines):
             plan, how = self.plan, "full"
         else:
+            # the undecorated derivation keeps the collector on (another thread's call)
+            derive = derive_plan if pause_gc else derive_plan.__wrapped__  # type: ignore[attr-defined]
             try:
-                plan, how = (
-                    derive_plan(self.plan, keep, self.spec, self.sources, self.destinations),
-                    "derived",
-                )
+                plan = derive(self.plan, keep, self.spec, self.sources, self.destinations)
+                how = "derived"
             except DerivationError as err:
                 if self.replan is None:
                     raise
                 plan = self.replan(narrowed_layouts(self.destinations, keep))
                 how = f"re-planned: {err}"
-        made = MemberPlan(plan, chosen, keep, how, time.perf_counter() - t0)
-        with self._lock:
-            self._cache[key] = made
-        return made
+        return MemberPlan(plan, chosen, keep, how, time.perf_counter() - t0)
 
     def plan_again(self, engines: Iterable[int]) -> MemberPlan:
         """The set planned afresh with ``replan`` (a derived plan keeps the full plan's

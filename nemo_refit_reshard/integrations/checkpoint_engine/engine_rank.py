@@ -62,12 +62,12 @@ class CheckpointEngineRank:
         return self.worker is not None and self.worker.weights.stale is None
 
     def group_identity(self) -> list[Any] | None:
-        """``[host, port, world size]`` of the group this rank is in and can refit with;
-        None if it is in none, or its group failed."""
+        """``[host, port, world size, refit rank]`` of the group this rank is in and can
+        refit with; None if it is in none, or its group failed."""
         if not self.group_usable:
             return None
         e = self.worker.endpoint  # type: ignore[union-attr]
-        return [e.host, e.port, e.world_size]
+        return [e.host, e.port, e.world_size, e.group_rank]
 
     def join(self, endpoint: RefitEndpoint, slice_: RankPlan, settings: str | None = None) -> None:
         """Allocate, rendezvous and compile (collective over the refit group). ``settings``:

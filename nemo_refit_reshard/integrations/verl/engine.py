@@ -111,7 +111,9 @@ class ReshardCheckpointEngine(CheckpointEngine):
         # every rank joins the master's new one. Shipped with each endpoint.
         master = masters[0]
         (ip, port), secret = master["address"], master["secret"]
-        if any(m.get("group") != [ip, port, a + r] for m in metadata):
+        # (each rank at the refit rank its place in the metadata gives it: a replica
+        # removed and added back may come back elsewhere in the list)
+        if any(m.get("group") != [ip, port, a + r, g] for g, m in enumerate(metadata)):
             (ip, port), secret = master["spare_address"], master["spare_secret"]
 
         delta = config.delta_options  # delta refit travels with every rank's endpoint

@@ -39,7 +39,8 @@ SERVING, FENCED, JOINING = "serving", "fenced", "joining"
 # How a party's call ended: "ok", "dead" (its process is gone), "silent" (no answer by
 # the deadline), or "raised <ExceptionType>: <first line>".
 OK, DEAD, SILENT = "ok", "dead", "silent"
-PEER_FAILURE = "raised TransportError"  # what a rank raises when a peer fails it
+# what a rank raises when a peer fails it (GroupUnusableError: a step of its group failed)
+PEER_FAILURES = ("raised TransportError", "raised GroupUnusableError")
 
 
 class TrainingRankFailed(RuntimeError):
@@ -179,7 +180,7 @@ def engines_to_fence(outcomes: Mapping[tuple, str]) -> dict[int, str]:
     ``outcomes``: per party (:class:`RefitGroup`'s keys), how its call ended."""
     failed = {p: o for p, o in outcomes.items() if o != OK}
     for party, outcome in sorted(failed.items()):
-        if party[0] == "training" and not outcome.startswith(PEER_FAILURE):
+        if party[0] == "training" and not outcome.startswith(PEER_FAILURES):
             raise TrainingRankFailed(
                 f"training rank {party[1]} failed the refit ({outcome}): the run cannot "
                 "continue without it; restart the run from its last checkpoint"
@@ -189,7 +190,7 @@ def engines_to_fence(outcomes: Mapping[tuple, str]) -> dict[int, str]:
         for party, outcome in sorted(failed.items()):
             if party[0] != "engine" or party[1] in blamed:
                 continue
-            culprit = outcome in kinds if kinds else not outcome.startswith(PEER_FAILURE)
+            culprit = outcome in kinds if kinds else not outcome.startswith(PEER_FAILURES)
             if culprit:
                 blamed[party[1]] = f"rank {party[2]} {outcome}"
         if blamed:
@@ -212,14 +213,24 @@ class Parties(Protocol):
         ...
 
 
-def _joined(parties: Parties, group: RefitGroup) -> None:
-    outcomes = parties.join(group)
-    failed = {p: o for p, o in outcomes.items() if o != OK}
-    if failed:
-        raise RuntimeError(
-            f"joining refit group {group.plan.plan.fingerprint} failed: "
-            + "; ".join(f"{p}: {o}" for p, o in sorted(failed.items()))
-        )
+def _joined(membership: Membership, parties: Parties, group: RefitGroup, why: str) -> RefitGroup:
+    """Join every party of ``group``; an engine that fails to join is fenced (``why``)
+    and the others join a group without it, until one forms."""
+    for _ in range(len(membership.engines) + 1):
+        outcomes = parties.join(group)
+        if all(o == OK for o in outcomes.values()):
+            return group
+        blamed = engines_to_fence(outcomes)
+        if not blamed:
+            failed = {p: o for p, o in outcomes.items() if o != OK}
+            raise RuntimeError(
+                f"joining refit group {group.plan.plan.fingerprint} failed with no engine to "
+                "blame: " + "; ".join(f"{p}: {o}" for p, o in sorted(failed.items()))
+            )
+        for engine, reason in blamed.items():
+            membership.fence(engine, f"{why}, joining: {reason}")
+        group = membership.group(version=group.version)
+    raise RuntimeError("no refit group could be joined")
 
 
 def refit_step(
@@ -228,17 +239,25 @@ def refit_step(
     """Refit ``step`` on ``group``; on failure fence the engines to blame, join the
     others in a new group and refit ``step`` again, until it completes. Returns the
     group that completed it (the next step's). Training ranks wait at most one deadline
-    per attempt; each attempt has one engine fewer or is the last."""
-    for _ in range(len(membership.engines) + 1):
+    per attempt. An attempt that fails with no engine to blame (every party a peer's
+    victim) is tried once more in a new group, then raised."""
+    unblamed = 0
+    for _ in range(len(membership.engines) + 2):
         outcomes = parties.refit(group, step)
         if all(o == OK for o in outcomes.values()):
             membership.refitted(group.engines, step)
             return group
         blamed = engines_to_fence(outcomes)
+        unblamed = 0 if blamed else unblamed + 1
+        if unblamed == 2:
+            failed = {p: o for p, o in outcomes.items() if o != OK}
+            raise RuntimeError(
+                f"the refit of step {step} failed twice with no engine to blame: "
+                + "; ".join(f"{p}: {o}" for p, o in sorted(failed.items()))
+            )
         for engine, why in blamed.items():
             membership.fence(engine, f"step {step}: {why}")
-        group = membership.group()
-        _joined(parties, group)
+        group = _joined(membership, parties, membership.group(), f"step {step}")
     raise RuntimeError(f"the refit of step {step} failed on every attempt")
 
 
@@ -248,15 +267,14 @@ def admit_engine(membership: Membership, parties: Parties, engine: int, version:
     everyone serving in the group for the next step, which is returned. A newcomer that
     fails its catch-up is fenced again; the others are not touched."""
     membership.admit(engine)
-    catch_up = membership.catch_up(engine)
-    _joined(parties, catch_up)
-    outcomes = parties.refit(catch_up, version)
-    if all(o == OK for o in outcomes.values()):
-        membership.refitted((engine,), version)
-    else:
-        blamed = engines_to_fence(outcomes) or {engine: "its catch-up failed"}
-        membership.fence(engine, f"catch-up to step {version}: {blamed.get(engine, '')}")
+    why = f"catch-up to step {version}"
+    catch_up = _joined(membership, parties, membership.catch_up(engine), why)
+    if engine in catch_up.engines:
+        outcomes = parties.refit(catch_up, version)
+        if all(o == OK for o in outcomes.values()):
+            membership.refitted((engine,), version)
+        else:
+            blamed = engines_to_fence(outcomes) or {engine: "its catch-up failed"}
+            membership.fence(engine, f"{why}: {blamed.get(engine, 'its catch-up failed')}")
     # every party holds ``version`` whole: a delta refit's next step need not be dense
-    group = membership.group(version=version)
-    _joined(parties, group)
-    return group
+    return _joined(membership, parties, membership.group(version=version), why)
