@@ -21,8 +21,8 @@ from nemo_refit_reshard.plan.membership import MembershipPlans
 from nemo_refit_reshard.spec import InferParallel, TrainParallel
 from tests.helpers.elastic_parties import SPEC, ProcessParties
 
-TIMEOUT_S = 30.0
-DELTA_FORMS = {"positions", "gaps", "bitmap"}  # every form but dense  # every wait of a refit; a failed attempt must end within it (plus load)
+TIMEOUT_S = 30.0  # every wait of a refit; a failed attempt must end within it (plus load)
+DELTA_FORMS = {"positions", "gaps", "bitmap"}  # every form but dense
 
 
 def _run(train: str, infer: str, delta: DeltaOptions | None = None):

@@ -130,7 +130,7 @@ def test_a_chain_plan_is_planned_again_and_says_why() -> None:
     with pytest.raises(DerivationError):
         refused.for_engines([0, 2])
 
-    def replan(kept):
+    def replan(kept, keep):
         return plan_refit(SPEC, src, kept, 0.05, relay="chain")
 
     plans = MembershipPlans(plan, SPEC, src, dst, engines, replan)
@@ -190,14 +190,14 @@ def test_planning_again_replaces_the_derived_plan_for_the_next_group() -> None:
     src, dst = _layouts(SPEC, TrainParallel(tp=2), infer)
     plan = plan_refit(SPEC, src, dst, 0.05, relay="none")
 
-    def replan(kept):
+    def replan(kept, keep):
         return plan_refit(SPEC, src, kept, 0.05, relay="none")
 
     plans = MembershipPlans(plan, SPEC, src, dst, _engines(infer), replan)
     derived = plans.for_engines([0, 2])
     fresh = plans.plan_again([0, 2])
     assert (derived.how, fresh.how) == ("derived", "planned again")
-    assert fresh.plan == replan(narrowed_layouts(dst, (0, 1, 4, 5)))
+    assert fresh.plan == replan(narrowed_layouts(dst, (0, 1, 4, 5)), (0, 1, 4, 5))
     assert plans.for_engines([2, 0]) is fresh and plans.plan_again([0, 2]) is fresh
     assert fresh.plan.num_rounds < derived.plan.num_rounds  # the fresh one packs rounds
     with pytest.raises(PlanError) as err:
@@ -226,3 +226,26 @@ def test_plans_derived_ahead_are_ready_and_the_same() -> None:
     with pytest.raises(PlanError) as err:
         plans.derive_ahead([(0, 7)])
     assert str(err.value) == "engines [0, 7]: choose at least one of 0..2"
+
+
+def test_build_plans_again_with_the_full_plans_settings_where_it_cannot_derive() -> None:
+    """Carried legs through a leaving engine cannot be derived (``carry``): ``build``'s
+    fallback plans that set with the same relay mode, topology (the kept ranks' nodes)
+    and carry."""
+    cluster = Cluster(gpus_per_node=4, nvlink_latency_us=0.001, nic_latency_us=0.002)
+    infer = InferParallel(tp=2, dp=3)
+    src, dst = _layouts(SPEC, TrainParallel(tp=4), infer)
+    links = Topology(cluster, Placement.packed(4, 6, cluster))
+    args = dict(bucket_mb=0.05, relay="domain", links=links, carry=True)
+    plans = MembershipPlans.build(SPEC, src, dst, _engines(infer), **args)
+    assert plans.plan == plan_refit(SPEC, src, dst, **args)
+    made = plans.for_engines([2])
+    assert made.how == (
+        "re-planned: a leaving engine carries, or is carried to, through relay buffers "
+        "(carry: the plan's carried legs name it)"
+    )
+    kept = narrowed_layouts(dst, (4, 5))
+    nodes = links.placement.nodes
+    kept_links = Topology(cluster, Placement(4, nodes[:4] + (nodes[8], nodes[9])))
+    assert made.plan == plan_refit(SPEC, src, kept, **{**args, "links": kept_links})
+    assert_delivers_exactly(made.plan, SPEC, src, kept)

@@ -26,7 +26,7 @@ from ..integrations.worker.membership import (
     refit_step,
 )
 from ..layouts.base import RankLayout
-from ..plan import RefitPlan, rank_plan
+from ..plan import RefitPlan, plan_refit, rank_plan
 from ..plan.membership import MembershipPlans
 from ..spec.model import ModelSpec
 from .cluster import ActorInfo, GrpoCluster
@@ -112,8 +112,11 @@ class ElasticRefit:
         self.cfg, self.cluster = cfg, cluster
         tp, dp = cfg.infer.tp, cfg.num_replicas
         engines = tuple(tuple(range(e * tp, (e + 1) * tp)) for e in range(dp))
+        def replan(kept: list[RankLayout], keep: tuple[int, ...]) -> RefitPlan:
+            return plan_refit(spec, sources, kept, bucket_mb=cfg.refit.bucket_mb)
+
         self.membership = Membership(
-            MembershipPlans(plan, spec, sources, destinations, engines),
+            MembershipPlans(plan, spec, sources, destinations, engines, replan),
             timeout_s=cfg.refit.timeout_s,
             connect_timeout_s=cfg.ray.setup_timeout_s,
             delta=cfg.refit.delta_options,

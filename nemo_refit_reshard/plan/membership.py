@@ -10,18 +10,22 @@ full plan instead of planned again (``plan_refit`` takes 17-35 s for DeepSeek-V3
   loses its stored member is stored under the next one (``Message.to``: replicas hold
   the same local boxes). A group that loses every member loses its messages: its
   senders send less, nobody else changes;
-* a relay run (``relay="domain"``) that loses a member closes around it: a message that
-  entered the run at the lost member enters at the next member that remains, and goes
-  round the shorter run from there, one hop per round as before — so every hop still
-  leaves its sender a round after it arrived;
-* destinations are renumbered ``S + 0 ..`` in their old order; the training ranks keep
-  theirs. Stats are counted again over the derived deliveries.
+* a relay run (``relay="domain"``) that loses a member closes around it: the messages
+  that entered the run at the lost member enter at the members that remain — spread,
+  by bytes, over the groups that enter the same runs (or the group's own members and
+  heirs) — and go round the shorter run from there, one hop per round as before, so
+  every hop still leaves its sender a round after it arrived;
+* destinations are renumbered ``S + 0 ..`` in their old order (relay buffer names
+  too); the training ranks keep theirs. Stats are counted again over the derived
+  deliveries.
 
 Exact by construction: every remaining destination receives what it received in the
-full plan, from the same training rank, in the same round or earlier. What derivation
-cannot express — a ``relay="chain"`` plan where a leaving engine forwards to others, a
-message a leaving engine stores into a relay buffer — is planned again with
-``plan_refit`` over the remaining layouts (:attr:`MemberPlan.how` says which).
+full plan, from the same training rank, in the same round or earlier (checked against
+the layouts for every subset of engines in ``tests/test_membership_plans.py``). What
+derivation cannot express raises :class:`DerivationError`, and
+:class:`MembershipPlans` plans that set again with its ``replan`` (:attr:`MemberPlan.how`
+says so): a ``relay="chain"`` plan where a leaving engine forwards to others, carried
+legs (``carry``) to or through a leaving engine.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ from .base import (
     relay_tensor,
     relayed_to,
 )
+from .cluster import Placement, Topology
+from .colocation import Colocation
 from .pass6_messages import Message
 from .pass7_assemble import baseline_bytes
 from .result.expand import Expansion
@@ -369,18 +375,47 @@ class MembershipPlans:
     ``engines[e]``: the full plan's destination indices of engine ``e`` (its ranks).
     ``replan``: plans the remaining layouts again where derivation cannot (the caller's
     ``plan_refit`` settings: bucket size, relay mode, topology); None: such a set of
-    engines is refused."""
+    engines is refused. :meth:`build` plans the full plan and sets ``replan`` alike."""
 
     plan: RefitPlan
     spec: ModelSpec
     sources: list[RankLayout]
     destinations: list[RankLayout]
     engines: tuple[tuple[int, ...], ...]
-    replan: Callable[[list[RankLayout]], RefitPlan] | None = None
+    # (the kept destinations' layouts, renumbered; their indices in the full plan)
+    replan: Callable[[list[RankLayout], tuple[int, ...]], RefitPlan] | None = None
     _cache: dict[frozenset[int], MemberPlan] = field(default_factory=dict, repr=False)
     # sets being derived ahead (derive_ahead), and the lock over both tables
     _pending: dict[frozenset[int], tuple[Future, bool]] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @classmethod
+    def build(
+        cls,
+        spec: ModelSpec,
+        sources: list[RankLayout],
+        destinations: list[RankLayout],
+        engines: tuple[tuple[int, ...], ...],
+        **plan_refit_args: Any,
+    ) -> MembershipPlans:
+        """The full plan (``plan_refit(spec, sources, destinations, **plan_refit_args)``),
+        and the same settings for the sets derivation cannot express."""
+        from .build import plan_refit
+
+        def replan(kept: list[RankLayout], keep: tuple[int, ...]) -> RefitPlan:
+            args = dict(plan_refit_args)
+            links = args.get("links")
+            if isinstance(links, Topology):  # the nodes of the ranks kept
+                s, nodes = len(sources), links.placement.nodes
+                placement = Placement(s, nodes[:s] + tuple(nodes[s + d] for d in keep))
+                args["links"] = Topology(links.cluster, placement)
+            colocation = args.get("colocation")
+            if colocation is not None:
+                args["colocation"] = Colocation(tuple(colocation.hosts[d] for d in keep))
+            return plan_refit(spec, sources, kept, **args)
+
+        full = plan_refit(spec, sources, destinations, **plan_refit_args)
+        return cls(full, spec, sources, destinations, engines, replan)
 
     def __post_init__(self) -> None:
         flat = sorted(d for ranks in self.engines for d in ranks)
@@ -489,7 +524,7 @@ class MembershipPlans:
             except DerivationError as err:
                 if self.replan is None:
                     raise
-                plan = self.replan(narrowed_layouts(self.destinations, keep))
+                plan = self.replan(narrowed_layouts(self.destinations, keep), keep)
                 how = f"re-planned: {err}"
         return MemberPlan(plan, chosen, keep, how, time.perf_counter() - t0)
 
@@ -504,7 +539,9 @@ class MembershipPlans:
         if made.how != "derived":
             return made
         t0 = time.perf_counter()
-        plan = self.replan(narrowed_layouts(self.destinations, made.destinations))
+        plan = self.replan(
+            narrowed_layouts(self.destinations, made.destinations), made.destinations
+        )
         fresh = MemberPlan(plan, made.engines, made.destinations, "planned again",
                            time.perf_counter() - t0)  # fmt: skip
         with self._lock:
