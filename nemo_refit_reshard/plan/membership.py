@@ -36,12 +36,13 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from operator import itemgetter
+from operator import itemgetter, methodcaller
 from typing import Any
 
 from ..layouts.base import RankLayout, paused_gc
 from ..spec.model import ModelSpec
 from .base import (
+    RELAY,
     PlanError,
     Transfer,
     in_message_order,
@@ -58,6 +59,7 @@ from .result.expand import Expansion
 from .result.refit_plan import PlanStats, RefitPlan
 
 _SRC_TENSOR = itemgetter(2)
+_STARTS_RELAY = methodcaller("startswith", RELAY)
 
 
 @dataclass(frozen=True)
@@ -285,9 +287,12 @@ def _in_round(m: Message, r: int) -> Message:
 def _relay_finals(m: Message) -> set[int]:
     """The final destinations named by the relay buffers ``m`` fills or empties
     (carried legs, ``pass4_routes/carry.py``)."""
-    names = [t[2] for t in m.transfers if is_relay(t[2])]
-    names += [t[4] for t in m.transfers if is_relay(t[4])]
-    return {relayed_to(name)[0] for name in set(names)}  # type: ignore[index]
+    ts = m.transfers
+    # (in C: plans hold millions of transfers, a handful of them carried)
+    if m.shared is m and not any(map(_STARTS_RELAY, map(_SRC_TENSOR, ts))):
+        return set()
+    names = {t[2] for t in ts if is_relay(t[2])} | {t[4] for t in ts if is_relay(t[4])}
+    return {relayed_to(name)[0] for name in names}  # type: ignore[index]
 
 
 def _renamed(name: str, new_rank: dict[int, int]) -> str:
