@@ -122,21 +122,25 @@ def derive_plan(
                 heirs[m] = [x for x in run[i + 1 :] + run[:i] if x not in gone]
         if len(left) > 1:
             runs.append(tuple(left))
+    group_of = {g[0]: g for g in plan.replica_groups}
+
+    def vanishes(d: int) -> bool:
+        """Whether what ``d`` stood for is delivered to nobody any more."""
+        return all(x in gone and x not in heirs for x in group_of.get(d, (d,)))
+
     stored: dict[int, list[Message]] = defaultdict(list)  # stored receiver -> its messages
     for msgs in plan.class_rounds:
         for m in msgs:
             finals = _relay_finals(m)
-            if finals and (m.src in gone or m.dst in gone or not finals.isdisjoint(gone)):
-                raise DerivationError(
-                    "a leaving engine carries, or is carried to, through relay buffers "
-                    "(carry: the plan's carried legs name it)"
-                )
+            if finals:
+                m = _carried_legs(m, finals, gone, vanishes)
+                if m is None:
+                    continue
             if m.src in gone:
                 raise DerivationError(
                     f"destination rank {m.src} forwards to other engines (relay='chain')"
                 )
             stored[m.dst].append(m)
-    group_of = {g[0]: g for g in plan.replica_groups}
     stored_as = {k: "group" for k in group_of if k not in gone}  # receivers that remain
     stored_as.update((k, "alone") for k in stored if k not in group_of and k not in gone)
     run_id = {m: i for i, run in enumerate(runs) for m in run}
@@ -282,6 +286,32 @@ def _merged(msgs: list[Message]) -> Message:
 
 def _in_round(m: Message, r: int) -> Message:
     return m if m.round == r else Message(r, m.src, m.dst, m.transfers)
+
+
+def _carried_legs(
+    m: Message, finals: set[int], gone: set[int], vanishes: Callable[[int], bool]
+) -> Message | None:
+    """A message with carried legs (``pass4_routes/carry.py``), as the engines left need
+    it: the legs carried to a destination whose deliveries vanish are dropped (None: all
+    of them); a leaving carrier, or a carried destination that leaves but whose group
+    remains, cannot be derived."""
+    carrier_leaves = m.src in gone or (m.dst in gone and m.shared is not m)
+    unfed = {d for d in finals & gone if not vanishes(d)}
+    if carrier_leaves or unfed:
+        raise DerivationError(
+            "a leaving engine carries, or is carried to, through relay buffers "
+            "(carry: the plan's carried legs name it)"
+        )
+    dead = finals & gone
+    if not dead:
+        return m
+    keep = tuple(
+        t
+        for t in m.transfers
+        if (relayed_to(t[4]) or (None,))[0] not in dead
+        and (relayed_to(t[2]) or (None,))[0] not in dead
+    )
+    return Message(m.round, m.src, m.dst, keep) if keep else None
 
 
 def _relay_finals(m: Message) -> set[int]:
