@@ -249,3 +249,32 @@ def test_build_plans_again_with_the_full_plans_settings_where_it_cannot_derive()
     kept_links = Topology(cluster, Placement(4, nodes[:4] + (nodes[8], nodes[9])))
     assert made.plan == plan_refit(SPEC, src, kept, **{**args, "links": kept_links})
     assert_delivers_exactly(made.plan, SPEC, src, kept)
+
+
+def test_carried_legs_to_a_leaving_engine_are_dropped_or_planned_again() -> None:
+    """A plan with carried legs (``carry``): for every set of engines left, the plan
+    is derived — the legs carried to engines that left dropped with them — or planned
+    again; either way every remaining destination gets exactly its weights."""
+    from nemo_refit_reshard.plan import is_relay
+
+    cluster = Cluster(gpus_per_node=5, nvlink_latency_us=0.001, nic_latency_us=0.002)
+    infer = InferParallel(tp=2, dp=4)
+    src, dst = _layouts(SPEC, TrainParallel(tp=4), infer)
+    links = Topology(cluster, Placement.packed(4, 8, cluster))
+    args = dict(bucket_mb=0.05, relay="domain", links=links, carry=True)
+    plans = MembershipPlans.build(SPEC, src, dst, _engines(infer), **args)
+
+    def carried(plan: RefitPlan) -> int:
+        return sum(is_relay(t.dst_tensor) for msgs in plan.class_rounds for m in msgs
+                   for t in m.transfers)  # fmt: skip
+
+    assert carried(plans.plan) > 0
+    hows = set()
+    for size in (1, 2, 3):
+        for chosen in combinations(range(4), size):
+            made = plans.for_engines(chosen)
+            hows.add(made.how.split(":")[0])
+            assert_delivers_exactly(made.plan, SPEC, src, narrowed_layouts(dst, made.destinations))
+            if made.how == "derived":
+                assert carried(made.plan) <= carried(plans.plan)
+    assert hows == {"derived", "re-planned"}
