@@ -1,4 +1,5 @@
-"""A plan per set of engines, derived from the full plan (``plan/membership.py``): every
+"""A plan per set of engines, derived from the full plan (``plan/derive_members.py``,
+cached by ``plan/membership.py``): every
 remaining destination gets exactly its weights (checked against the layouts by
 ``verify_plan`` and a simulated refit), its bytes are the full plan's, and the floor and
 baseline equal those of a plan built afresh for the same engines."""

@@ -112,6 +112,7 @@ class ElasticRefit:
         self.cfg, self.cluster = cfg, cluster
         tp, dp = cfg.infer.tp, cfg.num_replicas
         engines = tuple(tuple(range(e * tp, (e + 1) * tp)) for e in range(dp))
+
         def replan(kept: list[RankLayout], keep: tuple[int, ...]) -> RefitPlan:
             return plan_refit(spec, sources, kept, bucket_mb=cfg.refit.bucket_mb)
 

@@ -8,16 +8,18 @@ refit must move); ``baseline_bytes`` what the gather-broadcast baseline would mo
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
 
 from ..layouts.base import RankLayout
 from ..spec.model import ModelSpec
 from ..spec.quantization import FP8, SCALE_SUFFIX
-from .base import DTYPE_BYTES
+from .base import DTYPE_BYTES, is_relay
 from .config import PlanConfig
 from .pass1_needs import Needs
 from .pass4_routes import Routes
-from .pass6_messages import Messages
+from .pass6_messages import Message, Messages
 from .relay_choice import RelayChoice
 from .result.expand import Expansion
 from .result.fp8_steps import destination_steps, source_steps
@@ -44,42 +46,20 @@ def assemble_plan(
     groups = needs.groups
     receivers = [g for g in routes.members.values() if len(g) > 1]
     expansion = Expansion(messages.rounds, receivers, chains)
-    sent = [0] * (s + len(destinations))
-    received = [0] * (s + len(destinations))
     used_src: list[set[str]] = [set() for _ in sources]
-    pairs: set[tuple[int, int, int]] = set()  # one message per (round, sender, receiver)
-    num_transfers = 0
     fp8_block = spec.arch.quant.block if spec.arch.quant is not None else None
-    by_dtype: Counter[str] = Counter()  # block-FP8 plans only: what crosses, by dtype
     for msgs in messages.rounds:
         for m in msgs:
             if m.src < s:
                 used_src[m.src].update(map(_SRC_TENSOR, m.transfers))
-            for key in expansion.deliveries(m):
-                whole = not key[3] and key[2] == m.dst  # else only its shared part
-                content = m if whole or m.shared is None else m.shared
-                sent[key[1]] += content.nbytes
-                received[key[2]] += content.nbytes
-                num_transfers += len(content.transfers)
-                pairs.add(key[:3])
-                if fp8_block is not None:
-                    for t in content.transfers:
-                        by_dtype[t.dtype] += t.nbytes
+    counts = count_deliveries(messages.rounds, expansion, s + len(destinations), fp8_block)
     min_bytes = sum(
         len(g) * sum(map(_NUMEL, t.pieces)) * DTYPE_BYTES[t.dtype]
         for g in groups
         for t in destinations[g[0] - s].tensors
     )
-    stats = PlanStats(
-        bytes_sent=tuple(sent),
-        bytes_received=tuple(received),
-        total_bytes=sum(sent),
-        min_bytes=min_bytes,
-        baseline_bytes=baseline_bytes(spec, sources, destinations, groups),
-        num_transfers=num_transfers,
-        num_messages=len(pairs),
-        num_rounds=expansion.num_rounds,
-        bytes_by_dtype=tuple(sorted(by_dtype.items())),
+    stats = counts.stats(
+        min_bytes, baseline_bytes(spec, sources, destinations, groups), expansion.num_rounds
     )
     plan = RefitPlan(
         model=spec.name,
@@ -101,6 +81,59 @@ def assemble_plan(
         + tuple(destination_steps(lay) for lay in destinations),
     )
     return plan
+
+
+@dataclass
+class DeliveryCounts:
+    """Bytes and messages over every delivery of a plan's stored messages."""
+
+    sent: list[int]  # per refit-group rank
+    received: list[int]
+    num_transfers: int = 0
+    pairs: set[tuple[int, int, int]] = field(default_factory=set)  # (round, src, dst)
+    by_dtype: Counter[str] = field(default_factory=Counter)  # block-FP8 plans only
+    carried_in: list[int] = field(default_factory=list)  # per rank: into relay buffers
+
+    def stats(self, min_bytes: int, baseline: int, num_rounds: int) -> PlanStats:
+        return PlanStats(
+            bytes_sent=tuple(self.sent),
+            bytes_received=tuple(self.received),
+            total_bytes=sum(self.sent),
+            min_bytes=min_bytes,
+            baseline_bytes=baseline,
+            num_transfers=self.num_transfers,
+            num_messages=len(self.pairs),
+            num_rounds=num_rounds,
+            bytes_by_dtype=tuple(sorted(self.by_dtype.items())),
+        )
+
+
+def count_deliveries(
+    rounds: Sequence[Sequence[Message]],
+    expansion: Expansion,
+    world: int,
+    fp8_block: tuple[int, int] | None,
+) -> DeliveryCounts:
+    """Every delivery of every stored message (``result/expand.py``), counted: what
+    each rank sends and receives (a relay buffer's bytes apart), transfers, messages
+    (one per round, sender and receiver) and, in block-FP8 plans, bytes by dtype."""
+    out = DeliveryCounts([0] * world, [0] * world, carried_in=[0] * world)
+    for msgs in rounds:
+        for m in msgs:
+            for key in expansion.deliveries(m):
+                whole = not key[3] and key[2] == m.dst  # else only its shared part
+                content = m if whole or m.shared is None else m.shared
+                out.sent[key[1]] += content.nbytes
+                out.received[key[2]] += content.nbytes
+                if content.shared is not content:  # part of it fills a relay buffer
+                    relayed = (t.nbytes for t in content.transfers if is_relay(t.dst_tensor))
+                    out.carried_in[key[2]] += sum(relayed)
+                out.num_transfers += len(content.transfers)
+                out.pairs.add(key[:3])
+                if fp8_block is not None:
+                    for t in content.transfers:
+                        out.by_dtype[t.dtype] += t.nbytes
+    return out
 
 
 def live_sources(layout: RankLayout, used: set[str]) -> dict[str, tuple[tuple[int, ...], str]]:
