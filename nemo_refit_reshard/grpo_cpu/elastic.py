@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..engine.transport import first_line
 from ..integrations.worker.membership import (
     DEAD,
     OK,
@@ -31,11 +32,6 @@ from ..plan.membership import MembershipPlans
 from ..spec.model import ModelSpec
 from .cluster import ActorInfo, GrpoCluster
 from .config import GrpoRunConfig
-
-
-def _first_line(err: BaseException) -> str:
-    lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
-    return lines[0] if lines else ""
 
 
 class RayParties:
@@ -72,7 +68,7 @@ class RayParties:
                     out[party] = DEAD
                 except RayError as err:
                     cause = getattr(err, "cause", None) or err
-                    out[party] = f"raised {type(cause).__name__}: {_first_line(cause)}"
+                    out[party] = f"raised {type(cause).__name__}: {first_line(cause)}"
         for party in pending.values():
             out[party] = SILENT
         return out
