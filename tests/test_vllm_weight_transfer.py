@@ -33,10 +33,16 @@ pytestmark = [pytest.mark.slow, requires(vllm_env.skip_reason)]
 
 
 def run(
-    model: str, work: Path, steps: int, fail_after: int | None = None, colocated_steps: int = 0
+    model: str,
+    work: Path,
+    steps: int,
+    fail_after: int | None = None,
+    colocated_steps: int = 0,
+    program: str = "vllm_ray_refit",
+    infer_tp: int = 2,
 ) -> dict[str, Any]:
     """The Ray job's result (see the program's docstring)."""
-    cfg, infer = MODELS[model], InferParallel(tp=2)
+    cfg, infer = MODELS[model], InferParallel(tp=infer_tp)
     quant = cfg.get("quantization_config")  # a block-FP8 engine of a BF16-trained model
     cfg = {k: v for k, v in cfg.items() if k != "quantization_config"}
     trained = spec_from_hf_config(cfg, name=model)
@@ -54,10 +60,11 @@ def run(
         checkpoints=checkpoints,
         fail_after=fail_after,
         colocated_steps=colocated_steps,
+        timeout_s=20,  # the fleet job's refit deadline (a tiny model's waits are short)
     )
     (work / "spec.json").write_text(json.dumps(spec))
-    proc = vllm_env.start("vllm_ray_refit", str(work / "spec.json"), str(work / "out.json"))
-    vllm_env.finish(proc, "the Ray refit job")  # every wait in it is bounded
+    proc = vllm_env.start(program, str(work / "spec.json"), str(work / "out.json"))
+    vllm_env.finish(proc, f"the Ray job {program}")  # every wait in it is bounded
     return json.loads((work / "out.json").read_text())
 
 
@@ -95,3 +102,44 @@ def test_reshard_backend_over_ray_bit_exact_then_failed_update_then_colocated(
         assert status["active"] is False  # vLLM's Worker ended the failed session
     assert "StaleWeightsError" in r["engine_finish"], r["engine_finish"]
     assert "version 'v2'" in r["engine_finish"]
+
+
+def test_two_engines_one_dies_the_other_goes_on_and_a_new_one_is_admitted(
+    tmp_path: Path,
+) -> None:
+    """Two vLLM engines, each its own refit group (``tests/programs/vllm_ray_fleet.py``):
+    engine b's workers are killed between steps; its update fails on every trainer rank
+    and commits nothing, while engine a takes the same version through its own group.
+    b is fenced (its trainer engines shut down); engine c, started from the initial
+    checkpoint, is admitted through vLLM's ``init_weight_transfer_engine`` and caught up
+    to the version a holds; then a and c take the next one. Every committed version is
+    bit-exact against vLLM's ``load_weights`` of its checkpoint; no storage moved."""
+    r = run("qwen3", tmp_path, steps=3, program="vllm_ray_fleet", infer_tp=1)
+    assert r["ok"], r.get("traceback")
+    prints = r["fingerprints"]
+    assert prints["a"][0] == prints["a"][1] == prints["b"][0] == prints["c"][0]
+    for name in ("a", "b"):
+        assert r["step1"][name]["errors"] == [None, None], name
+    lost = r["step2"]["b"]["errors"]  # every trainer rank saw it, each its own way:
+    assert "ActorDiedError" in lost[0], lost  # rank 0 drives b's dead workers through vLLM
+    assert lost[1].startswith("TransportError: refit rank 1: step 2 round 0: send with rank 2")
+    assert r["step2"]["b"]["seconds"] < 20 + 60  # bounded by the refit deadline (20 s)
+    assert r["step2"]["a"]["errors"] == [None, None], r["step2"]["a"]
+    assert r["b_shutdown"] is not None  # b's workers are gone; vLLM's call says so
+    assert r["after_loss"]["a"]["version"] == "v2"
+    assert r["catch_up"]["errors"] == [None, None], r["catch_up"]
+    for name in ("a", "c"):
+        assert r["after_admission"][name]["version"] == "v2", name
+        assert r["step3"][name]["errors"] == [None, None], (name, r["step3"])
+        state = r["final"][name]
+        assert state["version"] == "v3", name
+        for status in state["status"]:
+            assert status["weight_version"] == "v3" and status["stale"] is None, status
+    [a], [c] = r["workers"]["a"], r["workers"]["c"]
+    assert a["committed"] == ["v1", "v2", "v3"]
+    assert [s["step"] for s in a["steps"]] == [1, 2, 3]
+    assert c["committed"] == ["v2", "v3"]  # caught up, then the fleet's next version
+    assert [s["step"] for s in c["steps"]] == [1, 2]  # c's own refit group counts again
+    for w in (a, c):
+        assert [s["differ"] for s in w["steps"]] == [[]] * len(w["steps"]), w["steps"]
+        assert [s["moved"] for s in w["steps"]] == [[]] * len(w["steps"])

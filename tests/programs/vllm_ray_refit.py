@@ -99,19 +99,23 @@ class VllmWorkerRank:
         value = getattr(self.worker, method)(**kwargs)
         if method == "finish_weight_update":
             self.result["committed"].append(self.engine.weight_version)
-            self.check(int(self.pending["step"]))
+            self.check(int(self.pending["step"]), self.engine.weight_version)
         return value
 
-    def check(self, step: int) -> None:
+    def check(self, step: int, version: str) -> None:
+        """The live parameters against vLLM's ``load_weights`` of the checkpoint the
+        committed version names (``v3``, ``c3``: checkpoint entry 2); ``step`` is the refit
+        group's own count (a group made for a newcomer starts again at 1)."""
         from tests.helpers import vllm_cpu
 
         truth, _ = vllm_cpu.build_model(self.config, self.rank, "cpu", self.dtype)
-        truth.load_weights(vllm_cpu.checkpoint_tensors(self.checkpoints[step - 1]))
+        truth.load_weights(vllm_cpu.checkpoint_tensors(self.checkpoints[int(version[1:]) - 1]))
         want = dict(truth.named_parameters())
         params = list(self.model.named_parameters())
         self.result["steps"].append(
             {
                 "step": step,
+                "version": version,
                 "differ": [n for n, p in params if not torch.equal(p, want[n])],
                 "moved": [n for n, p in params if p.data_ptr() != self.pointers[n]],
             }
@@ -151,6 +155,8 @@ class MegatronTrainerRank:
         self.vocab = mc.padded_vocab(self.spec.arch.vocab_size, tp)
         self.chunks = mc.build_gpt(config, self.spec, self.parallel, self.vocab)
         self.storage: dict[str, int] = {}
+        # One trainer engine per vLLM engine (each its own refit group), by name
+        self.engines: dict[str, Any] = {}
 
     def load(self, checkpoint: str) -> int:
         """The optimizer step's stand-in: new values in the same storage, placed by
@@ -169,7 +175,13 @@ class MegatronTrainerRank:
         return n
 
     def init_transfer(
-        self, llm: Any, infer_tp: int, colocated: bool = False, quantization: dict | None = None
+        self,
+        llm: Any,
+        infer_tp: int,
+        colocated: bool = False,
+        quantization: dict | None = None,
+        name: str = "llm",
+        timeout_s: float = 60,
     ) -> str:
         from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -186,29 +198,33 @@ class MegatronTrainerRank:
             quantization=quantization,
             # port and secret None: rank 0 picks them and shares them over Megatron's
             # own torch.distributed world (engine.rendezvous.broadcast_text)
-            timeout_s=60,
+            timeout_s=timeout_s,
             connect_timeout_s=WAIT_S,
             bucket_mb=1,
             colocated=colocated,
         )
         source = MegatronSource(self.chunks, self.spec, self.parallel, self.rank)
-        self.engine = WeightTransferTrainerFactory.trainer_init(
+        self.engines[name] = WeightTransferTrainerFactory.trainer_init(
             info, client=RayVLLMWeightSyncClient(llm), source=source
         )
-        return self.engine.plan.fingerprint
+        return self.engines[name].plan.fingerprint
 
-    def sync(self, version: str) -> None:
-        self.engine.send_weights(weight_version=version)
+    def sync(self, version: str, name: str = "llm") -> None:
+        self.engines[name].send_weights(weight_version=version)
 
-    def try_sync(self, version: str) -> str | None:
+    def try_sync(self, version: str, name: str = "llm") -> str | None:
         try:
-            self.sync(version)
+            self.sync(version, name)
         except Exception as err:
             return f"{type(err).__name__}: {err}"[:600]
         return None
 
-    def leave(self) -> None:
-        self.engine.shutdown()
+    def leave(self, name: str = "llm") -> None:
+        """Shut the trainer engine of vLLM engine ``name`` (its refit group) down, if it
+        is still up."""
+        engine = self.engines.pop(name, None)
+        if engine is not None:
+            engine.shutdown()
 
 
 def run(spec: dict[str, Any], work: str) -> dict[str, Any]:
