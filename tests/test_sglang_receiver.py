@@ -91,9 +91,24 @@ CONFIG = {
 }
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    work = tmp_path_factory.mktemp("sglang-receiver")
+# The SGLang engines refit: tp=2; pipeline parallel (--pp-size 2: layers split, each
+# stage's own parameters); attention data parallel (--tp-size 2 --dp-size 2
+# --enable-dp-attention: MLA whole on each rank, MoE and dense MLP split over both).
+ENGINES = {
+    "tp2": dict(tp=2),
+    "pp2": dict(pp=2),
+    "dp_attention2": dict(engine_dp=2),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(ENGINES))
+def ranks(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> list[dict[str, Any]]:
+    infer = ENGINES[request.param]
+    if "engine_dp" in infer and vllm_env.installed_sglang_version().startswith("0.5.12"):
+        pytest.skip("data-parallel attention is proven against SGLang 0.5.23 only")
+    work = tmp_path_factory.mktemp(f"sglang-receiver-{request.param}")
     (work / "model").mkdir()
     (work / "model" / "config.json").write_text(json.dumps(CONFIG))
     job = dict(
@@ -104,6 +119,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         initial_seed=99,
         steps=STEPS,
         timeout_s=20,
+        infer=infer,
     )
     (work / "job.json").write_text(json.dumps(job))
     proc = vllm_env.start(
@@ -116,7 +132,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     result = json.loads((work / "result.json").read_text())
     assert "error" not in result, result["error"]
     assert result["train_exitcodes"] == [0, 0]
-    return result["ranks"]
+    return [{**rank, "engine": request.param} for rank in result["ranks"]]
 
 
 def test_two_steps_write_canonical_slices_in_place(ranks: list[dict[str, Any]]) -> None:
@@ -132,6 +148,32 @@ def test_two_steps_write_canonical_slices_in_place(ranks: list[dict[str, Any]]) 
             assert s["derived"] and s["derived_unchanged"] == [] and s["derived_moved"] == []
         # and SGLang's own load_weights of step 2's checkpoint gives the same bits
         assert rank["reload_differ"] == []
+
+
+def test_each_rank_holds_its_share_of_the_engine(ranks: list[dict[str, Any]]) -> None:
+    """What was refit is what SGLang's parallelism gives each rank (CONFIG: 4 heads of
+    12 + 8 dims, q_lora 16, hidden 32, dense layer 0 intermediate 64, 3 layers): tp
+    splits MLA's q_b_proj and the dense MLP; attention DP keeps MLA whole and splits the
+    MLP over both ranks; pp puts layer 0 and the embedding on stage 0, the last layer and
+    the final norm on stage 1."""
+    engine = ranks[0]["engine"]
+    tensors = [rank["described"]["tensors"] for rank in ranks]
+    assert [rank["described"]["engine_rank"] for rank in ranks] == [0, 1]
+    q_b, gate_up = "self_attn.q_b_proj.weight", "mlp.gate_up_proj.weight"
+    if engine == "pp2":
+        assert tensors[0][f"model.layers.0.{q_b}"] == [[48, 16], "float32"]
+        assert tensors[0][f"model.layers.0.{gate_up}"] == [[128, 32], "float32"]
+        assert "model.embed_tokens.weight" in tensors[0] and "model.norm.weight" in tensors[1]
+        assert "model.embed_tokens.weight" not in tensors[1]
+        assert "model.norm.weight" not in tensors[0]
+        assert f"model.layers.2.{q_b}" in tensors[1] and f"model.layers.2.{q_b}" not in tensors[0]
+        assert f"model.layers.0.{q_b}" not in tensors[1]
+        return
+    assert tensors[0].keys() == tensors[1].keys()
+    heads = 48 if engine == "dp_attention2" else 24
+    for t in tensors:
+        assert t[f"model.layers.0.{q_b}"] == [[heads, 16], "float32"], engine
+        assert t[f"model.layers.0.{gate_up}"] == [[64, 32], "float32"], engine
 
 
 def test_plan_of_another_fingerprint_is_refused(ranks: list[dict[str, Any]]) -> None:

@@ -18,7 +18,6 @@ position, and our receiver's ``engine_rank()`` there the rank.
 from __future__ import annotations
 
 import json
-import subprocess
 from typing import Any
 
 import pytest
@@ -168,7 +167,7 @@ def sglang_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         (work / model / "config.json").write_text(json.dumps(CONFIGS[model]))
         save_file(_checkpoint(model), str(work / f"{model}.safetensors"))
     # dp attention is proven on 0.5.23 (build_model refuses it on 0.5.12.post1)
-    dp_attention = not _sglang_version().startswith("0.5.12")
+    dp_attention = not vllm_env.installed_sglang_version().startswith("0.5.12")
     for case in CASES:
         model, par = case
         # so is block FP8 (build_model refuses it there)
@@ -199,13 +198,6 @@ def sglang_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     result = json.loads((work / "result.json").read_text())
     assert "error" not in result, result["error"]
     return {"work": work, "shapes": result}
-
-
-def _sglang_version() -> str:
-    python = vllm_env.sglang_python()
-    assert python is not None
-    probe = "from importlib.metadata import version; print(version('sglang'))"
-    return subprocess.run([python, "-c", probe], capture_output=True, text=True).stdout.strip()
 
 
 def _built(runs: dict[str, Any], case: tuple[str, InferParallel]) -> None:

@@ -76,6 +76,14 @@ def sglang_python() -> str | None:
     return _venv_python("NRR_SGLANG_PYTHON", ".venv-sglang")
 
 
+def installed_sglang_version() -> str:
+    """The SGLang version of :func:`sglang_python` (its tests skip when there is none)."""
+    python = sglang_python()
+    assert python is not None
+    probe = "from importlib.metadata import version; print(version('sglang'))"
+    return subprocess.run([python, "-c", probe], capture_output=True, text=True).stdout.strip()
+
+
 def sglang_skip_reason() -> str | None:
     probe = "from importlib.metadata import version; version('sglang')"  # fast: no import
     return _missing(sglang_python(), "SGLang", probe, SGLANG_SETUP_HINT)

@@ -4,13 +4,15 @@
     python -m tests.programs.sglang_receiver_job JOB.json RESULT.json
 
 JOB: ``{"name", "config", "model_dir", "initial", "initial_seed", "steps": [seed, ...],
-"timeout_s"}``. Two
+"timeout_s", "infer": {InferParallel fields}}``. Two
 training ranks (Megatron tp=2 float32 shards materialized from each step's canonical
-tensors; this project's sender, ``RefitWorker``) and two SGLang tp ranks (SGLang's
-model class built and first loaded by SGLang, ``tests/helpers/sglang_cpu.py``) join one
-gloo refit group. Every SGLang rank drives the receiver through SGLang's own scheduler
-weight-update manager (``SchedulerWeightUpdaterManager``: begin the session, update
-from tensor with ``load_format=LOADER``, end it) over SGLang's own ``WeightUpdater``
+tensors; this project's sender, ``RefitWorker``) and the ranks of one SGLang engine
+(SGLang's model class built and first loaded by SGLang, ``tests/helpers/sglang_cpu.py``:
+``tp``, ``pp`` = ``--pp-size``, ``engine_dp`` = ``--dp-size`` with
+``--enable-dp-attention`` and ``--tp-size`` engine_dp·tp) join one gloo refit group.
+Every SGLang rank drives the receiver through SGLang's own scheduler weight-update
+manager (``SchedulerWeightUpdaterManager``: begin the session, update from tensor with
+``load_format=LOADER``, end it) over SGLang's own ``WeightUpdater``
 (0.5.12.post1, NeMo RL's pin: no session; SGLang's own scheduler mixin, then its
 ``ModelRunner.update_weights_from_tensor``, ``scheduler_weight_updater_0512``), then
 after the training ranks have gone tries a plan of another fingerprint and a third step.
@@ -28,7 +30,13 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-TRAIN, INFER = 2, 2  # training tp, SGLang tp
+TRAIN = 2  # training tp
+
+
+def _infer(job: dict[str, Any]):
+    from nemo_refit_reshard.spec import InferParallel
+
+    return InferParallel(**job["infer"])
 
 
 def _spec(job: dict[str, Any]):
@@ -85,7 +93,6 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
     )
     from nemo_refit_reshard.integrations.worker import StaleWeightsError
     from nemo_refit_reshard.layouts.sglang import sglang_layout
-    from nemo_refit_reshard.spec import InferParallel
     from tests.helpers.checkpoints import random_tensors
     from tests.helpers.sglang_cpu import build_model
     from tests.helpers.sglang_scheduler import (
@@ -94,7 +101,9 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
         scheduler_weight_updater_0512,
     )
 
-    model = build_model(job["model_dir"], INFER, rank, port)
+    infer = _infer(job)
+    tp_size = infer.engine_dp * infer.tp  # SGLang's --tp-size
+    model = build_model(job["model_dir"], tp_size, rank, port, pp=infer.pp, dp=infer.engine_dp)
     model.load_weights(iter(load_file(job["initial"]).items()))  # SGLang's own start-up load
     from sglang.srt.managers import io_struct as io
     from sglang.srt.utils import MultiprocessingSerializer
@@ -105,7 +114,7 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
     build = scheduler_weight_updater if session else scheduler_weight_updater_0512
     manager, versions = build(model, rank, [LOADER])
     spec = _spec(job)
-    layout = sglang_layout(spec, InferParallel(tp=INFER), rank, params_dtype="float32")
+    layout = sglang_layout(spec, infer, rank, params_dtype="float32")
     params = dict(model.named_parameters())
     pointers = {n: p.data_ptr() for n, p in params.items()}
     derived = derived_tensors(model)  # what SGLang's post_load_weights made at start-up
@@ -136,7 +145,7 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
         if session:
             assert manager.begin_weight_update(io.BeginWeightUpdateReqInput()).success
         request = io.UpdateWeightsFromTensorReqInput(
-            serialized_named_tensors=[payloads[key]] * INFER,
+            serialized_named_tensors=[payloads[key]] * tp_size,
             load_format=LOADER,
             weight_version=key,
         )
@@ -198,41 +207,40 @@ def main(job_path: str, result_path: str) -> int:
     from nemo_refit_reshard.layouts import MegatronOptions, megatron_layout
     from nemo_refit_reshard.layouts.sglang import sglang_layout
     from nemo_refit_reshard.plan import plan_refit, rank_plan
-    from nemo_refit_reshard.spec import InferParallel, TrainParallel
+    from nemo_refit_reshard.spec import TrainParallel
     from tests.helpers.checkpoints import random_tensors
 
     job = json.load(open(job_path))
-    spec = _spec(job)
+    spec, infer = _spec(job), _infer(job)
     save_file(random_tensors(spec, job["initial_seed"]), job["initial"])
     opts = MegatronOptions(params_dtype="float32")
     sources = [megatron_layout(spec, TrainParallel(tp=TRAIN), r, opts) for r in range(TRAIN)]
-    dests = [
-        sglang_layout(spec, InferParallel(tp=INFER), r, params_dtype="float32")
-        for r in range(INFER)
-    ]
+    dests = [sglang_layout(spec, infer, r, params_dtype="float32") for r in range(infer.world_size)]
     plan = plan_refit(spec, sources, dests, bucket_mb=1)
-    job["plan"] = {str(r): rank_plan(plan, r).to_json() for r in range(TRAIN + INFER)}
+    ranks = range(TRAIN + infer.world_size)
+    job["plan"] = {str(r): rank_plan(plan, r).to_json() for r in ranks}
     job["fingerprint"] = plan.fingerprint
     # rendezvous waits for SGLang's slow start-up; every later wait is short, so the
     # step after the training ranks have gone fails within ``timeout_s``
     endpoint = RefitEndpoint(
-        "127.0.0.1", free_port(), TRAIN + INFER, 0, "gloo",
+        "127.0.0.1", free_port(), TRAIN + infer.world_size, 0, "gloo",
         timeout_s=job["timeout_s"], connect_timeout_s=300,
     )  # fmt: skip
     job["endpoint"] = endpoint.to_json()
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_train, args=(job, r)) for r in range(TRAIN)]
-    procs += [ctx.Process(target=_sglang, args=(job, r, port, out)) for r in range(INFER)]
+    engine = range(infer.world_size)
+    procs += [ctx.Process(target=_sglang, args=(job, r, port, out)) for r in engine]
     for p in procs:
         p.start()
-    ranks = sorted((out.get(timeout=600) for _ in range(INFER)), key=lambda x: x[0])
+    got = sorted((out.get(timeout=600) for _ in engine), key=lambda x: x[0])
     for p in procs:
         p.join(timeout=60)
         if p.is_alive():
             p.kill()
-    errors = [e for _, _, e in ranks if e]
-    result = {"error": errors[0]} if errors else {"ranks": [r for _, r, _ in ranks]}
+    errors = [e for _, _, e in got if e]
+    result = {"error": errors[0]} if errors else {"ranks": [r for _, r, _ in got]}
     result["train_exitcodes"] = [p.exitcode for p in procs[:TRAIN]]
     with open(result_path, "w") as f:
         json.dump(result, f)
