@@ -37,6 +37,14 @@ CONFIGS = {
         ),
     },
     "qwen3_fp8_i256": {**MODELS["qwen3_fp8"], "intermediate_size": 256},
+    # Llama's FP8 engine: SGLang serves it, its layout is not proven here
+    "llama_fp8": {
+        **MODELS["llama"],
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "head_dim": 64,
+        "quantization_config": BLOCK_FP8,
+    },
 }
 
 
@@ -57,11 +65,18 @@ def _spec(model: str) -> ModelSpec:
         ),
         ("qwen3_moe_sparse", P(tp=8), None, "tp=8 exceeds num_experts=4 (SGLang's rule)"),
         (
-            "deepseek_v3_fp8",
+            "llama_fp8",
             P(tp=2),
             None,
-            "SGLang FP8 layouts cover qwen3, qwen3_moe so far; deepseek_v3_fp8 is family "
-            "'deepseek_v3': serve BF16 weights or use the vLLM engine",
+            "SGLang FP8 layouts cover qwen3, qwen3_moe, deepseek_v3 so far; llama_fp8 is "
+            "family 'llama': serve BF16 weights or use the vLLM engine",
+        ),
+        (
+            "deepseek_v3_fp8",
+            P(pp=2),
+            None,
+            "SGLang FP8 layouts cover engine_dp=1 and pp=1 so far (engine_dp=1, pp=2): serve "
+            "BF16 weights or use the vLLM engine",
         ),
         (
             "qwen3_fp8",

@@ -69,12 +69,11 @@ pytestmark = [pytest.mark.slow, requires(vllm_env.sglang_skip_reason)]
 VERSIONS = ("0.5.23", "0.5.12.post1")
 
 STEPS = [100, 101]  # the canonical weights' seed of each refit step (start-up: 99)
-MODEL = "deepseek_v3"  # MLA (derived w_kc/w_vc) and MoE; the job takes any SGLang model
-# What DeepSeek-V3's own config.json has and transformers' DeepseekV3Config does not
-# write, which SGLang's DeepseekV2 reads, and a YaRN rope_scaling SGLang's CPU rotary
-# embedding accepts (factor 1: plain rope) — as tests/test_sglang_truth.py builds it.
-CONFIG = {
-    **MODELS[MODEL],
+# DeepSeek-V3: MLA (derived w_kc/w_vc) and MoE; the job takes any SGLang model. What
+# DeepSeek-V3's own config.json has and transformers' DeepseekV3Config does not write,
+# which SGLang's DeepseekV2 reads, and a YaRN rope_scaling SGLang's CPU rotary embedding
+# accepts (factor 1: plain rope) — as tests/test_sglang_truth.py builds it.
+SGLANG_KEYS = {
     "scoring_func": "sigmoid",
     "moe_layer_freq": 1,
     "ep_size": 1,
@@ -89,15 +88,22 @@ CONFIG = {
         "beta_slow": 1,
     },
 }
+CONFIGS = {
+    "deepseek_v3": {**MODELS["deepseek_v3"], **SGLANG_KEYS},
+    # block FP8 (e4m3 weights, 128x128 scales): the training ranks quantize what they send
+    "deepseek_v3_fp8": {**MODELS["deepseek_v3_fp8"], **SGLANG_KEYS},
+}
 
 
-# The SGLang engines refit: tp=2; pipeline parallel (--pp-size 2: layers split, each
-# stage's own parameters); attention data parallel (--tp-size 2 --dp-size 2
-# --enable-dp-attention: MLA whole on each rank, MoE and dense MLP split over both).
+# The SGLang engines refit (model, parallelism): tp=2; pipeline parallel (--pp-size 2:
+# layers split, each stage's own parameters); attention data parallel (--tp-size 2
+# --dp-size 2 --enable-dp-attention: MLA whole on each rank, MoE and dense MLP split over
+# both); a block-FP8 engine at tp=2.
 ENGINES = {
-    "tp2": dict(tp=2),
-    "pp2": dict(pp=2),
-    "dp_attention2": dict(engine_dp=2),
+    "tp2": ("deepseek_v3", dict(tp=2)),
+    "pp2": ("deepseek_v3", dict(pp=2)),
+    "dp_attention2": ("deepseek_v3", dict(engine_dp=2)),
+    "fp8_tp2": ("deepseek_v3_fp8", dict(tp=2)),
 }
 
 
@@ -105,15 +111,17 @@ ENGINES = {
 def ranks(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> list[dict[str, Any]]:
-    infer = ENGINES[request.param]
-    if "engine_dp" in infer and vllm_env.installed_sglang_version().startswith("0.5.12"):
-        pytest.skip("data-parallel attention is proven against SGLang 0.5.23 only")
+    model, infer = ENGINES[request.param]
+    config = CONFIGS[model]
+    old = vllm_env.installed_sglang_version().startswith("0.5.12")
+    if old and ("engine_dp" in infer or "quantization_config" in config):
+        pytest.skip("data-parallel attention and FP8 are proven against SGLang 0.5.23 only")
     work = tmp_path_factory.mktemp(f"sglang-receiver-{request.param}")
     (work / "model").mkdir()
-    (work / "model" / "config.json").write_text(json.dumps(CONFIG))
+    (work / "model" / "config.json").write_text(json.dumps(config))
     job = dict(
-        name=MODEL,
-        config=CONFIG,
+        name=model,
+        config=config,
         model_dir=str(work / "model"),
         initial=str(work / "initial.safetensors"),
         initial_seed=99,
@@ -148,18 +156,33 @@ def test_two_steps_write_canonical_slices_in_place(ranks: list[dict[str, Any]]) 
             assert s["derived"] and s["derived_unchanged"] == [] and s["derived_moved"] == []
         # and SGLang's own load_weights of step 2's checkpoint gives the same bits
         assert rank["reload_differ"] == []
+        # an FP8 kv_b_proj: SGLang's CPU path adds one per-tensor w_scale per MLA layer,
+        # compared with the rest above
+        fp8 = rank["engine"].startswith("fp8")
+        w_scales = [f"model.layers.{i}.self_attn.w_scale" for i in range(3)] if fp8 else []
+        assert rank["w_scales"] == w_scales
 
 
 def test_each_rank_holds_its_share_of_the_engine(ranks: list[dict[str, Any]]) -> None:
-    """What was refit is what SGLang's parallelism gives each rank (CONFIG: 4 heads of
-    12 + 8 dims, q_lora 16, hidden 32, dense layer 0 intermediate 64, 3 layers): tp
+    """What was refit is what SGLang's parallelism gives each rank (deepseek_v3: 4 heads
+    of 12 + 8 dims, q_lora 16, hidden 32, dense layer 0 intermediate 64, 3 layers): tp
     splits MLA's q_b_proj and the dense MLP; attention DP keeps MLA whole and splits the
     MLP over both ranks; pp puts layer 0 and the embedding on stage 0, the last layer and
-    the final norm on stage 1."""
+    the final norm on stage 1. The FP8 engine (deepseek_v3_fp8: 4 heads of 192 + 128
+    dims, q_lora 256, hidden 256, intermediate 512) splits e4m3 weights and their
+    128x128 scales alike; the attention's KV-cache scales are not refit parameters."""
     engine = ranks[0]["engine"]
     tensors = [rank["described"]["tensors"] for rank in ranks]
     assert [rank["described"]["engine_rank"] for rank in ranks] == [0, 1]
     q_b, gate_up = "self_attn.q_b_proj.weight", "mlp.gate_up_proj.weight"
+    if engine == "fp8_tp2":
+        for t in tensors:
+            assert t[f"model.layers.0.{q_b}"] == [[384, 256], "float8_e4m3fn"]
+            assert t[f"model.layers.0.{q_b}_scale_inv"] == [[3, 2], "float32"]
+            assert t[f"model.layers.0.{gate_up}"] == [[512, 256], "float8_e4m3fn"]
+            assert t[f"model.layers.0.{gate_up}_scale_inv"] == [[4, 2], "float32"]
+            assert not [n for n in t if n.endswith(("k_scale", "v_scale"))]
+        return
     if engine == "pp2":
         assert tensors[0][f"model.layers.0.{q_b}"] == [[48, 16], "float32"]
         assert tensors[0][f"model.layers.0.{gate_up}"] == [[128, 32], "float32"]

@@ -25,7 +25,11 @@ import torch
 
 from nemo_refit_reshard.engine.materialize import mismatches
 from nemo_refit_reshard.layouts.base import RankLayout
-from nemo_refit_reshard.layouts.sglang import sglang_derived_tensors, sglang_layout
+from nemo_refit_reshard.layouts.sglang import (
+    SGLANG_KV_CACHE_SCALES,
+    sglang_derived_tensors,
+    sglang_layout,
+)
 from nemo_refit_reshard.layouts.vllm_grid import vllm_position
 from nemo_refit_reshard.spec import InferParallel, ModelSpec, spec_from_hf_config
 from tests.helpers import vllm_env
@@ -64,6 +68,9 @@ CONFIGS = {
     # the same model under --enforce-shared-experts-fusion (SGLang's default on a CUDA
     # GPU for DeepSeek-V3's 256 experts; on CPU only the flag turns it on)
     "deepseek_v3_fused": {**MODELS["deepseek_v3"], **_DS_SGLANG},
+    # block FP8 MLA and experts (dense layer 0, router gates unquantized as SGLang builds
+    # them); the attention's KV-cache scales are parameters no refit writes
+    "deepseek_v3_fp8": {**MODELS["deepseek_v3_fp8"], **_DS_SGLANG},
     # Qwen3 (3 layers, tied) under SGLANG_PP_LAYER_PARTITION=2,1
     "qwen3_split_2_1": MODELS["qwen3"],
     # block FP8: every layer an MoE block, every router gate unquantized (SGLang's
@@ -117,6 +124,9 @@ CASES = [
     ("qwen3_fp8", P(tp=4)),  # 2 KV heads over 4 ranks: k/v scale rows replicated too
     ("qwen3_moe_fp8_sparse", P(tp=2)),  # w13/w2_weight_scale_inv sliced with the experts
     ("qwen3_moe_fp8_sparse", P(tp=2, ep=2)),  # whole experts and scales per rank
+    # fused_qkv_a_proj_with_mqa's scale: [q_a_proj's block rows ; kv_a_proj_with_mqa's]
+    ("deepseek_v3_fp8", P(tp=2)),
+    ("deepseek_v3_fp8", P(tp=2, ep=2)),  # whole routed experts, shared experts over tp
 ]
 
 
@@ -241,8 +251,27 @@ def test_provider_matches_sglang_parameters_and_contents(
     for rank in range(par.world_size):
         layout = _layout(case, rank)
         ours = {t.name: [list(t.shape), t.dtype] for t in layout.tensors}
-        assert sglang_runs["shapes"][_id(case)][rank] == ours, (rank, layout.framework)
+        theirs = dict(sglang_runs["shapes"][_id(case)][rank])
+        # an FP8 MLA engine's KV-cache scales: every layer's, scalars, outside the layout
+        kv = {n: theirs.pop(n) for n in list(theirs) if n.endswith(SGLANG_KV_CACHE_SCALES)}
+        assert kv == _kv_cache_scales(case), rank
+        assert theirs == ours, (rank, layout.framework)
         assert _content_mismatches(layout, _loaded(sglang_runs, case, rank), canonical) == []
+
+
+def _kv_cache_scales(case: tuple[str, InferParallel]) -> dict[str, list[Any]]:
+    """What SGLang's BaseKVCacheMethod registers: k_scale / v_scale of each MLA layer's
+    two attentions (attn_mqa: absorbed decode; attn_mha: prefill), float32 scalars,
+    under a quantization config (the test cases: pp = 1)."""
+    spec = _spec(case[0])
+    if spec.arch.mla is None or spec.arch.quant is None:
+        return {}
+    return {
+        f"model.layers.{layer}.self_attn.{attn}.{kv}_scale": [[], "float32"]
+        for layer in range(spec.arch.num_layers)
+        for attn in ("attn_mha", "attn_mqa")
+        for kv in "kv"
+    }
 
 
 @pytest.mark.slow
@@ -255,10 +284,19 @@ def test_derived_weights_are_exactly_the_named_ones(
     shapes) and none is a parameter; w_kc / w_vc are the split of the loaded kv_b_proj."""
     _built(sglang_runs, case)
     model, par = case
-    mla = _spec(model).arch.mla
+    spec = _spec(model)
+    mla, fp8 = spec.arch.mla, spec.arch.quant is not None
     for rank in range(par.world_size):
-        expected = sglang_derived_tensors(_spec(model), par, rank, PARTITION.get(model))
+        expected = sglang_derived_tensors(spec, par, rank, PARTITION.get(model))
         got = sglang_runs["shapes"]["derived"][_id(case)][rank]
+        if mla is not None and fp8:
+            # off CUDA, SGLang requantizes the block-FP8 kv_b_proj per tensor
+            # (block_quant_to_tensor_quant): w_kc / w_vc in e4m3 with one w_scale each
+            # layer (on CUDA with 128x128 blocks: dequantized to BF16, no w_scale)
+            layers = {n.rsplit(".", 1)[0] for n in expected}
+            want = {n: [list(s), "float8_e4m3fn"] for n, s in expected.items()}
+            assert got == {**want, **{f"{p}.w_scale": [[], "float32"] for p in layers}}
+            continue
         assert got == {n: [list(s), "float32"] for n, s in expected.items()}
         if mla is None:
             continue

@@ -66,7 +66,7 @@ the vocabulary is padded to a multiple of 64 and split by rows. Where SGLang dif
   the receiver and the NeMo RL / veRL routes still refuse ``engine_dp``.
 
 * Block FP8 (``quantization_config`` ``quant_method: fp8``, 128x128 ``weight_block_size``,
-  dynamic activations), Qwen3 and Qwen3-MoE at ``engine_dp=1``, ``pp=1``: SGLang's
+  dynamic activations), Qwen3, Qwen3-MoE and DeepSeek-V3 at ``engine_dp=1``, ``pp=1``: SGLang's
   ``Fp8LinearMethod.create_weights`` (``layers/quantization/fp8.py`` ~613-716) registers
   ``weight`` e4m3 and ``weight_scale_inv`` float32 ``[ceil(rows/128), ceil(cols/128)]``
   per quantized linear, ``Fp8MoEMethod`` (~1545-1746) ``w13_weight_scale_inv`` /
@@ -79,8 +79,15 @@ the vocabulary is padded to a multiple of 64 and split by rows. Where SGLang dif
   it on an NVIDIA Hopper GPU (~835-848) but requantizes scales to UE8M0 where DeepGEMM
   runs UE8M0 (sm100/sm120, ``requant_block_scale_ue8m0_for_deepgemm``), pre-shuffles on
   AMD (aiter) and repacks for AMX on CPU (~826-834), none of which a refit written in
-  place reproduces. DeepSeek FP8 (MLA's ``w_kc``/``w_vc`` are dequantized from the FP8
-  ``kv_b_proj``), ``engine_dp`` > 1 and ``pp`` > 1 under FP8 are refused.
+  place reproduces. DeepSeek-V3's ``fused_qkv_a_proj_with_mqa`` scale stacks the block
+  rows of ``q_a_proj``'s and ``kv_a_proj_with_mqa``'s scales (vLLM's ``fused_qkv_a_proj``
+  rule); its ``w_kc``/``w_vc`` are derived from the FP8 ``kv_b_proj`` by
+  ``post_load_weights`` (``deepseek_weight_loader.py`` ~586-820: dequantized to BF16 on
+  CUDA with 128x128 blocks, requantized per tensor with a ``w_scale`` elsewhere), which
+  the receiver reruns after each refit; the MLA attentions' ``attn_mqa`` / ``attn_mha``
+  ``k_scale`` / ``v_scale`` (``BaseKVCacheMethod``: KV-cache scales from the checkpoint, or 1.0) are
+  parameters no refit writes (:data:`SGLANG_KV_CACHE_SCALES`). ``engine_dp`` > 1 and
+  ``pp`` > 1 under FP8 are refused.
 
 Refused by name (:func:`check_sglang_parallel`): ``ep`` with fused shared experts (SGLang
 fuses them under ep only on AMD), FP8 engines other than the above, other families, and
@@ -106,13 +113,17 @@ SGLANG_VERSION = "0.5.23"
 # proven against SGLang's classes
 SGLANG_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 # whose block-FP8 engines are proven against SGLang's classes
-SGLANG_FP8_FAMILIES = ("qwen3", "qwen3_moe")
+SGLANG_FP8_FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3")
 # whose attention SGLang builds over the attention tp group (dp attention, proven)
 SGLANG_DP_ATTENTION_FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3")
 # vLLM's release whose MoE names SGLang's match (``experts.w13_weight``)
 _MOE_NAMES_OF = "0.11.0"
 # What SGLang's post_load_weights derives in every MLA layer's self_attn (unquantized).
 MLA_DERIVED = ("w_kc", "w_vc")
+# The KV-cache scales an FP8 engine's attention registers as parameters (SGLang's
+# BaseKVCacheMethod: from the checkpoint's k_scale / v_scale, else 1.0 after loading):
+# constants of the engine, not tensors of the trained model; no refit writes them.
+SGLANG_KV_CACHE_SCALES = (".k_scale", ".v_scale")
 
 
 def sglang_fuses_shared_experts(spec: ModelSpec, parallel: InferParallel) -> bool:

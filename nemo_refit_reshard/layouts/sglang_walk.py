@@ -99,13 +99,15 @@ class SglangRank(VllmRankWalker):
             super().mla(p)  # q_proj and kv_a_proj_with_mqa: vLLM's names and shards
             return
         kv_a, q_lora = m.kv_lora_rank + m.qk_rope_head_dim, m.q_lora_rank
-        name = f"{p}.fused_qkv_a_proj_with_mqa.weight"
-        self.b.tensor(name, (q_lora + kv_a, h), self.dtype)
+        name, q_a = f"{p}.fused_qkv_a_proj_with_mqa.weight", f"{p}.q_a_proj.weight"
+        self.b.tensor(name, (q_lora + kv_a, h), self.weight_dtype(q_a))
         segments = [
-            (0, q_lora, f"{p}.q_a_proj.weight", 0),
+            (0, q_lora, q_a, 0),
             (q_lora, kv_a, f"{p}.kv_a_proj_with_mqa.weight", 0),
         ]
         self.b.rows(name, segments, 0, q_lora + kv_a)
+        if self.fp8(q_a):  # its scale: each part's block rows, stacked (vLLM's rule)
+            self.scale_rows(name, (q_lora + kv_a, h), segments, 0, q_lora + kv_a)
         self.replicated(f"{p}.q_a_layernorm.weight", (q_lora,))
         self.column(f"{p}.q_b_proj.weight", f"{p}.q_b_proj.weight", nq * m.qk_head_dim, q_lora)
         self.replicated(f"{p}.kv_a_layernorm.weight", (m.kv_lora_rank,))

@@ -17,8 +17,19 @@ manager (``SchedulerWeightUpdaterManager``: begin the session, update from tenso
 ``ModelRunner.update_weights_from_tensor``, ``scheduler_weight_updater_0512``), then
 after the training ranks have gone tries a plan of another fingerprint and a third step.
 After the good steps, SGLang's own ``load_weights`` of the last step's checkpoint is the
-reference for every parameter and every derived tensor (MLA's ``w_kc``/``w_vc``).
+reference for every parameter and every derived tensor (MLA's ``w_kc``/``w_vc``, and the
+``w_scale`` SGLang makes beside them from an FP8 ``kv_b_proj`` off CUDA).
 RESULT: one entry per SGLang rank.
+
+A block-FP8 config (``quantization_config``): the training ranks hold the model
+unquantized (float32) and quantize the weights they send where they hold whole blocks,
+the SGLang ranks the rest (``layouts/fp8_wire.py``); the
+engine starts from, and each step is checked against, the checkpoint quantized from the
+same trained tensors (``QuantizedWeights``), e4m3 compared as bytes. Stand-in: the
+receiver refuses FP8 parameters off NVIDIA Hopper, where SGLang's
+``process_weights_after_loading`` would re-lay them (``fp8_relayout_problems``); this job
+never runs that pass, so the parameters stay as loaded, as on Hopper, and the check is
+answered as Hopper answers it.
 """
 
 from __future__ import annotations
@@ -45,6 +56,47 @@ def _spec(job: dict[str, Any]):
     return spec_from_hf_config(job["config"], name=job["name"])
 
 
+def _engine_tensors(spec: Any, seed: int) -> dict[str, Any]:
+    """The checkpoint the engine would load at ``seed``: the trained tensors, or for a
+    block-FP8 engine those quantized (e4m3 weights, float32 scales)."""
+    from nemo_refit_reshard.engine.quantize import QuantizedWeights
+    from tests.helpers.checkpoints import random_tensors
+
+    trained = random_tensors(spec.unquantized(), seed)
+    if spec.arch.quant is None:
+        return trained
+    fp8 = {t.name for t in spec if t.dtype == "float8_e4m3fn"}
+    quantized = QuantizedWeights(trained, fp8, spec.arch.quant.block)
+    return {t.name: quantized[t.name].contiguous() for t in spec}
+
+
+def _bytes(tensors: dict[str, Any]) -> dict[str, Any]:
+    """e4m3 tensors as their bytes (``torch.equal`` on values would take -0 for 0)."""
+    import torch
+
+    fp8 = torch.float8_e4m3fn
+    return {n: t.view(torch.uint8) if t.dtype == fp8 else t for n, t in tensors.items()}
+
+
+def _same(a: Any, b: Any) -> bool:
+    import torch
+
+    a, b = _bytes({"a": a, "b": b}).values()
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _w_scales(model: Any) -> dict[str, Any]:
+    """The per-tensor scales SGLang's post_load_weights makes beside ``w_kc``/``w_vc`` from
+    an FP8 ``kv_b_proj`` off CUDA (reassigned on every load: compared, not tracked)."""
+    import torch
+
+    return {
+        f"{name}.w_scale": m.w_scale
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "w_scale", None), torch.Tensor)
+    }
+
+
 def _train(job: dict[str, Any], rank: int) -> None:
     from nemo_refit_reshard.engine.materialize import materialize
     from nemo_refit_reshard.integrations.worker import RefitEndpoint, RefitWorker
@@ -52,7 +104,7 @@ def _train(job: dict[str, Any], rank: int) -> None:
     from nemo_refit_reshard.spec import TrainParallel
     from tests.helpers.checkpoints import random_tensors
 
-    spec = _spec(job)
+    spec = _spec(job).unquantized()  # the trained model (an FP8 engine's: quantized sends)
     opts = MegatronOptions(params_dtype="float32")
     layout = megatron_layout(spec, TrainParallel(tp=TRAIN), rank, opts)
     endpoint = dataclasses.replace(RefitEndpoint.from_json(job["endpoint"]), group_rank=rank)
@@ -80,7 +132,6 @@ def _sglang(job: dict[str, Any], rank: int, port: int, out: Any) -> None:
 def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
     from importlib.metadata import version
 
-    import torch
     from safetensors.torch import load_file
 
     from nemo_refit_reshard.engine.materialize import mismatches
@@ -93,7 +144,6 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
     )
     from nemo_refit_reshard.integrations.worker import StaleWeightsError
     from nemo_refit_reshard.layouts.sglang import sglang_layout
-    from tests.helpers.checkpoints import random_tensors
     from tests.helpers.sglang_cpu import build_model
     from tests.helpers.sglang_scheduler import (
         derived_tensors,
@@ -105,6 +155,10 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
     tp_size = infer.engine_dp * infer.tp  # SGLang's --tp-size
     model = build_model(job["model_dir"], tp_size, rank, port, pp=infer.pp, dp=infer.engine_dp)
     model.load_weights(iter(load_file(job["initial"]).items()))  # SGLang's own start-up load
+    if _spec(job).arch.quant is not None:  # the stand-in for Hopper's answer (docstring)
+        from nemo_refit_reshard.integrations.sglang import receiver
+
+        receiver.fp8_relayout_problems = lambda params: []
     from sglang.srt.managers import io_struct as io
     from sglang.srt.utils import MultiprocessingSerializer
 
@@ -164,25 +218,27 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
     for step, seed in enumerate(job["steps"], start=1):
         before = {n: t.clone() for n, t in derived_tensors(model).items()}
         run(f"step{step}")
-        canonical = random_tensors(spec, seed)
+        canonical = _engine_tensors(spec, seed)
         now = derived_tensors(model)
         result["steps"].append(
             {
                 "step": step,
-                "differ": mismatches(layout, params, canonical),
+                "differ": mismatches(layout, _bytes(params), _bytes(canonical)),
                 "moved": [n for n, p in params.items() if p.data_ptr() != pointers[n]],
                 "status": refit_status(model),
                 "derived": sorted(now),
-                "derived_unchanged": [n for n, t in now.items() if torch.equal(t, before[n])],
+                "derived_unchanged": [n for n, t in now.items() if _same(t, before[n])],
                 "derived_moved": [n for n, t in now.items() if t.data_ptr() != derived_pointers[n]],
             }
         )
     # Reference: SGLang's own load_weights of the last step's checkpoint (it runs
     # post_load_weights itself) must give the same parameters and derived tensors.
-    refit = {n: t.clone() for n, t in [*params.items(), *derived_tensors(model).items()]}
+    made = {**params, **derived_tensors(model), **_w_scales(model)}
+    refit = {n: t.clone() for n, t in made.items()}
     model.load_weights(iter(canonical.items()))
-    reloaded = {**params, **derived_tensors(model)}
-    result["reload_differ"] = [n for n, t in refit.items() if not torch.equal(t, reloaded[n])]
+    reloaded = {**params, **derived_tensors(model), **_w_scales(model)}
+    result["reload_differ"] = [n for n, t in refit.items() if not _same(t, reloaded[n])]
+    result["w_scales"] = sorted(_w_scales(model))
     run("bad_plan")  # another plan's slice
     result["bad_plan"] = refit_status(model)
     run(f"step{last}")  # the training ranks have gone
@@ -205,17 +261,22 @@ def main(job_path: str, result_path: str) -> int:
     from nemo_refit_reshard.engine.rendezvous import free_port
     from nemo_refit_reshard.integrations.worker import RefitEndpoint
     from nemo_refit_reshard.layouts import MegatronOptions, megatron_layout
+    from nemo_refit_reshard.layouts.fp8_wire import wire_layouts
     from nemo_refit_reshard.layouts.sglang import sglang_layout
     from nemo_refit_reshard.plan import plan_refit, rank_plan
     from nemo_refit_reshard.spec import TrainParallel
-    from tests.helpers.checkpoints import random_tensors
 
     job = json.load(open(job_path))
     spec, infer = _spec(job), _infer(job)
-    save_file(random_tensors(spec, job["initial_seed"]), job["initial"])
+    save_file(_engine_tensors(spec, job["initial_seed"]), job["initial"])
     opts = MegatronOptions(params_dtype="float32")
     sources = [megatron_layout(spec, TrainParallel(tp=TRAIN), r, opts) for r in range(TRAIN)]
     dests = [sglang_layout(spec, infer, r, params_dtype="float32") for r in range(infer.world_size)]
+    if spec.arch.quant is not None:
+        # the training ranks quantize the weights they hold in whole 128x128 blocks and
+        # send e4m3 + scales; the rest (Megatron splits MLA's kv_a_proj_with_mqa over tp)
+        # crosses in float32 and the SGLang ranks quantize it
+        sources, dests, _ = wire_layouts(spec, sources, dests, "float32")
     plan = plan_refit(spec, sources, dests, bucket_mb=1)
     ranks = range(TRAIN + infer.world_size)
     job["plan"] = {str(r): rank_plan(plan, r).to_json() for r in ranks}

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ...engine.program import live_tensor_problems
+from ...layouts.sglang import SGLANG_KV_CACHE_SCALES
 from ...plan import PlanError, RankPlan, RefitPlan, load_plan_json
 from ..worker import (
     ColocatedWorker,
@@ -78,8 +79,10 @@ def engine_rank() -> int:
 
 
 def refit_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter a refit writes: all of the model's but the derived ones."""
-    return {n: p for n, p in model.named_parameters() if not n.endswith(DERIVED_SUFFIXES)}
+    """Every parameter a refit writes: all of the model's but the derived ones and an
+    FP8 engine's KV-cache scales (``SGLANG_KV_CACHE_SCALES``: constants of the engine)."""
+    skip = (*DERIVED_SUFFIXES, *SGLANG_KV_CACHE_SCALES)
+    return {n: p for n, p in model.named_parameters() if not n.endswith(skip)}
 
 
 def _state(model: torch.nn.Module) -> _RankState:
