@@ -72,27 +72,6 @@ def _spec(model: str) -> ModelSpec:
             "family 'llama': serve BF16 weights or use the vLLM engine",
         ),
         (
-            "deepseek_v3_fp8",
-            P(pp=2),
-            None,
-            "SGLang FP8 layouts cover engine_dp=1 and pp=1 so far (engine_dp=1, pp=2): serve "
-            "BF16 weights or use the vLLM engine",
-        ),
-        (
-            "qwen3_fp8",
-            P(engine_dp=2),
-            None,
-            "SGLang FP8 layouts cover engine_dp=1 and pp=1 so far (engine_dp=2, pp=1): serve "
-            "BF16 weights or use the vLLM engine",
-        ),
-        (
-            "qwen3_fp8",
-            P(pp=2),
-            None,
-            "SGLang FP8 layouts cover engine_dp=1 and pp=1 so far (engine_dp=1, pp=2): serve "
-            "BF16 weights or use the vLLM engine",
-        ),
-        (
             "qwen3_moe_fp8",
             P(tp=2),
             None,

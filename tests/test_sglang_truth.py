@@ -30,6 +30,7 @@ from nemo_refit_reshard.layouts.sglang import (
     sglang_derived_tensors,
     sglang_layout,
 )
+from nemo_refit_reshard.layouts.sglang_grid import sglang_pp_indices
 from nemo_refit_reshard.layouts.vllm_grid import vllm_position
 from nemo_refit_reshard.spec import InferParallel, ModelSpec, spec_from_hf_config
 from tests.helpers import vllm_env
@@ -127,6 +128,12 @@ CASES = [
     # fused_qkv_a_proj_with_mqa's scale: [q_a_proj's block rows ; kv_a_proj_with_mqa's]
     ("deepseek_v3_fp8", P(tp=2)),
     ("deepseek_v3_fp8", P(tp=2, ep=2)),  # whole routed experts, shared experts over tp
+    # FP8 under pipeline parallelism and data-parallel attention: the same rules per stage
+    # and per group (attention whole, MLP / experts and their scales over S=2)
+    ("qwen3_fp8", P(pp=2)),
+    ("qwen3_fp8", P(engine_dp=2)),
+    ("deepseek_v3_fp8", P(pp=2)),
+    ("deepseek_v3_fp8", P(engine_dp=2)),
 ]
 
 
@@ -254,21 +261,23 @@ def test_provider_matches_sglang_parameters_and_contents(
         theirs = dict(sglang_runs["shapes"][_id(case)][rank])
         # an FP8 MLA engine's KV-cache scales: every layer's, scalars, outside the layout
         kv = {n: theirs.pop(n) for n in list(theirs) if n.endswith(SGLANG_KV_CACHE_SCALES)}
-        assert kv == _kv_cache_scales(case), rank
+        assert kv == _kv_cache_scales(case, rank), rank
         assert theirs == ours, (rank, layout.framework)
         assert _content_mismatches(layout, _loaded(sglang_runs, case, rank), canonical) == []
 
 
-def _kv_cache_scales(case: tuple[str, InferParallel]) -> dict[str, list[Any]]:
+def _kv_cache_scales(case: tuple[str, InferParallel], rank: int) -> dict[str, list[Any]]:
     """What SGLang's BaseKVCacheMethod registers: k_scale / v_scale of each MLA layer's
-    two attentions (attn_mqa: absorbed decode; attn_mha: prefill), float32 scalars,
-    under a quantization config (the test cases: pp = 1)."""
-    spec = _spec(case[0])
+    two attentions (attn_mqa: absorbed decode; attn_mha: prefill) on the rank's stage,
+    float32 scalars, under a quantization config."""
+    spec, par = _spec(case[0]), case[1]
     if spec.arch.mla is None or spec.arch.quant is None:
         return {}
+    stage = vllm_position(par, rank).pp
+    start, end = sglang_pp_indices(spec.arch.num_layers, stage, par.pp, PARTITION.get(case[0]))
     return {
         f"model.layers.{layer}.self_attn.{attn}.{kv}_scale": [[], "float32"]
-        for layer in range(spec.arch.num_layers)
+        for layer in range(start, end)
         for attn in ("attn_mha", "attn_mqa")
         for kv in "kv"
     }

@@ -66,7 +66,8 @@ the vocabulary is padded to a multiple of 64 and split by rows. Where SGLang dif
   the receiver and the NeMo RL / veRL routes still refuse ``engine_dp``.
 
 * Block FP8 (``quantization_config`` ``quant_method: fp8``, 128x128 ``weight_block_size``,
-  dynamic activations), Qwen3, Qwen3-MoE and DeepSeek-V3 at ``engine_dp=1``, ``pp=1``: SGLang's
+  dynamic activations), Qwen3, Qwen3-MoE and DeepSeek-V3, under ``pp`` and dp attention
+  too (the rules below per stage and per group): SGLang's
   ``Fp8LinearMethod.create_weights`` (``layers/quantization/fp8.py`` ~613-716) registers
   ``weight`` e4m3 and ``weight_scale_inv`` float32 ``[ceil(rows/128), ceil(cols/128)]``
   per quantized linear, ``Fp8MoEMethod`` (~1545-1746) ``w13_weight_scale_inv`` /
@@ -86,8 +87,7 @@ the vocabulary is padded to a multiple of 64 and split by rows. Where SGLang dif
   CUDA with 128x128 blocks, requantized per tensor with a ``w_scale`` elsewhere), which
   the receiver reruns after each refit; the MLA attentions' ``attn_mqa`` / ``attn_mha``
   ``k_scale`` / ``v_scale`` (``BaseKVCacheMethod``: KV-cache scales from the checkpoint, or 1.0) are
-  parameters no refit writes (:data:`SGLANG_KV_CACHE_SCALES`). ``engine_dp`` > 1 and
-  ``pp`` > 1 under FP8 are refused.
+  parameters no refit writes (:data:`SGLANG_KV_CACHE_SCALES`).
 
 Refused by name (:func:`check_sglang_parallel`): ``ep`` with fused shared experts (SGLang
 fuses them under ep only on AMD), FP8 engines other than the above, other families, and
@@ -235,7 +235,7 @@ def check_sglang_parallel(
 
 
 def _check_fp8(spec: ModelSpec, par: InferParallel) -> None:
-    """Block-FP8 engines: proven for Qwen3 and Qwen3-MoE at engine_dp=1, pp=1."""
+    """Block-FP8 engines: proven for Qwen3, Qwen3-MoE and DeepSeek-V3 (any pp, dp attention)."""
     a = spec.arch
     if a.quant is None:
         return
@@ -243,11 +243,6 @@ def _check_fp8(spec: ModelSpec, par: InferParallel) -> None:
         raise ValueError(
             f"SGLang FP8 layouts cover {', '.join(SGLANG_FP8_FAMILIES)} so far; {spec.name} "
             f"is family {a.family!r}: serve BF16 weights or use the vLLM engine"
-        )
-    if par.engine_dp > 1 or par.pp > 1:
-        raise ValueError(
-            f"SGLang FP8 layouts cover engine_dp=1 and pp=1 so far (engine_dp="
-            f"{par.engine_dp}, pp={par.pp}): serve BF16 weights or use the vLLM engine"
         )
     moe = a.moe
     if moe is None:

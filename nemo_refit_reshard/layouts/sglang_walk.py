@@ -151,25 +151,16 @@ class SglangRank(VllmRankWalker):
             w2, down, [(f"{hf}.down_proj.weight", (j, 0, 0)) for j, hf in enumerate(experts)]
         )
 
-    def dense_mlp(self, p: str, hf: str, ffn: int, tp: int | None = None) -> None:
-        """``gate_up_proj``/``down_proj`` over SGLang's whole tp group (vLLM's walker
-        when there is no dp attention: the same split; no FP8 here)."""
+    def dense_mlp(
+        self, p: str, hf: str, ffn: int, tp: int | None = None, rank: int | None = None
+    ) -> None:
+        """``gate_up_proj``/``down_proj`` (and block-FP8 scales) over SGLang's whole tp
+        group under dp attention, this rank being its ``ffn_rank`` there; vLLM's split
+        otherwise (the same)."""
         if self.par.engine_dp == 1:
-            super().dense_mlp(p, hf, ffn, tp)
+            super().dense_mlp(p, hf, ffn, tp, rank)
             return
-        s, r, h = self.ffn_tp, self.ffn_rank, self.a.hidden_size
-        n = ffn // s
-        name, gate, up = (
-            f"{p}.gate_up_proj.weight",
-            f"{hf}.gate_proj.weight",
-            f"{hf}.up_proj.weight",
-        )
-        self.b.tensor(name, (2 * n, h), self.dtype)
-        self.b.rows(name, [(0, ffn, gate, 0)], r * n, (r + 1) * n, 0)
-        self.b.rows(name, [(0, ffn, up, 0)], r * n, (r + 1) * n, n)
-        down, hf_down = f"{p}.down_proj.weight", f"{hf}.down_proj.weight"
-        self.b.tensor(down, (h, n), self.dtype)
-        self.b.piece(hf_down, Box((0, r * n), (h, n)), down, Box((0, 0), (h, n)))
+        super().dense_mlp(p, hf, ffn, self.ffn_tp, self.ffn_rank)
 
     def lm_head(self, canonical: str) -> None:
         """``lm_head.weight``: the padded vocabulary's rows over SGLang's whole tp group."""

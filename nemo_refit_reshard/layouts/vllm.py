@@ -140,10 +140,13 @@ class VllmRankWalker(Fp8Layout):
         self.b.tensor(name, (n, self.a.hidden_size), self.dtype)
         self.b.rows(name, [(0, self.a.vocab_size, canonical, 0)], r * n, (r + 1) * n)
 
-    def dense_mlp(self, p: str, hf: str, ffn: int, tp: int | None = None) -> None:
-        """``gate_up_proj``/``down_proj`` over ``tp`` ranks (default: the TP group)."""
+    def dense_mlp(
+        self, p: str, hf: str, ffn: int, tp: int | None = None, rank: int | None = None
+    ) -> None:
+        """``gate_up_proj``/``down_proj`` over ``tp`` ranks (default: the TP group), this
+        rank being ``rank`` of them (default: its TP rank mod ``tp``)."""
         s = self.par.tp if tp is None else tp
-        r, h = self.pos.tp % s, self.a.hidden_size
+        r, h = (self.pos.tp % s if rank is None else rank), self.a.hidden_size
         n = ffn // s
         name, gate, up = (
             f"{p}.gate_up_proj.weight",
