@@ -64,6 +64,10 @@ def test_membership_records_and_groups() -> None:
     membership.fence(1, "step 2: rank 0 dead")
     after = membership.group()
     assert after.plan.how == "derived" and after.plan.plan.num_destinations == 4
+    # the cache keeps what the next failure can need: the full plan, the set serving and
+    # each set of it less one (the last two maybe still being derived ahead)
+    cached = set(membership.plans.cached_sets())
+    assert {(0, 1, 2), (0, 2)} <= cached <= {(0, 1, 2), (0, 2), (0,), (2,)}, cached
     assert {p: e.group_rank for p, e in after.endpoints.items() if p[0] == "engine"} == {
         ("engine", 0, 0): 2, ("engine", 0, 1): 3, ("engine", 2, 0): 4, ("engine", 2, 1): 5,
     }  # fmt: skip

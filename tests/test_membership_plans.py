@@ -229,6 +229,30 @@ def test_plans_derived_ahead_are_ready_and_the_same() -> None:
     assert str(err.value) == "engines [0, 7]: choose at least one of 0..2"
 
 
+def test_keep_only_drops_the_plans_of_other_sets_but_the_full_one() -> None:
+    infer = InferParallel(tp=1, dp=4)
+    src, dst = _layouts(SPEC, TrainParallel(tp=2), infer)
+    plan = plan_refit(SPEC, src, dst, 0.05, relay="none")
+    plans = MembershipPlans(plan, SPEC, src, dst, _engines(infer))
+    for engines in ([0, 1, 2, 3], [0, 1, 2], [0, 1], [1, 2], [3]):
+        plans.for_engines(engines)
+    assert plans.cached_sets() == [(0, 1), (0, 1, 2), (0, 1, 2, 3), (1, 2), (3,)]
+    assert plans.keep_only([(1, 0), (2, 1)]) == 2  # (0, 1, 2) and (3,) dropped
+    assert plans.cached_sets() == [(0, 1), (0, 1, 2, 3), (1, 2)]
+    again = plans.for_engines([3])  # derived again on demand, the same plan
+    assert again.plan.fingerprint == MembershipPlans(
+        plan, SPEC, src, dst, _engines(infer)
+    ).for_engines([3]).plan.fingerprint
+    # sets dropped while being derived ahead, started or not, are not cached when done
+    done = plans.derive_ahead([(0, 2), (0, 3), (2, 3)])
+    plans.keep_only([(0, 2)])
+    done.result(timeout=300)
+    assert plans.cached_sets() == [(0, 1, 2, 3), (0, 2)]
+    with pytest.raises(PlanError) as err:
+        plans.keep_only([(0, 4)])
+    assert str(err.value) == "engines [0, 4]: choose at least one of 0..3"
+
+
 def test_build_plans_again_with_the_full_plans_settings_where_it_cannot_derive() -> None:
     """Carried legs through a leaving engine cannot be derived (``carry``): ``build``'s
     fallback plans that set with the same relay mode, topology (the kept ranks' nodes)

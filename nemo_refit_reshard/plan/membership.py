@@ -79,6 +79,8 @@ class MembershipPlans:
     # sets being derived ahead (derive_ahead), and the lock over both tables
     _pending: dict[frozenset[int], tuple[Future, bool]] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # sets being derived when keep_only dropped them: not cached once derived
+    _discard: set[frozenset[int]] = field(default_factory=set, repr=False)
 
     @classmethod
     def build(
@@ -146,6 +148,8 @@ class MembershipPlans:
         def run() -> None:
             count = 0
             for chosen in queued:
+                if self._dropped_before_start(frozenset(chosen)):
+                    continue
                 what, value = self._claim(frozenset(chosen))
                 if what == "derive":
                     # the collector stays on: gc.disable() is process-wide, and this
@@ -163,6 +167,17 @@ class MembershipPlans:
                     future.set_exception(err)
             raise
         return done
+
+    def _dropped_before_start(self, key: frozenset[int]) -> bool:
+        """A queued set keep_only dropped before anyone started it: forgotten unbuilt."""
+        with self._lock:
+            future, claimed = self._pending.get(key, (None, True))
+            if future is None or claimed or key not in self._discard:
+                return False
+            del self._pending[key]
+            self._discard.discard(key)
+        future.cancel()  # unclaimed: nobody waits on it
+        return True
 
     def _claim(self, key: frozenset[int]) -> tuple[str, Any]:
         """``("cached", plan)``, ``("wait", future)`` (another thread derives it) or
@@ -187,7 +202,10 @@ class MembershipPlans:
             future.set_exception(err)
             raise
         with self._lock:
-            made = self._cache.setdefault(key, made)  # a plan planned again meanwhile stays
+            if key in self._discard:  # dropped by keep_only while being derived
+                self._discard.discard(key)
+            else:
+                made = self._cache.setdefault(key, made)  # one planned again meanwhile stays
             self._pending.pop(key, None)
         future.set_result(made)
         return made
@@ -218,6 +236,26 @@ class MembershipPlans:
                 plan = self.replan(narrowed_layouts(self.destinations, keep), keep)
                 how = f"re-planned: {err}"
         return MemberPlan(plan, chosen, keep, how, time.perf_counter() - t0)
+
+    def cached_sets(self) -> list[tuple[int, ...]]:
+        """The sets of engines whose plans are cached, sorted."""
+        with self._lock:
+            return sorted(tuple(sorted(key)) for key in self._cache)
+
+    def keep_only(self, sets: Iterable[Iterable[int]]) -> int:
+        """Drop every cached plan but those of ``sets`` (the full plan stays: it is the
+        one the others derive from); returns how many were dropped. A driver calls it as
+        membership changes so that the cache holds the plans the next failure can need
+        (the set serving and each set of it less one), not one per set ever served."""
+        keep = {frozenset(self._chosen(engines)) for engines in sets}
+        keep.add(frozenset(range(len(self.engines))))
+        with self._lock:
+            drop = [key for key in self._cache if key not in keep]
+            for key in drop:
+                del self._cache[key]
+            # sets still being derived (ahead) are not cached when done
+            self._discard = {key for key in self._pending if key not in keep}
+        return len(drop)
 
     def plan_again(self, engines: Iterable[int]) -> MemberPlan:
         """The set planned afresh with ``replan`` (a derived plan keeps the full plan's

@@ -121,8 +121,10 @@ class Membership:
                 "no engine is serving: admit one (Membership.admit) before the next refit"
             )
         made = self.plans.for_engines(engines)
-        if self.derive_ahead and len(engines) > 1:  # a failure next finds its plan ready
-            self.plans.derive_ahead(tuple(x for x in engines if x != e) for e in engines)
+        fewer = [tuple(x for x in engines if x != e) for e in engines] if len(engines) > 1 else []
+        self.plans.keep_only([engines, *fewer])  # what the next failure can need
+        if self.derive_ahead and fewer:  # a failure next finds its plan ready
+            self.plans.derive_ahead(fewer)
         plan = made.plan
         world = plan.num_sources + plan.num_destinations
         rdv = new_rendezvous(self.host)
