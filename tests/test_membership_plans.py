@@ -6,6 +6,8 @@ baseline equal those of a plan built afresh for the same engines."""
 
 from __future__ import annotations
 
+import functools
+import threading
 from itertools import combinations
 
 import pytest
@@ -20,6 +22,7 @@ from nemo_refit_reshard.plan import (
     Topology,
     plan_refit,
 )
+from nemo_refit_reshard.plan import membership as membership_module
 from nemo_refit_reshard.plan.membership import (
     DerivationError,
     MembershipPlans,
@@ -240,17 +243,85 @@ def test_keep_only_drops_the_plans_of_other_sets_but_the_full_one() -> None:
     assert plans.keep_only([(1, 0), (2, 1)]) == 2  # (0, 1, 2) and (3,) dropped
     assert plans.cached_sets() == [(0, 1), (0, 1, 2, 3), (1, 2)]
     again = plans.for_engines([3])  # derived again on demand, the same plan
-    assert again.plan.fingerprint == MembershipPlans(
-        plan, SPEC, src, dst, _engines(infer)
-    ).for_engines([3]).plan.fingerprint
-    # sets dropped while being derived ahead, started or not, are not cached when done
-    done = plans.derive_ahead([(0, 2), (0, 3), (2, 3)])
-    plans.keep_only([(0, 2)])
-    done.result(timeout=300)
-    assert plans.cached_sets() == [(0, 1, 2, 3), (0, 2)]
+    assert (
+        again.plan.fingerprint
+        == MembershipPlans(plan, SPEC, src, dst, _engines(infer)).for_engines([3]).plan.fingerprint
+    )
     with pytest.raises(PlanError) as err:
         plans.keep_only([(0, 4)])
     assert str(err.value) == "engines [0, 4]: choose at least one of 0..3"
+
+
+class HeldDerivation:
+    """The derive-ahead thread's derivation (``derive_plan.__wrapped__``), held at the
+    start of each set until the test releases it: interleavings made, not hoped for."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.started, self.release = threading.Semaphore(0), threading.Semaphore(0)
+        real = membership_module.derive_plan
+
+        def held(*args, **kwargs):
+            self.started.release()
+            assert self.release.acquire(timeout=300), "never released"
+            return real.__wrapped__(*args, **kwargs)
+
+        wrapper = functools.wraps(real.__wrapped__)(lambda *a, **k: real(*a, **k))
+        wrapper.__wrapped__ = held
+        monkeypatch.setattr(membership_module, "derive_plan", wrapper)
+
+    def wait_started(self) -> None:
+        assert self.started.acquire(timeout=300), "the thread never started a set"
+
+
+def test_sets_dropped_while_derived_ahead_are_not_cached_nor_started(monkeypatch) -> None:
+    infer = InferParallel(tp=1, dp=4)
+    src, dst = _layouts(SPEC, TrainParallel(tp=2), infer)
+    plan = plan_refit(SPEC, src, dst, 0.05, relay="none")
+    plans = MembershipPlans(plan, SPEC, src, dst, _engines(infer))
+    hold = HeldDerivation(monkeypatch)
+    done = plans.derive_ahead([(0, 2), (0, 3), (2, 3)])
+    hold.wait_started()  # the thread derives (0, 2); (0, 3) and (2, 3) are queued
+    plans.keep_only([(0, 3)])  # drops (0, 2) mid-derivation and (2, 3) unstarted
+    hold.release.release()  # (0, 2): done, not cached
+    hold.wait_started()  # (0, 3): kept, derived
+    hold.release.release()
+    assert done.result(timeout=300) == 2  # (2, 3) was never started
+    assert plans.cached_sets() == [(0, 3)]
+
+
+def test_a_set_dropped_then_asked_for_while_derived_ahead_is_cached(monkeypatch) -> None:
+    """Engines 0-3 serve; the thread derives {0,1,3} (engine 2 lost next); engine 3 is
+    lost first (the group for {0,1,2} drops {0,1,3}), then engine 2 too: the group for
+    {0,1,3} waits for the thread's plan, which must stay cached for the next group."""
+    infer = InferParallel(tp=1, dp=4)
+    src, dst = _layouts(SPEC, TrainParallel(tp=2), infer)
+    plan = plan_refit(SPEC, src, dst, 0.05, relay="none")
+    plans = MembershipPlans(plan, SPEC, src, dst, _engines(infer))
+    hold = HeldDerivation(monkeypatch)
+    done = plans.derive_ahead([(0, 1, 3)])
+    hold.wait_started()
+    plans.keep_only([(0, 1, 2)])
+    threading.Timer(0.2, hold.release.release).start()
+    waited = plans.for_engines([0, 1, 3])  # waits for the thread's derivation
+    assert done.result(timeout=300) == 1 and waited.how == "derived"
+    assert plans.cached_sets() == [(0, 1, 3)]  # asked for: cached, whatever keep_only said
+    plans.keep_only([(0, 1, 3)])
+    assert plans.for_engines([3, 1, 0]) is waited
+
+
+def test_a_queued_set_built_by_the_driver_then_dropped_is_not_built_again(monkeypatch) -> None:
+    infer = InferParallel(tp=1, dp=4)
+    src, dst = _layouts(SPEC, TrainParallel(tp=2), infer)
+    plan = plan_refit(SPEC, src, dst, 0.05, relay="none")
+    plans = MembershipPlans(plan, SPEC, src, dst, _engines(infer))
+    hold = HeldDerivation(monkeypatch)
+    done = plans.derive_ahead([(0, 1), (0, 2)])
+    hold.wait_started()  # the thread holds (0, 1); (0, 2) queued
+    assert plans.for_engines([0, 2]).how == "derived"  # the driver builds it first
+    plans.keep_only([(0, 1)])  # then membership moves on: (0, 2) dropped
+    hold.release.release()
+    assert done.result(timeout=300) == 1  # (0, 1) only: (0, 2) is not derived again
+    assert plans.cached_sets() == [(0, 1)]
 
 
 def test_build_plans_again_with_the_full_plans_settings_where_it_cannot_derive() -> None:

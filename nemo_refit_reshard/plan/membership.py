@@ -79,8 +79,8 @@ class MembershipPlans:
     # sets being derived ahead (derive_ahead), and the lock over both tables
     _pending: dict[frozenset[int], tuple[Future, bool]] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    # sets being derived when keep_only dropped them: not cached once derived
-    _discard: set[frozenset[int]] = field(default_factory=set, repr=False)
+    # the sets whose plans stay cached (None: all): keep_only's, and any asked for since
+    _keep: set[frozenset[int]] | None = field(default=None, repr=False)
 
     @classmethod
     def build(
@@ -123,6 +123,9 @@ class MembershipPlans:
         set the derive-ahead thread is deriving is waited for, one it has not reached yet
         is derived here."""
         chosen = self._chosen(engines)
+        with self._lock:  # asked for: kept until the next keep_only
+            if self._keep is not None:
+                self._keep.add(frozenset(chosen))
         what, value = self._claim(frozenset(chosen))
         if what == "cached":
             return value
@@ -136,25 +139,25 @@ class MembershipPlans:
         a failure usually finds its plan ready). The future is done when all are (its
         result: how many this thread derived)."""
         wanted = [self._chosen(engines) for engines in sets]
-        queued = []
+        queued: list[tuple[tuple[int, ...], Future]] = []
         with self._lock:
             for chosen in wanted:
                 key = frozenset(chosen)
+                if self._keep is not None:
+                    self._keep.add(key)
                 if key not in self._cache and key not in self._pending:
-                    self._pending[key] = (Future(), False)  # queued, not claimed
-                    queued.append(chosen)
+                    future: Future = Future()
+                    self._pending[key] = (future, False)  # queued, not claimed
+                    queued.append((chosen, future))
         done: Future = Future()
 
         def run() -> None:
             count = 0
-            for chosen in queued:
-                if self._dropped_before_start(frozenset(chosen)):
-                    continue
-                what, value = self._claim(frozenset(chosen))
-                if what == "derive":
+            for chosen, future in queued:
+                if self._claim_queued(frozenset(chosen), future):
                     # the collector stays on: gc.disable() is process-wide, and this
                     # thread runs beside the driver
-                    self._derive(chosen, value, pause_gc=False)
+                    self._derive(chosen, future, pause_gc=False)
                     count += 1
             done.set_result(count)
 
@@ -162,22 +165,30 @@ class MembershipPlans:
             threading.Thread(target=run, name="derive-ahead", daemon=True).start()
         except BaseException as err:  # no thread: nobody may wait on these sets
             with self._lock:
-                for chosen in queued:
-                    future, _ = self._pending.pop(frozenset(chosen))
+                for chosen, future in queued:
+                    if self._pending.get(frozenset(chosen), (None,))[0] is future:
+                        del self._pending[frozenset(chosen)]
                     future.set_exception(err)
             raise
         return done
 
-    def _dropped_before_start(self, key: frozenset[int]) -> bool:
-        """A queued set keep_only dropped before anyone started it: forgotten unbuilt."""
+    def _claim_queued(self, key: frozenset[int], future: Future) -> bool:
+        """Whether the derive-ahead thread derives ``key`` now: not if someone else took
+        it (derived it, or is deriving it), nor if keep_only dropped it before it was
+        started (then it is forgotten unbuilt: nobody waits on an unclaimed set)."""
         with self._lock:
-            future, claimed = self._pending.get(key, (None, True))
-            if future is None or claimed or key not in self._discard:
+            entry = self._pending.get(key)
+            if entry is None or entry[0] is not future or entry[1]:
                 return False
-            del self._pending[key]
-            self._discard.discard(key)
-        future.cancel()  # unclaimed: nobody waits on it
-        return True
+            if not self._wanted(key):
+                del self._pending[key]
+                future.cancel()
+                return False
+            self._pending[key] = (future, True)
+            return True
+
+    def _wanted(self, key: frozenset[int]) -> bool:
+        return self._keep is None or key in self._keep
 
     def _claim(self, key: frozenset[int]) -> tuple[str, Any]:
         """``("cached", plan)``, ``("wait", future)`` (another thread derives it) or
@@ -202,9 +213,7 @@ class MembershipPlans:
             future.set_exception(err)
             raise
         with self._lock:
-            if key in self._discard:  # dropped by keep_only while being derived
-                self._discard.discard(key)
-            else:
+            if self._wanted(key):  # not dropped by keep_only meanwhile
                 made = self._cache.setdefault(key, made)  # one planned again meanwhile stays
             self._pending.pop(key, None)
         future.set_result(made)
@@ -246,15 +255,18 @@ class MembershipPlans:
         """Drop every cached plan but those of ``sets`` (the full plan stays: it is the
         one the others derive from); returns how many were dropped. A driver calls it as
         membership changes so that the cache holds the plans the next failure can need
-        (the set serving and each set of it less one), not one per set ever served."""
+        (the set serving and each set of it less one), not one per set ever served. Sets
+        asked for later (``for_engines``, ``derive_ahead``) join the kept ones until the
+        next call; a dropped set being derived ahead is not cached when done, nor started
+        if it was only queued; ``plan_again`` caches its plan only if the set is kept."""
         keep = {frozenset(self._chosen(engines)) for engines in sets}
         keep.add(frozenset(range(len(self.engines))))
         with self._lock:
             drop = [key for key in self._cache if key not in keep]
             for key in drop:
                 del self._cache[key]
-            # sets still being derived (ahead) are not cached when done
-            self._discard = {key for key in self._pending if key not in keep}
+            # sets still being derived ahead are not cached when done, nor started if queued
+            self._keep = keep
         return len(drop)
 
     def plan_again(self, engines: Iterable[int]) -> MemberPlan:
@@ -274,5 +286,6 @@ class MembershipPlans:
         fresh = MemberPlan(plan, made.engines, made.destinations, "planned again",
                            time.perf_counter() - t0)  # fmt: skip
         with self._lock:
-            self._cache[frozenset(made.engines)] = fresh
+            if self._wanted(frozenset(made.engines)):  # not dropped by keep_only meanwhile
+                self._cache[frozenset(made.engines)] = fresh
         return fresh

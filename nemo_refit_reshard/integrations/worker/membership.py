@@ -120,9 +120,9 @@ class Membership:
             raise RuntimeError(
                 "no engine is serving: admit one (Membership.admit) before the next refit"
             )
-        made = self.plans.for_engines(engines)
         fewer = [tuple(x for x in engines if x != e) for e in engines] if len(engines) > 1 else []
         self.plans.keep_only([engines, *fewer])  # what the next failure can need
+        made = self.plans.for_engines(engines)
         if self.derive_ahead and fewer:  # a failure next finds its plan ready
             self.plans.derive_ahead(fewer)
         plan = made.plan
