@@ -72,6 +72,9 @@ CONFIGS = {
     # block FP8 MLA and experts (dense layer 0, router gates unquantized as SGLang builds
     # them); the attention's KV-cache scales are parameters no refit writes
     "deepseek_v3_fp8": {**MODELS["deepseek_v3_fp8"], **_DS_SGLANG},
+    # ... with the shared expert fused (SGLang's CUDA default for 256 routed experts):
+    # its e4m3 slot and its scales' slot after the routed experts'
+    "deepseek_v3_fp8_fused": {**MODELS["deepseek_v3_fp8"], **_DS_SGLANG},
     # Qwen3 (3 layers, tied) under SGLANG_PP_LAYER_PARTITION=2,1
     "qwen3_split_2_1": MODELS["qwen3"],
     # block FP8: every layer an MoE block, every router gate unquantized (SGLang's
@@ -84,7 +87,7 @@ CONFIGS = {
         ),
     },
 }
-FUSED = {"deepseek_v3_fused"}
+FUSED = {"deepseek_v3_fused", "deepseek_v3_fp8_fused"}
 PARTITION = {"qwen3_split_2_1": (2, 1)}
 CASES = [
     ("llama", P()),
@@ -130,8 +133,11 @@ CASES = [
     ("deepseek_v3_fp8", P(tp=2, ep=2)),  # whole routed experts, shared experts over tp
     # FP8 under pipeline parallelism and data-parallel attention: the same rules per stage
     # and per group (attention whole, MLP / experts and their scales over S=2)
+    ("deepseek_v3_fp8_fused", P(tp=2)),
     ("qwen3_fp8", P(pp=2)),
     ("qwen3_fp8", P(engine_dp=2)),
+    ("qwen3_moe_fp8_sparse", P(pp=2)),
+    ("qwen3_moe_fp8_sparse", P(engine_dp=2)),
     ("deepseek_v3_fp8", P(pp=2)),
     ("deepseek_v3_fp8", P(engine_dp=2)),
 ]

@@ -62,8 +62,9 @@ the vocabulary is padded to a multiple of 64 and split by rows. Where SGLang dif
   (``layouts/sglang_walk.py`` has the file:line rules). Covered for Qwen3, Qwen3-MoE and
   DeepSeek-V3 at ``pp=1``; Llama and Qwen2 (SGLang builds their attention over the whole
   tp group), ``pp`` > 1 (SGLang's rank order ``pp_rank·S + t`` is not ``engine_dp``'s)
-  and tied Qwen3-MoE / DeepSeek are refused by name. Only ``plan`` / ``simulate`` use it:
-  the receiver and the NeMo RL / veRL routes still refuse ``engine_dp``.
+  and tied Qwen3-MoE / DeepSeek are refused by name. ``plan`` / ``simulate`` and the
+  receiver use it (``tests/test_sglang_receiver.py`` refits DeepSeek-V3 so); the NeMo RL
+  and veRL routes refuse ``engine_dp`` (neither starts SGLang with it).
 
 * Block FP8 (``quantization_config`` ``quant_method: fp8``, 128x128 ``weight_block_size``,
   dynamic activations), Qwen3, Qwen3-MoE and DeepSeek-V3, under ``pp`` and dp attention
@@ -120,10 +121,14 @@ SGLANG_DP_ATTENTION_FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3")
 _MOE_NAMES_OF = "0.11.0"
 # What SGLang's post_load_weights derives in every MLA layer's self_attn (unquantized).
 MLA_DERIVED = ("w_kc", "w_vc")
-# The KV-cache scales an FP8 engine's attention registers as parameters (SGLang's
-# BaseKVCacheMethod: from the checkpoint's k_scale / v_scale, else 1.0 after loading):
-# constants of the engine, not tensors of the trained model; no refit writes them.
-SGLANG_KV_CACHE_SCALES = (".k_scale", ".v_scale")
+# The KV-cache scales an FP8 engine's attention (RadixAttention: ``attn``; DeepSeek's MLA
+# ``attn_mqa`` / ``attn_mha``) registers as parameters (SGLang's BaseKVCacheMethod: from
+# the checkpoint's k_scale / v_scale, else 1.0 after loading): not tensors of the trained
+# model; no refit writes them, and the receiver refuses calibrated ones (their values
+# would stay those of the old weights).
+SGLANG_KV_CACHE_SCALES = tuple(
+    f".{attention}.{kv}_scale" for attention in ("attn", "attn_mqa", "attn_mha") for kv in "kv"
+)
 
 
 def sglang_fuses_shared_experts(spec: ModelSpec, parallel: InferParallel) -> bool:
@@ -235,7 +240,8 @@ def check_sglang_parallel(
 
 
 def _check_fp8(spec: ModelSpec, par: InferParallel) -> None:
-    """Block-FP8 engines: proven for Qwen3, Qwen3-MoE and DeepSeek-V3 (any pp, dp attention)."""
+    """Block-FP8 engines: proven for Qwen3, Qwen3-MoE and DeepSeek-V3 (at tp, ep, pp=2,
+    dp attention; DeepSeek-V3 with the shared expert fused too)."""
     a = spec.arch
     if a.quant is None:
         return

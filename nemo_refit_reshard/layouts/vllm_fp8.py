@@ -114,11 +114,19 @@ class Fp8Layout:
         self.b.piece(scale_name(canonical), Box.full(scale), name, Box.full(scale))
 
     def expert_scales(
-        self, module: str, p: str, experts: range, n: int, lo: int, hidden: int
+        self,
+        module: str,
+        p: str,
+        experts: range,
+        n: int,
+        lo: int,
+        hidden: int,
+        extra: tuple[str, ...] = (),
     ) -> None:
         """``w13_weight_scale_inv`` / ``w2_weight_scale_inv`` of the local experts: each
         expert's gate, up and down scales at the block offsets of its intermediate slice
-        ``[lo, lo + n)``."""
+        ``[lo, lo + n)``; ``extra``: checkpoint modules held as further experts after them
+        (SGLang's fused shared expert), sliced alike."""
         bn, bk = self.block
         if n % bn or n % bk:
             raise ValueError(
@@ -129,11 +137,11 @@ class Fp8Layout:
             )
         rn, rh, cn, ch = n // bn, cdiv(hidden, bn), n // bk, cdiv(hidden, bk)
         w13, w2 = f"{module}.w13_{SCALE_SUFFIX}", f"{module}.w2_{SCALE_SUFFIX}"
-        self.b.tensor(w13, (len(experts), 2 * rn, ch), "float32")
-        self.b.tensor(w2, (len(experts), rh, cn), "float32")
+        modules = [*(f"{p}.experts.{e}" for e in experts), *extra]
+        self.b.tensor(w13, (len(modules), 2 * rn, ch), "float32")
+        self.b.tensor(w2, (len(modules), rh, cn), "float32")
         gate_up, down = Box((lo // bn, 0), (rn, ch)), Box((0, lo // bk), (rh, cn))
-        for j, e in enumerate(experts):
-            hf = f"{p}.experts.{e}"
+        for j, hf in enumerate(modules):
             self.b.piece(
                 f"{hf}.gate_proj.{SCALE_SUFFIX}", gate_up, w13, Box((j, 0, 0), (1, rn, ch))
             )

@@ -25,11 +25,13 @@ A block-FP8 config (``quantization_config``): the training ranks hold the model
 unquantized (float32) and quantize the weights they send where they hold whole blocks,
 the SGLang ranks the rest (``layouts/fp8_wire.py``); the
 engine starts from, and each step is checked against, the checkpoint quantized from the
-same trained tensors (``QuantizedWeights``), e4m3 compared as bytes. Stand-in: the
-receiver refuses FP8 parameters off NVIDIA Hopper, where SGLang's
-``process_weights_after_loading`` would re-lay them (``fp8_relayout_problems``); this job
-never runs that pass, so the parameters stay as loaded, as on Hopper, and the check is
-answered as Hopper answers it.
+same trained tensors (``QuantizedWeights``), e4m3 compared as bytes. SGLang's session
+end (``end_weight_update``) runs every quant method's ``process_weights_after_loading``;
+with SGLang's CPU engine off (``SGLANG_USE_CPU_ENGINE`` unset) it takes its GPU branch
+without DeepGEMM, which keeps block-FP8 weights and scales as loaded, as on Hopper (and
+sets unset KV-cache scales, -1.0, to its default 1.0). Stand-in: the receiver refuses
+FP8 parameters off NVIDIA Hopper (``fp8_relayout_problems``: elsewhere that pass re-lays
+them); the check is answered here as Hopper answers it.
 """
 
 from __future__ import annotations
@@ -143,7 +145,7 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
         refit_status,
     )
     from nemo_refit_reshard.integrations.worker import StaleWeightsError
-    from nemo_refit_reshard.layouts.sglang import sglang_layout
+    from nemo_refit_reshard.layouts.sglang import SGLANG_KV_CACHE_SCALES, sglang_layout
     from tests.helpers.sglang_cpu import build_model
     from tests.helpers.sglang_scheduler import (
         derived_tensors,
@@ -170,6 +172,9 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
     spec = _spec(job)
     layout = sglang_layout(spec, infer, rank, params_dtype="float32")
     params = dict(model.named_parameters())
+    # an FP8 engine's KV-cache scales: live parameters the refit must leave alone
+    kv_scales = {n: p.clone() for n, p in params.items() if n.endswith(SGLANG_KV_CACHE_SCALES)}
+    params = {n: p for n, p in params.items() if n not in kv_scales}
     pointers = {n: p.data_ptr() for n, p in params.items()}
     derived = derived_tensors(model)  # what SGLang's post_load_weights made at start-up
     derived_pointers = {n: t.data_ptr() for n, t in derived.items()}
@@ -231,6 +236,13 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
                 "derived_moved": [n for n, t in now.items() if t.data_ptr() != derived_pointers[n]],
             }
         )
+    # the KV-cache scales after both refits (no plan writes them; SGLang's session end
+    # sets unset ones, -1.0, to its default 1.0)
+    live = dict(model.named_parameters())
+    result["kv_scales"] = {n: float(t) for n, t in kv_scales.items()}
+    result["kv_scales_changed"] = {
+        n: float(live[n]) for n, t in kv_scales.items() if not _same(t, live[n])
+    }
     # Reference: SGLang's own load_weights of the last step's checkpoint (it runs
     # post_load_weights itself) must give the same parameters and derived tensors.
     made = {**params, **derived_tensors(model), **_w_scales(model)}
@@ -239,6 +251,7 @@ def _sglang_rank(job: dict[str, Any], rank: int, port: int) -> dict[str, Any]:
     reloaded = {**params, **derived_tensors(model), **_w_scales(model)}
     result["reload_differ"] = [n for n, t in refit.items() if not _same(t, reloaded[n])]
     result["w_scales"] = sorted(_w_scales(model))
+
     run("bad_plan")  # another plan's slice
     result["bad_plan"] = refit_status(model)
     run(f"step{last}")  # the training ranks have gone

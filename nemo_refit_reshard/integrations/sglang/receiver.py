@@ -146,6 +146,7 @@ def refit_check_plan(
     ]
     problems += live_tensor_problems(expected, s.params, None)
     problems += fp8_relayout_problems(s.params)
+    problems += kv_cache_scale_problems(model)
     if problems:
         raise PlanError.listing(
             f"{where}: live parameters do not match the plan",
@@ -153,6 +154,25 @@ def refit_check_plan(
             "build the plan with layouts/sglang.py for this engine's tp and dtype",
         )
     return loaded
+
+
+def kv_cache_scale_problems(model: torch.nn.Module) -> list[str]:
+    """KV-cache scales calibrated for the loaded weights (an FP8 KV cache's): a refit
+    leaves them as they are, so they would no longer fit the new weights. SGLang's
+    defaults are -1.0 before its post-load pass and 1.0 after it (no scale in the
+    checkpoint): those scale nothing and are kept."""
+    calibrated = [
+        f"{name}: {float(p):g}"
+        for name, p in model.named_parameters()
+        if name.endswith(SGLANG_KV_CACHE_SCALES) and float(p) not in (-1.0, 1.0)
+    ]
+    if not calibrated:
+        return []
+    return [
+        f"{len(calibrated)} calibrated KV-cache scales ({calibrated[0]}, ...): a refit does not "
+        "recalibrate them; serve without checkpoint KV-cache scales (--kv-cache-dtype auto, "
+        "or scales of 1.0)"
+    ]
 
 
 def fp8_relayout_problems(params: Mapping[str, torch.Tensor]) -> list[str]:
