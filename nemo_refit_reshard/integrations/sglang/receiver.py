@@ -170,8 +170,7 @@ def kv_cache_scale_problems(model: torch.nn.Module) -> list[str]:
         return []
     return [
         f"{len(calibrated)} calibrated KV-cache scales ({calibrated[0]}, ...): a refit does not "
-        "recalibrate them; serve without checkpoint KV-cache scales (--kv-cache-dtype auto, "
-        "or scales of 1.0)"
+        "recalibrate them; serve from a checkpoint without k_scale / v_scale tensors"
     ]
 
 
