@@ -273,12 +273,15 @@ class HeldDerivation:
         assert self.started.acquire(timeout=300), "the thread never started a set"
 
 
-def test_sets_dropped_while_derived_ahead_are_not_cached_nor_started(monkeypatch) -> None:
+def _four_engines() -> MembershipPlans:
     infer = InferParallel(tp=1, dp=4)
     src, dst = _layouts(SPEC, TrainParallel(tp=2), infer)
     plan = plan_refit(SPEC, src, dst, 0.05, relay="none")
-    plans = MembershipPlans(plan, SPEC, src, dst, _engines(infer))
-    hold = HeldDerivation(monkeypatch)
+    return MembershipPlans(plan, SPEC, src, dst, _engines(infer))
+
+
+def test_sets_dropped_while_derived_ahead_are_not_cached_nor_started(monkeypatch) -> None:
+    plans, hold = _four_engines(), HeldDerivation(monkeypatch)
     done = plans.derive_ahead([(0, 2), (0, 3), (2, 3)])
     hold.wait_started()  # the thread derives (0, 2); (0, 3) and (2, 3) are queued
     plans.keep_only([(0, 3)])  # drops (0, 2) mid-derivation and (2, 3) unstarted
@@ -293,11 +296,7 @@ def test_a_set_dropped_then_asked_for_while_derived_ahead_is_cached(monkeypatch)
     """Engines 0-3 serve; the thread derives {0,1,3} (engine 2 lost next); engine 3 is
     lost first (the group for {0,1,2} drops {0,1,3}), then engine 2 too: the group for
     {0,1,3} waits for the thread's plan, which must stay cached for the next group."""
-    infer = InferParallel(tp=1, dp=4)
-    src, dst = _layouts(SPEC, TrainParallel(tp=2), infer)
-    plan = plan_refit(SPEC, src, dst, 0.05, relay="none")
-    plans = MembershipPlans(plan, SPEC, src, dst, _engines(infer))
-    hold = HeldDerivation(monkeypatch)
+    plans, hold = _four_engines(), HeldDerivation(monkeypatch)
     done = plans.derive_ahead([(0, 1, 3)])
     hold.wait_started()
     plans.keep_only([(0, 1, 2)])
@@ -310,11 +309,7 @@ def test_a_set_dropped_then_asked_for_while_derived_ahead_is_cached(monkeypatch)
 
 
 def test_a_queued_set_built_by_the_driver_then_dropped_is_not_built_again(monkeypatch) -> None:
-    infer = InferParallel(tp=1, dp=4)
-    src, dst = _layouts(SPEC, TrainParallel(tp=2), infer)
-    plan = plan_refit(SPEC, src, dst, 0.05, relay="none")
-    plans = MembershipPlans(plan, SPEC, src, dst, _engines(infer))
-    hold = HeldDerivation(monkeypatch)
+    plans, hold = _four_engines(), HeldDerivation(monkeypatch)
     done = plans.derive_ahead([(0, 1), (0, 2)])
     hold.wait_started()  # the thread holds (0, 1); (0, 2) queued
     assert plans.for_engines([0, 2]).how == "derived"  # the driver builds it first

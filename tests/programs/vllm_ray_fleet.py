@@ -29,16 +29,14 @@ status after every phase, the failed updates' errors and how long each took.
 from __future__ import annotations
 
 import faulthandler
-import json
 import signal
 import sys
 import time
-import traceback
 from typing import Any
 
 import ray
 
-from tests.programs.vllm_ray_refit import WAIT_S, MegatronTrainerRank, VllmWorkerRank
+from tests.programs.vllm_ray_refit import WAIT_S, MegatronTrainerRank, VllmWorkerRank, main
 
 
 def start_engine(spec: dict[str, Any], initial: str) -> tuple[Any, list[Any]]:
@@ -116,24 +114,6 @@ def run(spec: dict[str, Any], work: str) -> dict[str, Any]:
     return out
 
 
-def main(spec_path: str, result_path: str) -> None:
-    import os
-
-    spec = json.load(open(spec_path))
-    result: dict[str, Any] = {"ok": False}
-    try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
-        result.update(run(spec, os.path.dirname(os.path.abspath(spec_path))))
-        result["ok"] = True
-    except BaseException as err:  # reported to the test, which asserts on it
-        result["error"] = f"{type(err).__name__}: {err}"
-        result["traceback"] = traceback.format_exc()
-    finally:
-        with open(result_path, "w") as f:
-            json.dump(result, f)
-        ray.shutdown()
-
-
 if __name__ == "__main__":
     faulthandler.register(signal.SIGUSR1)  # a hung driver's stacks: kill -USR1 <pid>
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], run)

@@ -295,14 +295,15 @@ def colocated_phase(
     return out
 
 
-def main(spec_path: str, result_path: str) -> None:
+def main(spec_path: str, result_path: str, job: Any = run) -> None:
+    """Run ``job(spec, work)`` in a Ray of its own; its result (or the error) to RESULT."""
     import os
 
     spec = json.load(open(spec_path))
     result: dict[str, Any] = {"ok": False}
     try:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
-        result.update(run(spec, os.path.dirname(os.path.abspath(spec_path))))
+        result.update(job(spec, os.path.dirname(os.path.abspath(spec_path))))
         result["ok"] = True
     except BaseException as err:  # reported to the test, which asserts on it
         result["error"] = f"{type(err).__name__}: {err}"
