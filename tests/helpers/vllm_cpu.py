@@ -79,7 +79,15 @@ class EngineRank:
 
 def use_cpu_platform() -> None:
     """Releases before 0.33 do not detect the CPU platform at run time. Call before
-    anything imports ``current_platform`` (vLLM's modules bind it on import)."""
+    anything imports ``current_platform`` (vLLM's modules bind it on import).
+
+    Also a stand-in, whatever the machine: this process reports no AMX. On a CPU with
+    AMX tiles vLLM's CPU platform picks kernels that need vLLM's compiled CPU ops (its
+    AMX MLA backend, which releases ``kv_b_proj``; packed GEMMs through
+    ``torch.ops._C.convert_weight_packed``), which the test venv (vLLM's Python over a
+    CPU torch) does not have, and which no CUDA engine runs; without AMX vLLM takes its
+    reference CPU paths, which keep weights as loaded, as the CUDA kernels do."""
+    torch.cpu._is_amx_tile_supported = lambda: False  # read at kernel choice, not import
     import vllm.platforms as platforms
 
     if getattr(platforms.current_platform, "device_name", None) != "cpu":
