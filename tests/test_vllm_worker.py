@@ -93,11 +93,15 @@ def run_refit(
             procs.append(vllm_env.start("vllm_refit_rank", str(path), str(out)))
             results.append(out)
     try:
+        # the vLLM ranks first: one that failed ends the test now (the finally below
+        # stops the training ranks), not after the training ranks' join timeout
+        for p, out in zip([p for p in procs if p.stdout is not None], results):
+            vllm_env.finish(p, "a vLLM rank")
+            reported = json.loads(out.read_text())
+            assert reported["ok"], reported.get("traceback")
         for p in procs:
             if p.stdout is None:
                 assert p.wait() == 0, "a training rank failed"
-            else:
-                vllm_env.finish(p, "a vLLM rank")
     finally:  # one failed rank must not leave the others waiting for their timeout
         for p in procs:
             if p.poll() is None:
