@@ -137,8 +137,7 @@ class SglangRank(VllmRankWalker):
         self.b.tensor(w2, (len(experts), h, n), dtype)
         lo = tp_rank * n
         if dtype == FP8:  # SGLang's Fp8MoEMethod: vLLM's scale names, shapes and slices
-            first, shared = ep_rank * n_routed, tuple(experts[n_routed:])  # fused: its slot
-            self.expert_scales(f"{p}.experts", p, range(first, first + n_routed), n, lo, h, shared)
+            self.expert_scales(f"{p}.experts", experts, n, lo, h)  # a fused shared one too
         gate_up, down = Box((lo, 0), (n, h)), Box((0, lo), (h, n))
         halves = (("gate_proj", 0), ("up_proj", n))
         w13_slots = [

@@ -259,7 +259,7 @@ class VllmRankWalker(Fp8Layout):
         self.b.tensor(w2, (n_local, h, n), dtype)
         lo = shard_rank * n
         if dtype == FP8:
-            self.expert_scales(module, p, range(first, stop), n, lo, h)
+            self.expert_scales(module, [f"{p}.experts.{e}" for e in range(first, stop)], n, lo, h)
         # Every expert reads the same canonical boxes: build them once (DeepSeek-V3 at
         # tp=32 has 1.5 million expert pieces per rank set). Slot j < n_local and rows
         # [half * n, half * n + n) lie inside (n_local, 2n, h) by construction.

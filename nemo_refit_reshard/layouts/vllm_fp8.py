@@ -25,6 +25,8 @@ FP8 classes in tests/test_vllm_truth.py.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..spec import ModelSpec
 from ..spec.quantization import FP8, SCALE_SUFFIX, cdiv, scale_name
 from .base import Box, LayoutBuilder
@@ -114,19 +116,12 @@ class Fp8Layout:
         self.b.piece(scale_name(canonical), Box.full(scale), name, Box.full(scale))
 
     def expert_scales(
-        self,
-        module: str,
-        p: str,
-        experts: range,
-        n: int,
-        lo: int,
-        hidden: int,
-        extra: tuple[str, ...] = (),
+        self, module: str, experts: Sequence[str], n: int, lo: int, hidden: int
     ) -> None:
-        """``w13_weight_scale_inv`` / ``w2_weight_scale_inv`` of the local experts: each
-        expert's gate, up and down scales at the block offsets of its intermediate slice
-        ``[lo, lo + n)``; ``extra``: checkpoint modules held as further experts after them
-        (SGLang's fused shared expert), sliced alike."""
+        """``w13_weight_scale_inv`` / ``w2_weight_scale_inv`` of the local experts
+        (``experts``: their checkpoint modules, in slot order; SGLang's fused shared expert
+        among them): each expert's gate, up and down scales at the block offsets of its
+        intermediate slice ``[lo, lo + n)``."""
         bn, bk = self.block
         if n % bn or n % bk:
             raise ValueError(
@@ -137,11 +132,10 @@ class Fp8Layout:
             )
         rn, rh, cn, ch = n // bn, cdiv(hidden, bn), n // bk, cdiv(hidden, bk)
         w13, w2 = f"{module}.w13_{SCALE_SUFFIX}", f"{module}.w2_{SCALE_SUFFIX}"
-        modules = [*(f"{p}.experts.{e}" for e in experts), *extra]
-        self.b.tensor(w13, (len(modules), 2 * rn, ch), "float32")
-        self.b.tensor(w2, (len(modules), rh, cn), "float32")
+        self.b.tensor(w13, (len(experts), 2 * rn, ch), "float32")
+        self.b.tensor(w2, (len(experts), rh, cn), "float32")
         gate_up, down = Box((lo // bn, 0), (rn, ch)), Box((0, lo // bk), (rh, cn))
-        for j, hf in enumerate(modules):
+        for j, hf in enumerate(experts):
             self.b.piece(
                 f"{hf}.gate_proj.{SCALE_SUFFIX}", gate_up, w13, Box((j, 0, 0), (1, rn, ch))
             )

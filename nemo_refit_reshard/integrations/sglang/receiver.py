@@ -80,7 +80,7 @@ def engine_rank() -> int:
 
 def refit_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter a refit writes: all of the model's but the derived ones and an
-    FP8 engine's KV-cache scales (``SGLANG_KV_CACHE_SCALES``: constants of the engine)."""
+    FP8 engine's KV-cache scales (``SGLANG_KV_CACHE_SCALES``: no plan writes them)."""
     skip = (*DERIVED_SUFFIXES, *SGLANG_KV_CACHE_SCALES)
     return {n: p for n, p in model.named_parameters() if not n.endswith(skip)}
 
