@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from nemo_refit_reshard.engine import delta_kernels
 from nemo_refit_reshard.engine.checksum import combine, receiver_checksums, sender_checksums
 from nemo_refit_reshard.engine.delta import FAILED, DeltaOptions
 from nemo_refit_reshard.engine.delta_codec import (
@@ -24,6 +25,14 @@ from tests.helpers.hf_models import hf_config
 from tests.helpers.model_configs import BLOCK_FP8, FP8_DIMS, MODELS
 
 STEPS = 5
+
+
+@pytest.fixture(params=["numba", "numpy"])
+def kernel(request: pytest.FixtureRequest) -> str:
+    """Every test on both CPU paths (``DeltaOptions.cpu_kernel``): same bytes, same ends."""
+    if request.param == "numba" and not delta_kernels.AVAILABLE:
+        pytest.skip("numba is not installed")
+    return request.param
 
 
 def _expected_wire(group: DeltaGroup, before: dict[str, torch.Tensor]) -> int:
@@ -68,9 +77,10 @@ def _snapshot(group: DeltaGroup) -> dict[str, torch.Tensor]:
     ids=["dense", "dense-many-rounds", "moe"],
 )
 def test_five_adam_steps_arrive_bit_exact_in_exactly_the_predicted_bytes(
-    tmp_path: Path, model: str, train: str, infer: str, bucket_mb: float
+    tmp_path: Path, model: str, train: str, infer: str, bucket_mb: float, kernel: str
 ) -> None:
-    group = DeltaGroup(MODELS[model], tmp_path, train, infer, bucket_mb=bucket_mb)
+    options = DeltaOptions(cpu_kernel=kernel)
+    group = DeltaGroup(MODELS[model], tmp_path, train, infer, bucket_mb=bucket_mb, options=options)
     assert (group.plan.num_rounds > 10) == (bucket_mb < 1)
     # the baselines the engine keeps are the ones `plan --delta` reports (computed apart)
     kept = [group.delta(r).baseline_bytes for r in range(group.world)]
@@ -96,9 +106,18 @@ def test_five_adam_steps_arrive_bit_exact_in_exactly_the_predicted_bytes(
         group.close()
 
 
-def test_an_fp8_engine_compares_e4m3_and_scale_bytes_as_they_are(tmp_path: Path) -> None:
+def test_an_fp8_engine_compares_e4m3_and_scale_bytes_as_they_are(
+    tmp_path: Path, kernel: str
+) -> None:
     """Training ranks holding whole 128x128 blocks send e4m3 + scales: deltas of bytes."""
-    group = DeltaGroup(MODELS["qwen3_fp8"], tmp_path, "tp=2", "tp=2", lr=1e-3)
+    group = DeltaGroup(
+        MODELS["qwen3_fp8"],
+        tmp_path,
+        "tp=2",
+        "tp=2",
+        lr=1e-3,
+        options=DeltaOptions(cpu_kernel=kernel),
+    )
     try:
         group.refit()
         for _ in range(STEPS):
@@ -111,13 +130,15 @@ def test_an_fp8_engine_compares_e4m3_and_scale_bytes_as_they_are(tmp_path: Path)
         group.close()
 
 
-def test_bf16_shadows_take_dense_and_stay_exact(tmp_path: Path) -> None:
+def test_bf16_shadows_take_dense_and_stay_exact(tmp_path: Path, kernel: str) -> None:
     """An FP8 engine whose blocks straddle training shards (384 MLP rows over tp=2: 192
     each) receives BF16 shadows it quantizes on arrival: it cannot re-pack those from
     its e4m3 weights, so their bytes travel every step; the rest go as deltas."""
     config = hf_config("qwen3", **dict(FP8_DIMS, intermediate_size=384))
     config["quantization_config"] = BLOCK_FP8
-    group = DeltaGroup(config, tmp_path, "tp=2", "tp=1", lr=1e-5)
+    group = DeltaGroup(
+        config, tmp_path, "tp=2", "tp=1", lr=1e-5, options=DeltaOptions(cpu_kernel=kernel)
+    )
     try:
         receiver = group.delta(group.num_sources)
         assert receiver.fixed_in  # (sender, round, byte ranges) it cannot re-pack
@@ -136,11 +157,18 @@ def test_bf16_shadows_take_dense_and_stay_exact(tmp_path: Path) -> None:
 
 
 def test_inference_ranks_forwarding_along_a_chain_send_deltas_from_host_baselines(
-    tmp_path: Path,
+    tmp_path: Path, kernel: str
 ) -> None:
     """A relay chain makes inference ranks senders: they keep their baselines in host
     memory (no second copy of the model on an inference GPU) and forward deltas too."""
-    group = DeltaGroup(MODELS["qwen3"], tmp_path, "tp=2", "tp=2,dp=4", relay="chain")
+    group = DeltaGroup(
+        MODELS["qwen3"],
+        tmp_path,
+        "tp=2",
+        "tp=2,dp=4",
+        relay="chain",
+        options=DeltaOptions(cpu_kernel=kernel),
+    )
     try:
         forwarders = [
             r
@@ -165,8 +193,12 @@ def test_inference_ranks_forwarding_along_a_chain_send_deltas_from_host_baseline
         group.close()
 
 
-def test_a_receiver_that_lost_its_weights_gets_everything_and_ends_exact(tmp_path: Path) -> None:
-    group = DeltaGroup(MODELS["qwen3"], tmp_path, "tp=2", "tp=2,dp=2")
+def test_a_receiver_that_lost_its_weights_gets_everything_and_ends_exact(
+    tmp_path: Path, kernel: str
+) -> None:
+    group = DeltaGroup(
+        MODELS["qwen3"], tmp_path, "tp=2", "tp=2,dp=2", options=DeltaOptions(cpu_kernel=kernel)
+    )
     try:
         group.refit()
         group.train_step()
@@ -189,8 +221,10 @@ def test_a_receiver_that_lost_its_weights_gets_everything_and_ends_exact(tmp_pat
         group.close()
 
 
-def test_a_failed_rank_makes_the_next_step_dense_for_everyone(tmp_path: Path) -> None:
-    group = DeltaGroup(MODELS["qwen3"], tmp_path, "tp=2", "tp=2,dp=2")
+def test_a_failed_rank_makes_the_next_step_dense_for_everyone(tmp_path: Path, kernel: str) -> None:
+    group = DeltaGroup(
+        MODELS["qwen3"], tmp_path, "tp=2", "tp=2,dp=2", options=DeltaOptions(cpu_kernel=kernel)
+    )
     try:
         group.refit()
         group.delta(1).version = FAILED  # training rank 1's last step failed
@@ -207,8 +241,10 @@ def test_a_failed_rank_makes_the_next_step_dense_for_everyone(tmp_path: Path) ->
         group.close()
 
 
-def test_every_anchor_version_is_dense(tmp_path: Path) -> None:
-    group = DeltaGroup(MODELS["qwen3"], tmp_path, "tp=2", "tp=2", options=DeltaOptions(2))
+def test_every_anchor_version_is_dense(tmp_path: Path, kernel: str) -> None:
+    group = DeltaGroup(
+        MODELS["qwen3"], tmp_path, "tp=2", "tp=2", options=DeltaOptions(2, cpu_kernel=kernel)
+    )
     try:
         group.refit()  # version 0
         forms = []
@@ -222,10 +258,14 @@ def test_every_anchor_version_is_dense(tmp_path: Path) -> None:
         group.close()
 
 
-def test_a_corrupted_sender_baseline_is_caught_by_the_checksums(tmp_path: Path) -> None:
+def test_a_corrupted_sender_baseline_is_caught_by_the_checksums(
+    tmp_path: Path, kernel: str
+) -> None:
     """Training rank 0's baselines are made to hold this step's bytes already: it sends
     nothing of what changed, and the receivers' checksums disagree with the senders'."""
-    group = DeltaGroup(MODELS["qwen3"], tmp_path, "tp=2", "tp=2")
+    group = DeltaGroup(
+        MODELS["qwen3"], tmp_path, "tp=2", "tp=2", options=DeltaOptions(cpu_kernel=kernel)
+    )
     try:
         group.refit()
         group.train_step()
@@ -250,5 +290,43 @@ def test_a_corrupted_sender_baseline_is_caught_by_the_checksums(tmp_path: Path) 
         assert wrong, "the corrupted baseline went unnoticed"
         assert all(rank >= group.num_sources for rank, _ in wrong)
         assert group.mismatches() != [[], []]
+    finally:
+        group.close()
+
+
+def test_the_kernel_compares_direct_messages_where_they_live_and_never_packs_them(
+    tmp_path: Path,
+) -> None:
+    """Compiled path: a training rank's messages are rows of its live tensors, so a delta
+    step reads them there and leaves the send staging untouched (a sentinel survives),
+    its DENSE replicas sent from the baseline; the engines end bit-exact."""
+    if not delta_kernels.AVAILABLE:
+        pytest.skip("numba is not installed")
+    options = DeltaOptions(cpu_kernel="numba")
+    group = DeltaGroup(MODELS["qwen3"], tmp_path, "tp=2", "tp=2,dp=2", options=options)
+    try:
+        group.refit()
+        senders = [group.delta(r) for r in range(group.num_sources)]
+        for sender in senders:
+            assert sender.sender is not None
+            keys = {o.key for rnd in sender.rounds for o in rnd.outgoing}
+            assert {key for direct in sender.sender.direct for key in direct} == keys
+        # engine 1's first rank lost its weights: its message from each sender goes
+        # DENSE, from the baseline the kernel just brought up to date
+        woken = group.num_sources + 2
+        group.refitters[woken].forget_version()
+        for t in group.tensors[woken].values():
+            t.fill_(float("nan"))
+        group.train_step()
+        for sender in senders:
+            for buf in sender.program.send_buffers:
+                buf.fill_(0xAB)
+        group.refit()
+        assert group.mismatches() == [[]] * 4
+        assert set(group.delta(woken).last.received) == {"dense"}
+        for sender in senders:
+            # one message to each of the 4 engines' ranks: the woken one's whole
+            assert sender.last.forms.get("dense") == 1 and sum(sender.last.forms.values()) == 4
+            assert all(bool((buf == 0xAB).all()) for buf in sender.program.send_buffers)
     finally:
         group.close()

@@ -39,9 +39,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..plan import RankPlan, RefitPlan
+from . import delta_kernels
 from .delta_codec import (
     DENSE,
     FORM_NAMES,
+    GAPS,
     HEADER_BYTES,
     Header,
     apply_patch,
@@ -55,6 +57,7 @@ from .delta_codec import (
     take_units,
     with_ranges,
 )
+from .delta_compiled import Changes, CompiledSender
 from .delta_rounds import Fixed, Outgoing, compile_rounds, place
 from .program import CopyPhase, RankProgram, copy_pairs
 from .transport import Transport
@@ -72,10 +75,14 @@ class DeltaError(RuntimeError):
 class DeltaOptions:
     """``anchor_every``: a dense step every that many versions (0: only when needed).
     ``baseline``: where senders keep their baselines, ``"device"`` (the staging's) or
-    ``"host"`` (pinned host memory when the device is a GPU)."""
+    ``"host"`` (pinned host memory when the device is a GPU). ``cpu_kernel``: how CPU
+    ranks compare, encode and apply (``engine/delta_kernels.py``): ``"numba"`` (compiled,
+    one pass, no pack of direct messages), ``"numpy"``, or ``"auto"`` (numba when
+    installed); the bytes on the wire are the same."""
 
     anchor_every: int = 0
     baseline: str = "device"
+    cpu_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.anchor_every < 0:
@@ -84,6 +91,7 @@ class DeltaOptions:
             raise ValueError(
                 f"delta baseline={self.baseline!r}: choose one of {list(BASELINE_PLACES)}"
             )
+        delta_kernels.use_numba(self.cpu_kernel)  # refuses an unknown or missing kernel
 
 
 @dataclass
@@ -136,6 +144,11 @@ class DeltaProgram:
             program.recv_buffers[0].numel(), dtype=torch.uint8, device=self.device
         )
         self.last = DeltaStats()
+        # CPU ranks with numba: the compiled kernels (a sender's built in learn_fixed)
+        self.compiled = self.device.type == "cpu" and delta_kernels.use_numba(
+            self.options.cpu_kernel
+        )
+        self.sender: CompiledSender | None = None
 
     def learn_fixed(self, fixed: Sequence[Sequence[Fixed]]) -> None:
         """Every rank's ``fixed_in`` (by refit rank): the byte ranges of this rank's
@@ -154,6 +167,11 @@ class DeltaProgram:
                 # An inference rank forwarding along a chain keeps its baselines in host
                 # memory: no second copy of the model on an inference GPU.
                 self.baselines[out.key] = self._baseline(out.span.numel(), not self.is_source)
+        if self.compiled and self.baselines:
+            self.sender = CompiledSender(self.program, self.rounds, self.baselines)
+        if self.compiled:
+            units = {m.unit for rnd in self.rounds for m in [*rnd.outgoing, *rnd.incoming]}
+            delta_kernels.warm(units)
 
     def _baseline(self, nbytes: int, host: bool = False) -> torch.Tensor:
         host = host or self.options.baseline == "host"
@@ -206,8 +224,7 @@ class DeltaProgram:
         mine = versions[self.rank]
         with torch.no_grad():
             for k, phase in enumerate(self.program.rounds):
-                phase.pack()
-                sends = self.encode_round(k, mine, versions.__getitem__, dense_step, stats)
+                sends = self.encode_round(k, mine, versions.__getitem__, dense_step, stats, phase)
                 headers = self.exchange_headers(transport, k, sends, self.rounds[k].incoming)
                 recvs, patches = self.receive_plan(k, headers, mine, stats)
                 transport.exchange(
@@ -237,8 +254,9 @@ class DeltaProgram:
         copy_pairs([pair for i, header, _ in patches if header.form == DENSE for pair in i.pairs])
         for incoming, header, payload in patches:
             if header.form != DENSE and header.count:
-                index, values = decode(payload, header, incoming.span.numel(), incoming.unit)
-                place(incoming, index, values)
+                n, unit = incoming.span.numel(), incoming.unit
+                index, values = decode(payload, header, n, unit, self.compiled)
+                place(incoming, index, values, self.compiled)
         for job in phase.after_in:
             job()
 
@@ -259,50 +277,102 @@ class DeltaProgram:
         version_of: Callable[[int], int],
         dense_step: bool,
         stats: DeltaStats,
+        phase: CopyPhase | None = None,
     ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """``(peer, header bytes, payload)`` per outgoing message of round ``k`` (packed);
-        ``mine``: this rank's version, ``version_of(peer)`` each receiver's. Baselines
-        then hold the round's messages."""
+        """``(peer, header bytes, payload)`` per outgoing message of round ``k``;
+        ``mine``: this rank's version, ``version_of(peer)`` each receiver's. ``phase``:
+        pack the round here, all but the messages the compiled kernel reads where they
+        live; None: the caller packed it. Baselines then hold the round's messages."""
         rnd = self.rounds[k]
-        sends, encoded, at = [], {}, 0
         delta_to = [
             not dense_step and mine >= 0 and version_of(o.peer) == mine and o.key in self.baselines
             for o in rnd.outgoing
         ]
-        # Changed units of each distinct message (bits, against its baseline), plus the
-        # ranges its receiver cannot re-pack.
+        if phase is not None and self.sender is not None:
+            self.sender.pack(k, phase, {o.key for o, d in zip(rnd.outgoing, delta_to) if d})
+        elif phase is not None:
+            phase.pack()
+        packed = phase is None
+        # Changed units of each distinct message (bits, against its baseline): numpy's
+        # indices, or the kernel's Changes (its baseline then holds the message).
         changed: dict[int, torch.Tensor] = {}
-        for o, delta in zip(rnd.outgoing, delta_to):
-            if delta and o.key not in changed:
-                changed[o.key] = changed_units(o.span, self.baselines[o.key], o.unit)
-                stats.units += o.span.numel() // o.unit
-                stats.changed += changed[o.key].numel()
+        found: dict[int, Changes] = {}
+        if self.sender is None:
+            for o, delta in zip(rnd.outgoing, delta_to):
+                if delta and o.key not in changed:
+                    changed[o.key] = changed_units(o.span, self.baselines[o.key], o.unit)
+                    stats.units += o.span.numel() // o.unit
+                    stats.changed += changed[o.key].numel()
+        sends, encoded, at = [], {}, 0
         for o, delta in zip(rnd.outgoing, delta_to):
             n = o.span.numel()
             if delta:
                 variant = (o.key, self.fixed_out.get((o.peer, k), ()))
                 if variant not in encoded:
-                    index = with_ranges(changed[o.key], variant[1], o.unit)
-                    count = index.numel()
-                    form = choose_form(n, o.unit, count, count_long_gaps(index))
-                    payload = encode(o.span, index, o.unit, form, self._encoded[at:])
-                    if form != DENSE:
-                        at += payload.numel()
-                    encoded[variant] = (form, count, payload)
+                    out = self._encoded[at:]
+                    if self.sender is not None:
+                        encoded[variant] = self._encode_compiled(
+                            k, o, variant[1], out, packed, found, stats
+                        )
+                    else:
+                        index = with_ranges(changed[o.key], variant[1], o.unit)
+                        count = index.numel()
+                        form = choose_form(n, o.unit, count, count_long_gaps(index))
+                        encoded[variant] = (form, count, encode(o.span, index, o.unit, form, out))
+                    if encoded[variant][0] != DENSE:
+                        at += encoded[variant][2].numel()
                 form, count, payload = encoded[variant]
                 header = Header(form, mine if form != DENSE else UNKNOWN, count, payload.numel())
             else:
-                form, payload, header = DENSE, o.span, Header(DENSE, UNKNOWN, 0, n)
+                # a direct message compared for another receiver was never packed: its
+                # baseline holds it
+                whole = self.baselines[o.key] if o.key in found else o.span
+                form, payload, header = DENSE, whole, Header(DENSE, UNKNOWN, 0, n)
             raw = torch.empty(HEADER_BYTES, dtype=torch.uint8)
             header.write(raw)
             sends.append((o.peer, raw.to(self.device), payload))
             stats.forms[FORM_NAMES[form]] = stats.forms.get(FORM_NAMES[form], 0) + 1
             stats.sent_bytes += HEADER_BYTES + payload.numel()
             stats.dense_bytes += n
-        # The baselines become this round's messages (after every encode read them): where
-        # a message was compared, only its changed units differ; a payload that carries
-        # exactly those units gives their bytes (no second gather).
-        for o in {o.key: o for o in rnd.outgoing if o.key in self.baselines}.values():
+        self._update_baselines(rnd.outgoing, changed, found, encoded)
+        return sends
+
+    def _encode_compiled(
+        self, k: int, o: Outgoing, fixed, out: torch.Tensor, packed: bool, found, stats
+    ) -> tuple[int, int, torch.Tensor]:
+        """One variant of message ``o`` through the kernel: ``(form, count, payload)``.
+        The first compares (the baseline then holds the message, its values at the
+        front of ``out``); a ``GAPS`` payload is then finished in place."""
+        assert self.sender is not None
+        baseline, unit, n = self.baselines[o.key], o.unit, o.span.numel()
+        first = o.key not in found
+        if first:
+            for earlier in found.values():
+                earlier.keep()  # the next compare reuses the scratch
+            found[o.key] = self.sender.compare(k, o, baseline, out, packed)
+            stats.units += n // unit
+            stats.changed += found[o.key].count
+        changes = found[o.key]
+        if not fixed:
+            form = choose_form(n, unit, changes.count, changes.long_gaps)
+            if form == GAPS and first:
+                payload = changes.gaps_payload(out, unit)
+                if payload is not None:
+                    return form, changes.count, payload
+            index = changes.index()
+        else:
+            index = with_ranges(changes.index(), fixed, unit)
+            form = choose_form(n, unit, index.numel(), count_long_gaps(index))
+        return form, index.numel(), encode(baseline, index, unit, form, out)
+
+    def _update_baselines(self, outgoing: list[Outgoing], changed, found, encoded) -> None:
+        """The baselines become this round's messages (after every encode read them):
+        where numpy compared a message, only its changed units differ; a payload that
+        carries exactly those units gives their bytes (no second gather). The kernel's
+        baselines are updated already."""
+        for o in {o.key: o for o in outgoing if o.key in self.baselines}.values():
+            if o.key in found:
+                continue
             baseline, index = self.baselines[o.key], changed.get(o.key)
             if index is None:
                 baseline.copy_(o.span)
@@ -315,7 +385,6 @@ class DeltaProgram:
                 put_units(baseline, index, values, o.unit)
             else:  # every variant sent carried fixed ranges too
                 put_units(baseline, index, take_units(o.span, index, o.unit), o.unit)
-        return sends
 
     def receive_plan(self, k: int, headers, mine: int, stats: DeltaStats):
         """Where each payload of round ``k`` lands, given its header: a DENSE one in its

@@ -258,6 +258,16 @@ def _ungap(payload: torch.Tensor, count: int) -> torch.Tensor:
     return torch.from_numpy(np.cumsum(gaps) - 1)
 
 
+def _ungap_compiled(payload: torch.Tensor, count: int) -> torch.Tensor:
+    """:func:`_ungap` through the compiled kernel (its long gaps copied: aligned)."""
+    from . import delta_kernels  # numba loads only where a compiled step runs
+
+    raw = payload.numpy()
+    _check_gap_bytes(payload, count, int(np.count_nonzero(raw[:count] == 0)))
+    longs = raw[count:].copy().view("<u4")
+    return delta_kernels.ungap(raw[:count], longs)
+
+
 def _ungap_torch(payload: torch.Tensor, count: int) -> torch.Tensor:
     """:func:`_ungap` in torch ops (any device; the GPU's path)."""
     gaps = payload[:count].to(torch.int64)
@@ -302,13 +312,17 @@ def _unbitmap(bitmap: torch.Tensor, units: int) -> torch.Tensor:
     return bits.reshape(-1)[:units].nonzero().squeeze(1)
 
 
-def decode(payload: torch.Tensor, header: Header, nbytes: int, unit: int):
+def decode(payload: torch.Tensor, header: Header, nbytes: int, unit: int, compiled: bool = False):
     """``(index, values)`` of a delta payload for a message of ``nbytes``: the sorted
-    changed units and their bytes, back to back."""
+    changed units and their bytes, back to back. ``compiled``: a CPU payload's gaps
+    through ``delta_kernels.ungap`` (one pass)."""
     units = nbytes // unit
     if header.form == GAPS:
         values = header.count * unit
-        index = _ungap(payload[values:], header.count)
+        if compiled and payload.device.type == "cpu":
+            index = _ungap_compiled(payload[values:], header.count)
+        else:
+            index = _ungap(payload[values:], header.count)
         if header.count and int(index[-1]) >= units:
             raise ValueError(f"gaps reach unit {int(index[-1])} of a {units}-unit message")
         return index, payload[:values]

@@ -52,6 +52,8 @@ class RunIn:
     staged: torch.Tensor
     live: torch.Tensor
     mode: str
+    # the compiled scatter's view of ``live`` (``delta_kernels.scatter_target``): found once
+    target: tuple | None = None
 
 
 @dataclass
@@ -153,10 +155,13 @@ def _merged(ranges: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
     return out
 
 
-def place(incoming: Incoming, index: torch.Tensor, values: torch.Tensor) -> None:
+def place(
+    incoming: Incoming, index: torch.Tensor, values: torch.Tensor, compiled: bool = False
+) -> None:
     """Apply a decoded delta (``index``: sorted changed units, ``values``: their bytes)
     to the live tensors its message unpacks into, run by run (``RunIn.mode``): only the
-    changed elements of a ``DIRECT`` run are written, nothing of the message is copied."""
+    changed elements of a ``DIRECT`` run are written, nothing of the message is copied.
+    ``compiled``: CPU ``DIRECT`` runs through ``delta_kernels.scatter`` (one pass)."""
     unit, span = incoming.unit, incoming.span
     cuts = torch.searchsorted(
         index, torch.tensor([r.start for r in incoming.runs] + [span.numel() // unit])
@@ -166,12 +171,28 @@ def place(incoming: Incoming, index: torch.Tensor, values: torch.Tensor) -> None
             continue  # nothing of this run changed
         sub, raw = index[lo:hi], values[lo * unit : hi * unit]
         if r.mode == DIRECT:
-            _scatter(r.live, sub - r.start, raw)
+            if not (compiled and _scatter_compiled(r, sub, raw)):
+                _scatter(r.live, sub - r.start, raw)
             continue
         if r.mode == REPACK:
             r.staged.copy_(r.live)
         put_units(span, sub, raw, unit)
         r.live.copy_(r.staged)
+
+
+def _scatter_compiled(run: RunIn, index: torch.Tensor, raw: torch.Tensor) -> bool:
+    """:func:`_scatter` through the compiled kernel; False where it does not apply."""
+    if run.live.device.type != "cpu":
+        return False
+    from . import delta_kernels  # numba loads only where a compiled step runs
+
+    if run.target is None:
+        run.target = delta_kernels.scatter_target(run.live)
+    if not run.target:
+        return False
+    values = raw.numpy().view(_NP_INTS[run.live.element_size()])
+    delta_kernels.scatter(run.target, index.numpy(), run.start, values)
+    return True
 
 
 def _scatter(live: torch.Tensor, local: torch.Tensor, raw: torch.Tensor) -> None:
