@@ -34,6 +34,7 @@ version. A failed step leaves its ranks
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -43,7 +44,6 @@ from . import delta_kernels
 from .delta_codec import (
     DENSE,
     FORM_NAMES,
-    GAPS,
     HEADER_BYTES,
     Header,
     apply_patch,
@@ -149,6 +149,9 @@ class DeltaProgram:
             self.options.cpu_kernel
         )
         self.sender: CompiledSender | None = None
+        # round 0 compared while the versions were gathered: (found, bytes of payloads)
+        self._ahead: tuple[dict[int, Changes], int] | None = None
+        self._gathering = ThreadPoolExecutor(1, thread_name_prefix="refit-versions")
 
     def learn_fixed(self, fixed: Sequence[Sequence[Fixed]]) -> None:
         """Every rank's ``fixed_in`` (by refit rank): the byte ranges of this rank's
@@ -203,6 +206,26 @@ class DeltaProgram:
                     self.baselines[o.key].copy_(o.span)
         self.version = version
         return True
+
+    def gather_versions(self, gather: Callable[[], Sequence[int]]) -> list[int]:
+        """Every rank's version (``gather``: the group's collective, which has read this
+        rank's version already: it runs on another thread). A compiled CPU sender holding
+        a version compares round 0's direct messages meanwhile (``CompiledSender.ahead``):
+        the gather's latency hides behind the compare, whatever versions it brings (a
+        message that goes dense goes from its baseline, which holds it)."""
+        self._ahead = None
+        if self.sender is None or self.version < 0 or not self.rounds:
+            return list(gather())
+        pending = self._gathering.submit(gather)
+        self.version = FAILED  # the baselines move now: torn until the step is done
+        try:
+            with torch.no_grad():
+                self._ahead = self.sender.ahead(
+                    self.rounds[0].outgoing, self.baselines, self._encoded
+                )
+        finally:
+            versions = list(pending.result())  # (a failed gather raises here)
+        return versions
 
     def begin(self, versions: Sequence[int]) -> tuple[int, bool]:
         """The step's version and whether it is dense for everyone (module docstring);
@@ -288,22 +311,25 @@ class DeltaProgram:
             not dense_step and mine >= 0 and version_of(o.peer) == mine and o.key in self.baselines
             for o in rnd.outgoing
         ]
+        # Changed units of each distinct message (bits, against its baseline): numpy's
+        # indices, or the kernel's Changes (its baseline then holds the message; round 0's
+        # may have been found while the versions were gathered).
+        changed: dict[int, torch.Tensor] = {}
+        found, at = self._ahead if k == 0 and self._ahead else ({}, 0)
+        self._ahead = None
+        delta_keys = {o.key for o, d in zip(rnd.outgoing, delta_to) if d}
         if phase is not None and self.sender is not None:
-            self.sender.pack(k, phase, {o.key for o, d in zip(rnd.outgoing, delta_to) if d})
+            self.sender.pack(k, phase, delta_keys | found.keys())
         elif phase is not None:
             phase.pack()
         packed = phase is None
-        # Changed units of each distinct message (bits, against its baseline): numpy's
-        # indices, or the kernel's Changes (its baseline then holds the message).
-        changed: dict[int, torch.Tensor] = {}
-        found: dict[int, Changes] = {}
         if self.sender is None:
             for o, delta in zip(rnd.outgoing, delta_to):
                 if delta and o.key not in changed:
                     changed[o.key] = changed_units(o.span, self.baselines[o.key], o.unit)
                     stats.units += o.span.numel() // o.unit
                     stats.changed += changed[o.key].numel()
-        sends, encoded, at = [], {}, 0
+        sends, encoded = [], {}
         for o, delta in zip(rnd.outgoing, delta_to):
             n = o.span.numel()
             if delta:
@@ -311,16 +337,18 @@ class DeltaProgram:
                 if variant not in encoded:
                     out = self._encoded[at:]
                     if self.sender is not None:
-                        encoded[variant] = self._encode_compiled(
-                            k, o, variant[1], out, packed, found, stats
+                        baseline = self.baselines[o.key]
+                        encoded[variant] = self.sender.encode(
+                            k, o, variant[1], out, packed, found, baseline
                         )
                     else:
                         index = with_ranges(changed[o.key], variant[1], o.unit)
                         count = index.numel()
                         form = choose_form(n, o.unit, count, count_long_gaps(index))
                         encoded[variant] = (form, count, encode(o.span, index, o.unit, form, out))
-                    if encoded[variant][0] != DENSE:
-                        at += encoded[variant][2].numel()
+                    form, _, payload = encoded[variant]
+                    if form != DENSE and payload.data_ptr() == out.data_ptr():
+                        at += payload.numel()  # (a payload built ahead lies before)
                 form, count, payload = encoded[variant]
                 header = Header(form, mine if form != DENSE else UNKNOWN, count, payload.numel())
             else:
@@ -334,36 +362,11 @@ class DeltaProgram:
             stats.forms[FORM_NAMES[form]] = stats.forms.get(FORM_NAMES[form], 0) + 1
             stats.sent_bytes += HEADER_BYTES + payload.numel()
             stats.dense_bytes += n
+        for key in delta_keys & found.keys():
+            stats.units += self.baselines[key].numel() // found[key].unit
+            stats.changed += found[key].count
         self._update_baselines(rnd.outgoing, changed, found, encoded)
         return sends
-
-    def _encode_compiled(
-        self, k: int, o: Outgoing, fixed, out: torch.Tensor, packed: bool, found, stats
-    ) -> tuple[int, int, torch.Tensor]:
-        """One variant of message ``o`` through the kernel: ``(form, count, payload)``.
-        The first compares (the baseline then holds the message, its values at the
-        front of ``out``); a ``GAPS`` payload is then finished in place."""
-        assert self.sender is not None
-        baseline, unit, n = self.baselines[o.key], o.unit, o.span.numel()
-        first = o.key not in found
-        if first:
-            for earlier in found.values():
-                earlier.keep()  # the next compare reuses the scratch
-            found[o.key] = self.sender.compare(k, o, baseline, out, packed)
-            stats.units += n // unit
-            stats.changed += found[o.key].count
-        changes = found[o.key]
-        if not fixed:
-            form = choose_form(n, unit, changes.count, changes.long_gaps)
-            if form == GAPS and first:
-                payload = changes.gaps_payload(out, unit)
-                if payload is not None:
-                    return form, changes.count, payload
-            index = changes.index()
-        else:
-            index = with_ranges(changes.index(), fixed, unit)
-            form = choose_form(n, unit, index.numel(), count_long_gaps(index))
-        return form, index.numel(), encode(baseline, index, unit, form, out)
 
     def _update_baselines(self, outgoing: list[Outgoing], changed, found, encoded) -> None:
         """The baselines become this round's messages (after every encode read them):

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from . import delta_kernels
+from .delta_codec import GAPS, choose_form, count_long_gaps, encode, with_ranges
 from .delta_rounds import Outgoing
 from .program import CopyPhase, RankProgram, copy_pairs
 
@@ -27,15 +28,17 @@ Run = tuple[np.ndarray, int, int, int, int, int]
 
 @dataclass
 class Changes:
-    """What the kernel found in one message: ``count`` changed units, ``long_gaps`` of
-    them past ``MAX_GAP``; their gap bytes and long gaps (scratch views, valid until the
-    next compare) and how many of their values it wrote at the payload's front."""
+    """What the kernel found in one message of ``unit``-byte units: ``count`` changed,
+    ``long_gaps`` of them past ``MAX_GAP``; their gap bytes and long gaps (scratch views
+    until :meth:`keep`) and how many of their values it wrote at the payload's front."""
 
+    unit: int
     count: int
     long_gaps: int
     gaps: np.ndarray
     longs: np.ndarray
     values_written: int
+    payload: torch.Tensor | None = None  # its GAPS payload, when that is its form
     _index: torch.Tensor | None = None
 
     def keep(self) -> None:
@@ -92,6 +95,68 @@ class CompiledSender:
     def is_direct(self, k: int, key: int, packed: bool) -> bool:
         return not packed and key in self.direct[k]
 
+    def encode(
+        self,
+        k: int,
+        o: Outgoing,
+        fixed,
+        out: torch.Tensor,
+        packed: bool,
+        found: dict[int, Changes],
+        baseline: torch.Tensor,
+    ) -> tuple[int, int, torch.Tensor]:
+        """One variant of message ``o`` (``fixed``: the byte ranges its receiver cannot
+        re-pack): ``(form, count, payload)``. Compares first if ``found`` has not (into
+        ``found``); a ``GAPS`` payload is the one built then, any other form is encoded
+        into ``out`` from the baseline, which holds the message."""
+        if o.key not in found:
+            self.compare_into(k, o, baseline, out, packed, found)
+        changes, unit, n = found[o.key], o.unit, o.span.numel()
+        if not fixed:
+            form = choose_form(n, unit, changes.count, changes.long_gaps)
+            if form == GAPS and changes.payload is not None:
+                return form, changes.count, changes.payload
+            index = changes.index()
+        else:
+            index = with_ranges(changes.index(), fixed, unit)
+            form = choose_form(n, unit, index.numel(), count_long_gaps(index))
+        return form, index.numel(), encode(baseline, index, unit, form, out)
+
+    def ahead(
+        self, outgoing: list[Outgoing], baselines: dict[int, torch.Tensor], out: torch.Tensor
+    ) -> tuple[dict[int, Changes], int]:
+        """Round 0's direct messages compared before the step's versions are known
+        (while they are gathered): ``(found, bytes of out their GAPS payloads take)``.
+        Safe whatever the versions say: the baselines then hold the messages, as a dense
+        step leaves them, and a dense message is sent from there."""
+        found: dict[int, Changes] = {}
+        at = 0
+        # (only direct messages: the others are not packed yet)
+        for o in {o.key: o for o in outgoing if o.key in self.direct[0]}.values():
+            changes = self.compare_into(0, o, baselines[o.key], out[at:], False, found)
+            if changes.payload is not None:
+                at += changes.payload.numel()
+        return found, at
+
+    def compare_into(
+        self,
+        k: int,
+        o: Outgoing,
+        baseline: torch.Tensor,
+        out: torch.Tensor,
+        packed: bool,
+        found: dict[int, Changes],
+    ) -> Changes:
+        """:meth:`compare`, its ``GAPS`` payload finished in ``out`` when that is its
+        form; kept in ``found`` (whose earlier entries stop using the scratch)."""
+        for earlier in found.values():
+            earlier.keep()
+        changes = self.compare(k, o, baseline, out, packed)
+        if choose_form(o.span.numel(), o.unit, changes.count, changes.long_gaps) == GAPS:
+            changes.payload = changes.gaps_payload(out, o.unit)
+        found[o.key] = changes
+        return changes
+
     def compare(
         self, k: int, o: Outgoing, baseline: torch.Tensor, out: torch.Tensor, packed: bool
     ) -> Changes:
@@ -109,7 +174,7 @@ class CompiledSender:
         base = baseline.numpy().view(delta_kernels.np_int(unit))
         count, long_gaps = delta_kernels.compare_runs(runs, base, values, self._gaps, self._longs)
         return Changes(
-            count, long_gaps, self._gaps[:count], self._longs[:long_gaps], min(count, room)
+            unit, count, long_gaps, self._gaps[:count], self._longs[:long_gaps], min(count, room)
         )
 
 

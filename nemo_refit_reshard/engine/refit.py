@@ -159,7 +159,10 @@ class Refitter:
     def delta_replay(self, timed: _TimedTransport) -> DeltaStats:
         """A delta step: every rank's version (one gather), then the rounds."""
         assert self.delta is not None
-        versions = [int(v) for v in self.transport.all_gather_object_str(str(self.delta.version))]
+        mine = str(self.delta.version)
+        versions = self.delta.gather_versions(
+            lambda: [int(v) for v in self.transport.all_gather_object_str(mine)]
+        )
         return self.delta.replay(timed, versions)  # type: ignore[arg-type]
 
     def prime(self, version: int) -> bool:
