@@ -185,3 +185,40 @@ def test_the_kernel_choice_is_checked_by_name(monkeypatch: pytest.MonkeyPatch) -
     assert not delta_kernels.use_numba("auto")  # the numpy path, said by DeltaStats
     assert DeltaOptions(cpu_kernel="numpy").cpu_kernel == "numpy"
     assert delta_kernels.MAX_GAP == MAX_GAP
+
+
+def _gaps_of(index: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    gaps = np.diff(np.array(index, dtype=np.int64), prepend=-1)
+    short = gaps.astype(np.uint8)
+    short[gaps > MAX_GAP] = 0
+    return short, gaps[gaps > MAX_GAP].astype(np.uint32)
+
+
+@needs_numba
+def test_gaps_scatter_straight_into_the_runs_or_refuse_a_unit_outside_them() -> None:
+    """One pass from gap bytes into two runs (a strided one, then a whole tensor):
+    the elements ``ungap`` + ``scatter`` write; a changed unit in a hole between the
+    runs or past the last is refused, not written somewhere."""
+    g = torch.Generator().manual_seed(3)
+    wide = torch.zeros(4, 300, dtype=torch.int16)
+    a, b = wide[:, 10:280], torch.zeros(500, dtype=torch.int16)  # units [0, 1080), [1100, 1600)
+    runs = [
+        (delta_kernels.scatter_target(a), 0, 1080),
+        (delta_kernels.scatter_target(b), 1100, 1600),
+    ]
+    index = [0, 269, 270, 700, 1079, 1100, 1101, 1599]
+    values = torch.randint(1, 99, (len(index),), dtype=torch.int16, generator=g).numpy()
+    gaps, longs = _gaps_of(index)
+    delta_kernels.scatter_gaps(runs, gaps, longs, values)
+    expected_a, expected_b = (
+        torch.zeros(4, 270, dtype=torch.int16),
+        torch.zeros(500, dtype=torch.int16),
+    )
+    expected_a.view(-1)[index[:5]] = torch.from_numpy(values[:5])
+    expected_b[[i - 1100 for i in index[5:]]] = torch.from_numpy(values[5:])
+    assert torch.equal(a, expected_a) and torch.equal(b, expected_b)
+    assert int(wide[:, :10].abs().sum() + wide[:, 280:].abs().sum()) == 0
+    for bad in ([5, 1090], [5, 1600]):  # in the hole; past the last run
+        gaps, longs = _gaps_of(bad)
+        with pytest.raises(ValueError, match=r"does not fit its message's runs"):
+            delta_kernels.scatter_gaps(runs, gaps, longs, values[:2])

@@ -44,6 +44,7 @@ from . import delta_kernels
 from .delta_codec import (
     DENSE,
     FORM_NAMES,
+    GAPS,
     HEADER_BYTES,
     Header,
     apply_patch,
@@ -58,7 +59,7 @@ from .delta_codec import (
     with_ranges,
 )
 from .delta_compiled import Changes, CompiledSender
-from .delta_rounds import Fixed, Outgoing, compile_rounds, place
+from .delta_rounds import Fixed, Outgoing, compile_rounds, place, place_gaps
 from .program import CopyPhase, RankProgram, copy_pairs
 from .transport import Transport
 
@@ -277,6 +278,9 @@ class DeltaProgram:
         copy_pairs([pair for i, header, _ in patches if header.form == DENSE for pair in i.pairs])
         for incoming, header, payload in patches:
             if header.form != DENSE and header.count:
+                if header.form == GAPS and self.compiled:
+                    if place_gaps(incoming, payload, header.count):
+                        continue
                 n, unit = incoming.span.numel(), incoming.unit
                 index, values = decode(payload, header, n, unit, self.compiled)
                 place(incoming, index, values, self.compiled)

@@ -253,7 +253,7 @@ def _ungap(payload: torch.Tensor, count: int) -> torch.Tensor:
     gaps = payload[:count].numpy().astype(np.int64)
     long = gaps == 0
     n = int(np.count_nonzero(long))
-    _check_gap_bytes(payload, count, n)
+    check_gap_bytes(payload, count, n)
     gaps[long] = payload[count : count + 4 * n].numpy().view("<u4")
     return torch.from_numpy(np.cumsum(gaps) - 1)
 
@@ -263,7 +263,7 @@ def _ungap_compiled(payload: torch.Tensor, count: int) -> torch.Tensor:
     from . import delta_kernels  # numba loads only where a compiled step runs
 
     raw = payload.numpy()
-    _check_gap_bytes(payload, count, int(np.count_nonzero(raw[:count] == 0)))
+    check_gap_bytes(payload, count, int(np.count_nonzero(raw[:count] == 0)))
     longs = raw[count:].copy().view("<u4")
     return delta_kernels.ungap(raw[:count], longs)
 
@@ -273,14 +273,14 @@ def _ungap_torch(payload: torch.Tensor, count: int) -> torch.Tensor:
     gaps = payload[:count].to(torch.int64)
     long = gaps == 0
     n = int(long.sum())  # a host sync of a GAPS decode
-    _check_gap_bytes(payload, count, n)
+    check_gap_bytes(payload, count, n)
     wide = torch.zeros(n, 8, dtype=torch.uint8, device=payload.device)
     wide[:, :4] = payload[count : count + 4 * n].view(n, 4)
     gaps[long] = wide.view(torch.int64).squeeze(1)
     return torch.cumsum(gaps, 0) - 1
 
 
-def _check_gap_bytes(payload: torch.Tensor, count: int, long_gaps: int) -> None:
+def check_gap_bytes(payload: torch.Tensor, count: int, long_gaps: int) -> None:
     """A ``GAPS`` payload holds exactly its ``count`` gap bytes and ``4·long_gaps`` bytes of
     long gaps after the values: anything else is not the payload its header describes."""
     if payload.numel() != count + 4 * long_gaps:

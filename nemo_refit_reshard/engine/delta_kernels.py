@@ -179,6 +179,35 @@ def _scatter(live, offset, rows, row_units, row_stride, index, start, values):
         live[at + i - row_start] = values[t]
 
 
+def _scatter_gaps(
+    live, offset, rows, row_units, row_stride, start, end, gaps, longs, values, t, at, e
+):
+    """:func:`_ungap` and :func:`_scatter` in one pass, for one run ``[start, end)`` of
+    a message: from gap ``t`` (``at``: the unit it reached, ``e``: long gaps used), write
+    every changed unit below ``end``; returns the state after them, ``t = -1`` if a
+    unit falls before ``start`` (outside every run) or the long gaps run out."""
+    row_start, pos = start, offset
+    k = gaps.shape[0]
+    while t < k:
+        g = gaps[t]
+        if g == 0 and e == longs.shape[0]:
+            return -1, at, e
+        nxt = at + (longs[e] if g == 0 else g)
+        if nxt >= end:
+            break
+        if nxt < start:
+            return -1, nxt, e
+        if g == 0:
+            e += 1
+        at = nxt
+        while at >= row_start + row_units:
+            row_start += row_units
+            pos += row_stride
+        live[pos + at - row_start] = values[t]
+        t += 1
+    return t, at, e
+
+
 def trailing_zeros(mask):  # replaced by numba's intrinsic when compiled
     return (int(mask) & -int(mask)).bit_length() - 1
 
@@ -191,7 +220,12 @@ def _kernels() -> SimpleNamespace:
     from numba.cpython.unsafe.numbers import trailing_zeros
 
     jit = njit(cache=True, nogil=True, boundscheck=False)
-    return SimpleNamespace(compare_run=jit(_compare_run), ungap=jit(_ungap), scatter=jit(_scatter))
+    return SimpleNamespace(
+        compare_run=jit(_compare_run),
+        ungap=jit(_ungap),
+        scatter=jit(_scatter),
+        scatter_gaps=jit(_scatter_gaps),
+    )
 
 
 def warm(units: set[int]) -> None:
@@ -202,6 +236,7 @@ def warm(units: set[int]) -> None:
         gaps, longs = np.zeros(64, dtype=np.uint8), np.zeros(1, dtype=np.uint32)
         compare_runs([(ints, 0, 1, 64, 64, 0)], ints.copy(), ints.copy(), gaps, longs)
         scatter((ints, 0, 1, 64, 64), np.zeros(1, dtype=np.int64), 0, ints[:1].copy())
+        scatter_gaps([((ints, 0, 1, 64, 64), 0, 64)], gaps[:1] + 1, longs[:0], ints[:1].copy())
     ungap(np.ones(1, dtype=np.uint8), np.zeros(0, dtype=np.uint32))
 
 
@@ -236,6 +271,24 @@ def ungap(gaps: np.ndarray, longs: np.ndarray) -> torch.Tensor:
             f"{gaps.shape[0] + 4 * longs.shape[0]} gap bytes, not {gaps.shape[0] + 4 * zeros}"
         )
     return torch.from_numpy(out)
+
+
+def scatter_gaps(runs, gaps: np.ndarray, longs: np.ndarray, values: np.ndarray) -> None:
+    """Apply a ``GAPS`` delta to the runs of a message straight from its gap bytes:
+    ``runs`` = ``(target, start, end)`` in message order (``target``:
+    :func:`scatter_target`, ``[start, end)`` its units in the message), ``values`` the
+    changed units' bits. Raises if a changed unit lies outside every run or past the
+    last, or the long gaps are not exactly the zero gap bytes'."""
+    t, at, e = 0, -1, 0
+    for target, start, end in runs:
+        t, at, e = _kernels().scatter_gaps(*target, start, end, gaps, longs, values, t, at, e)
+        if t < 0:
+            break
+    if t != gaps.shape[0] or e != longs.shape[0]:
+        raise ValueError(
+            f"a gaps payload of {gaps.shape[0]} changed units does not fit its message's runs "
+            f"(stopped at unit {at}, gap {t}, long gaps used {e} of {longs.shape[0]})"
+        )
 
 
 def scatter_target(live: torch.Tensor) -> tuple:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..plan import RankPlan, RefitPlan
-from .delta_codec import put_units, unit_of
+from .delta_codec import check_gap_bytes, put_units, unit_of
 from .program import TORCH_DTYPES, RankProgram
 
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -178,6 +178,29 @@ def place(
             r.staged.copy_(r.live)
         put_units(span, sub, raw, unit)
         r.live.copy_(r.staged)
+
+
+def place_gaps(incoming: Incoming, payload: torch.Tensor, count: int) -> bool:
+    """A CPU ``GAPS`` payload of ``count`` changed units applied by the compiled kernel
+    straight from its gap bytes (no index), when every run of its message is ``DIRECT``
+    rows; False (nothing done) where it does not apply."""
+    from . import delta_kernels  # numba loads only where a compiled step runs
+
+    unit, runs = incoming.unit, incoming.runs
+    if payload.device.type != "cpu" or not runs or any(r.mode != DIRECT for r in runs):
+        return False
+    for r in runs:
+        if r.target is None:
+            r.target = delta_kernels.scatter_target(r.live)
+    if not all(r.target for r in runs):
+        return False
+    raw = payload.numpy()
+    values = raw[: count * unit].view(_NP_INTS[unit])
+    gaps = raw[count * unit : count * unit + count]
+    check_gap_bytes(payload[count * unit :], count, int(np.count_nonzero(gaps == 0)))
+    longs = raw[count * unit + count :].copy().view("<u4")
+    delta_kernels.scatter_gaps([(r.target, r.start, r.end) for r in runs], gaps, longs, values)
+    return True
 
 
 def _scatter_compiled(run: RunIn, index: torch.Tensor, raw: torch.Tensor) -> bool:
