@@ -172,7 +172,9 @@ print(json.dumps(out))
     assert len(names) == 5, names  # SGLang's refuses delta=true later (check_reshard_config)
     for name in names:
         assert out[name + "0"] == "None"
-        assert out[name + "2"] == "DeltaOptions(anchor_every=16, baseline='device')"
+        assert (
+            out[name + "2"] == "DeltaOptions(anchor_every=16, baseline='device', cpu_kernel='auto')"
+        )
     bad = subprocess.run(
         [python, str(example), "--config", str(configs / names[0]), "refit.delta=true"]
         + ["refit.backend=nccl"],

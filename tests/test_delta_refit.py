@@ -330,3 +330,26 @@ def test_the_kernel_compares_direct_messages_where_they_live_and_never_packs_the
             assert all(bool((buf == 0xAB).all()) for buf in sender.program.send_buffers)
     finally:
         group.close()
+
+
+def test_the_batched_round_a_gpu_runs_gives_the_same_bytes_and_ends_exact(
+    tmp_path: Path, kernel: str
+) -> None:
+    """CPU ranks apply each message as it arrives (``engine/delta_stream.py``); a GPU
+    round waits for every header, then every payload (CuPy NCCL). The batched round, run
+    here on every rank: the same bytes on the wire, every step bit-exact."""
+    options = DeltaOptions(cpu_kernel=kernel)
+    group = DeltaGroup(MODELS["qwen3_moe"], tmp_path, "tp=1,ep=2,dp=2", "tp=2", options=options)
+    try:
+        for r in range(group.world):
+            assert group.delta(r).stream
+            group.delta(r).stream = False
+        group.refit()
+        for _ in range(3):
+            before = _snapshot(group)
+            group.train_step()
+            group.refit()
+            assert group.mismatches() == [[]] * len(group.destinations)
+            assert group.wire_bytes()[0] == _expected_wire(group, before)
+    finally:
+        group.close()

@@ -60,6 +60,7 @@ from .delta_codec import (
 )
 from .delta_compiled import Changes, CompiledSender
 from .delta_rounds import Fixed, Outgoing, compile_rounds, place, place_gaps
+from .delta_stream import stream_round
 from .program import CopyPhase, RankProgram, copy_pairs
 from .transport import Transport
 
@@ -150,6 +151,8 @@ class DeltaProgram:
             self.options.cpu_kernel
         )
         self.sender: CompiledSender | None = None
+        # CPU: apply each message as it arrives (delta_stream.py); GPU: the round batched
+        self.stream = self.device.type == "cpu"
         # round 0 compared while the versions were gathered: (found, bytes of payloads)
         self._ahead: tuple[dict[int, Changes], int] | None = None
         self._gathering = ThreadPoolExecutor(1, thread_name_prefix="refit-versions")
@@ -242,13 +245,17 @@ class DeltaProgram:
 
     def replay(self, transport: Transport, versions: Sequence[int]) -> DeltaStats:
         """One refit step given every rank's version; on success this rank holds the
-        step's version. Serial rounds: headers, then payloads."""
+        step's version. Serial rounds: headers, then payloads; on CPU each message is
+        applied as it arrives (``delta_stream.py``), on a GPU after the round's last."""
         version, dense_step = self.begin(versions)
         stats = DeltaStats(version=version)
         mine = versions[self.rank]
         with torch.no_grad():
             for k, phase in enumerate(self.program.rounds):
                 sends = self.encode_round(k, mine, versions.__getitem__, dense_step, stats, phase)
+                if self.stream:
+                    stream_round(self, transport, k, phase, sends, mine, stats)
+                    continue
                 headers = self.exchange_headers(transport, k, sends, self.rounds[k].incoming)
                 recvs, patches = self.receive_plan(k, headers, mine, stats)
                 transport.exchange(
@@ -271,21 +278,33 @@ class DeltaProgram:
         return headers
 
     def unpack(self, phase: CopyPhase, patches) -> None:
-        """The round's unpack with deltas: dense messages copied as compiled, each delta
-        applied to the live tensors (``delta_rounds.place``)."""
+        """The round's unpack with deltas: dense messages copied as compiled (in one
+        dispatch), each delta applied to the live tensors (:meth:`apply`)."""
         for job in phase.before_in:
             job()
         copy_pairs([pair for i, header, _ in patches if header.form == DENSE for pair in i.pairs])
-        for incoming, header, payload in patches:
-            if header.form != DENSE and header.count:
-                if header.form == GAPS and self.compiled:
-                    if place_gaps(incoming, payload, header.count):
-                        continue
-                n, unit = incoming.span.numel(), incoming.unit
-                index, values = decode(payload, header, n, unit, self.compiled)
-                place(incoming, index, values, self.compiled)
+        for patch in patches:
+            if patch[1].form != DENSE:
+                self.apply(patch)
         for job in phase.after_in:
             job()
+
+    def apply(self, patch) -> None:
+        """One received message ``(incoming, header, payload)`` into the live tensors:
+        DENSE as compiled; a delta's changed units (``delta_rounds.place``, or the
+        compiled kernel straight from a GAPS payload's gap bytes)."""
+        incoming, header, payload = patch
+        if header.form == DENSE:
+            copy_pairs(incoming.pairs)
+            return
+        if not header.count:
+            return
+        if header.form == GAPS and self.compiled:
+            if place_gaps(incoming, payload, header.count):
+                return
+        n, unit = incoming.span.numel(), incoming.unit
+        index, values = decode(payload, header, n, unit, self.compiled)
+        place(incoming, index, values, self.compiled)
 
     def patch(self, k: int, patches) -> None:
         """A colocated host: rebuild each delta message for its guest in its span (the
@@ -394,35 +413,38 @@ class DeltaProgram:
                 put_units(baseline, index, take_units(o.span, index, o.unit), o.unit)
 
     def receive_plan(self, k: int, headers, mine: int, stats: DeltaStats):
-        """Where each payload of round ``k`` lands, given its header: a DENSE one in its
-        span, a delta in scratch (then :meth:`patch`); ``mine``: this rank's version."""
+        """Where each payload of round ``k`` lands, given its header (:meth:`land`)."""
         recvs, patches, at = [], [], 0
         for incoming, raw in zip(self.rounds[k].incoming, headers):
-            header = Header.read(raw)
-            n = incoming.span.numel()
-            name = FORM_NAMES[header.form]
-            stats.received[name] = stats.received.get(name, 0) + 1
-            if header.form == DENSE:
-                if header.nbytes != n:
-                    raise DeltaError(
-                        f"refit rank {self.rank}: round {k}: rank {incoming.peer} sends a "
-                        f"{header.nbytes}-byte dense message where the plan has {n}; the two "
-                        "ranks compiled different plans"
-                    )
-                recvs.append((incoming.peer, incoming.span))
-                patches.append((incoming, header, incoming.span))
-                continue
-            if header.base != mine or header.nbytes > n:
-                raise DeltaError(
-                    f"refit rank {self.rank}: round {k}: rank {incoming.peer} sent a delta "
-                    f"against version {header.base}, this rank holds version {mine}; the "
-                    "group disagrees on versions (a bug: report it)"
-                )
-            payload = self._received[at : at + header.nbytes]
-            at += header.nbytes
-            recvs.append((incoming.peer, payload))
-            patches.append((incoming, header, payload))
+            buf, patch, at = self.land(k, incoming, raw, mine, stats, at)
+            recvs.append((incoming.peer, buf))
+            patches.append(patch)
         return recvs, patches
+
+    def land(self, k: int, incoming, raw: torch.Tensor, mine: int, stats: DeltaStats, at: int):
+        """Where one payload of round ``k`` lands, given its header ``raw``: a DENSE one
+        in its span, a delta in scratch from byte ``at``; ``mine``: this rank's version.
+        ``(buffer, (incoming, header, buffer), the next free scratch byte)``."""
+        header = Header.read(raw)
+        n = incoming.span.numel()
+        name = FORM_NAMES[header.form]
+        stats.received[name] = stats.received.get(name, 0) + 1
+        if header.form == DENSE:
+            if header.nbytes != n:
+                raise DeltaError(
+                    f"refit rank {self.rank}: round {k}: rank {incoming.peer} sends a "
+                    f"{header.nbytes}-byte dense message where the plan has {n}; the two "
+                    "ranks compiled different plans"
+                )
+            return incoming.span, (incoming, header, incoming.span), at
+        if header.base != mine or header.nbytes > n:
+            raise DeltaError(
+                f"refit rank {self.rank}: round {k}: rank {incoming.peer} sent a delta "
+                f"against version {header.base}, this rank holds version {mine}; the "
+                "group disagrees on versions (a bug: report it)"
+            )
+        payload = self._received[at : at + header.nbytes]
+        return payload, (incoming, header, payload), at + header.nbytes
 
 
 def _all_fixed(ranges, out: Outgoing) -> bool:
