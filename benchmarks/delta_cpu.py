@@ -1,6 +1,7 @@
 """Dense reshard vs delta reshard vs vLLM's ``sparse_nccl`` data path, CPU gloo, one run.
 
-    python benchmarks/delta_cpu.py [--steps 5] [--lr 1e-6 3e-6] [--json out.json]
+    python benchmarks/delta_cpu.py [--steps 5] [--lr 1e-6 3e-6] [--kernels numba numpy]
+                                   [--json out.json]
 
 Per learning rate: the 246M dense model of ``benchmarks/cpu_refit.py`` (Megatron tp=2,pp=2
 → vLLM tp=4,dp=2) trained with Adam between refits (``runner/training.py``: BF16 weights,
@@ -12,7 +13,9 @@ the 8 inference ranks; its own classes when vLLM imports here, else its format
 reproduced). Reported per path: bytes per step (all ranks), bytes through the busiest
 rank, median step time; and the changed fraction. The break-even density (where the
 delta's step time meets the dense one on this machine) comes from the learning rates
-run: ``--lr 1e-6 3e-6 1e-5 3e-5`` spans it on 2 cores.
+run. ``--kernels``: the CPU ranks' delta path (``DeltaOptions.cpu_kernel``), each in a run
+of its own with its own dense rows (numba: compiled kernels, no pack; numpy: pack, then
+numpy's passes).
 """
 
 from __future__ import annotations
@@ -33,12 +36,14 @@ sys.path.insert(0, HERE)
 MODEL = os.path.join(HERE, "configs/dense-gqa-250m.json")
 
 
-def reshard_rows(args: argparse.Namespace, lr: float) -> tuple[list[dict], float, dict]:
+def reshard_rows(
+    args: argparse.Namespace, lr: float, kernel: str
+) -> tuple[list[dict], float, dict]:
     """Dense and delta reshard in one run: their rows and the median changed fraction."""
     steps = args.steps
     cfg = RunConfig(
         model=args.model, train=args.train, infer=args.infer, steps=steps,
-        backends=("reshard", "delta"), delta=True, lr=lr, timeout_s=900,
+        backends=("reshard", "delta"), delta=True, lr=lr, timeout_s=900, delta_kernel=kernel,
     )  # fmt: skip
     report, result = run_report(cfg, show_progress=False)
     if report["errors"]:
@@ -61,7 +66,7 @@ def reshard_rows(args: argparse.Namespace, lr: float) -> tuple[list[dict], float
             "exact": dense["verified"],
         },
         {
-            "path": "delta reshard",
+            "path": f"delta reshard ({kernel})",
             "bytes": delta["bytes"],
             "busiest_bytes": int(statistics.median(busiest)),
             "median_s": delta["median_s"],
@@ -101,6 +106,7 @@ def main() -> int:
     parser.add_argument("--train", default="tp=2,pp=2")
     parser.add_argument("--infer", default="tp=4,dp=2")
     parser.add_argument("--lr", type=float, nargs="+", default=[1e-6, 3e-6])
+    parser.add_argument("--kernels", nargs="+", default=["numba"], choices=["numba", "numpy"])
     parser.add_argument("--no-sparse-nccl", action="store_true")
     parser.add_argument("--json", help="write every row here")
     args = parser.parse_args()
@@ -108,11 +114,15 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|")
     out = []
     for lr in args.lr:
-        rows, changed, _ = reshard_rows(args, lr)
+        rows, base_of = [], []
+        for kernel in args.kernels:  # each with the dense rows of its own run
+            pair, changed, _ = reshard_rows(args, lr, kernel)
+            rows += pair
+            base_of += [pair[0]["median_s"]] * 2
         if not args.no_sparse_nccl:
             rows.append(sparse_nccl_row(args, lr))
-        base = rows[0]["median_s"]
-        for row in rows:
+            base_of.append(rows[0]["median_s"])
+        for row, base in zip(rows, base_of):
             busiest = row["busiest_bytes"]
             print(
                 f"| {lr:g} | {changed * 100:.2f} % | {row['path']} | "

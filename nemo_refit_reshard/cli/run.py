@@ -21,7 +21,7 @@ from .run_args import run_config
 REPORTED_CONFIG = (
     "model", "train", "infer", "infer_engine", "steps", "bucket_mb", "transport", "relay",
 )  # fmt: skip
-DELTA_CONFIG = ("delta", "lr", "anchor_every")  # reported when --delta
+DELTA_CONFIG = ("delta", "lr", "anchor_every", "delta_kernel")  # reported when --delta
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -104,6 +104,13 @@ def add_delta_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="with --delta: a dense refit every N versions (0: only when one is needed)",
     )
+    p.add_argument(
+        "--delta-kernel",
+        choices=["auto", "numba", "numpy"],
+        default="auto",
+        help="with --delta: how CPU ranks compare and apply — numba's compiled kernels "
+        "(the cpu-delta extra), numpy, or auto (numba when installed); same bytes",
+    )
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:
@@ -159,4 +166,5 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         delta=delta,
         lr=getattr(args, "lr", 1e-6),
         anchor_every=getattr(args, "anchor_every", 0),
+        delta_kernel=getattr(args, "delta_kernel", "auto"),
     )

@@ -33,9 +33,9 @@ version. A failed step leaves its ranks
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 
@@ -59,54 +59,24 @@ from .delta_codec import (
     with_ranges,
 )
 from .delta_compiled import Changes, CompiledSender
+from .delta_options import (
+    BASELINE_PLACES,
+    FAILED,
+    UNKNOWN,
+    DeltaError,
+    DeltaOptions,
+    DeltaStats,
+)
 from .delta_rounds import Fixed, Outgoing, compile_rounds, place, place_gaps
 from .delta_stream import stream_round
 from .program import CopyPhase, RankProgram, copy_pairs
 from .transport import Transport
 
-UNKNOWN = -1
-FAILED = -2
-BASELINE_PLACES = ("device", "host")
-
-
-class DeltaError(RuntimeError):
-    """A delta arrived that this rank cannot apply (the ranks disagree on versions)."""
-
-
-@dataclass(frozen=True)
-class DeltaOptions:
-    """``anchor_every``: a dense step every that many versions (0: only when needed).
-    ``baseline``: where senders keep their baselines, ``"device"`` (the staging's) or
-    ``"host"`` (pinned host memory when the device is a GPU). ``cpu_kernel``: how CPU
-    ranks compare, encode and apply (``engine/delta_kernels.py``): ``"numba"`` (compiled,
-    one pass, no pack of direct messages), ``"numpy"``, or ``"auto"`` (numba when
-    installed); the bytes on the wire are the same."""
-
-    anchor_every: int = 0
-    baseline: str = "device"
-    cpu_kernel: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.anchor_every < 0:
-            raise ValueError(f"delta anchor_every={self.anchor_every} must be >= 0")
-        if self.baseline not in BASELINE_PLACES:
-            raise ValueError(
-                f"delta baseline={self.baseline!r}: choose one of {list(BASELINE_PLACES)}"
-            )
-        delta_kernels.use_numba(self.cpu_kernel)  # refuses an unknown or missing kernel
-
-
-@dataclass
-class DeltaStats:
-    """One step's delta on this rank: messages and payload bytes by form, units changed."""
-
-    version: int = UNKNOWN
-    sent_bytes: int = 0  # payloads + headers this rank sent
-    dense_bytes: int = 0  # what the same messages weigh dense (without headers)
-    units: int = 0  # units compared (delta-capable outgoing messages)
-    changed: int = 0
-    forms: dict[str, int] = field(default_factory=dict)  # outgoing messages by form
-    received: dict[str, int] = field(default_factory=dict)  # incoming messages by form
+# (the options and stats live apart; importers take them from here too)
+__all__ = [
+    "BASELINE_PLACES", "FAILED", "UNKNOWN", "DeltaError", "DeltaOptions", "DeltaProgram",
+    "DeltaStats",
+]  # fmt: skip
 
 
 class DeltaProgram:
@@ -155,6 +125,8 @@ class DeltaProgram:
         self.stream = self.device.type == "cpu"
         # round 0 compared while the versions were gathered: (found, bytes of payloads)
         self._ahead: tuple[dict[int, Changes], int] | None = None
+        # one thread per program, not shared: ranks of one process (tests run a group
+        # on threads) gather at once, and a shared thread would queue one behind another
         self._gathering = ThreadPoolExecutor(1, thread_name_prefix="refit-versions")
 
     def learn_fixed(self, fixed: Sequence[Sequence[Fixed]]) -> None:
@@ -254,7 +226,9 @@ class DeltaProgram:
             for k, phase in enumerate(self.program.rounds):
                 sends = self.encode_round(k, mine, versions.__getitem__, dense_step, stats, phase)
                 if self.stream:
-                    stream_round(self, transport, k, phase, sends, mine, stats)
+                    land = functools.partial(self.land, k, mine=mine, stats=stats)
+                    incoming = self.rounds[k].incoming
+                    stream_round(transport, k, phase, sends, incoming, land, self.apply)
                     continue
                 headers = self.exchange_headers(transport, k, sends, self.rounds[k].incoming)
                 recvs, patches = self.receive_plan(k, headers, mine, stats)
@@ -416,12 +390,12 @@ class DeltaProgram:
         """Where each payload of round ``k`` lands, given its header (:meth:`land`)."""
         recvs, patches, at = [], [], 0
         for incoming, raw in zip(self.rounds[k].incoming, headers):
-            buf, patch, at = self.land(k, incoming, raw, mine, stats, at)
+            buf, patch, at = self.land(k, incoming, raw, at, mine, stats)
             recvs.append((incoming.peer, buf))
             patches.append(patch)
         return recvs, patches
 
-    def land(self, k: int, incoming, raw: torch.Tensor, mine: int, stats: DeltaStats, at: int):
+    def land(self, k: int, incoming, raw: torch.Tensor, at: int, mine: int, stats: DeltaStats):
         """Where one payload of round ``k`` lands, given its header ``raw``: a DENSE one
         in its span, a delta in scratch from byte ``at``; ``mine``: this rank's version.
         ``(buffer, (incoming, header, buffer), the next free scratch byte)``."""

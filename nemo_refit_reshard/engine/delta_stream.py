@@ -12,30 +12,31 @@ batched (CuPy NCCL serializes groups on one stream).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
 from .delta_codec import HEADER_BYTES
+from .delta_rounds import Incoming
 from .program import CopyPhase
 from .transport import Transport
 
-if TYPE_CHECKING:
-    from .delta import DeltaProgram, DeltaStats
+# where one payload lands, given its header and the next free scratch byte
+# (DeltaProgram.land, its round and version bound): (buffer, patch, next free byte)
+Land = Callable[[Incoming, torch.Tensor, int], tuple[torch.Tensor, tuple, int]]
 
 
 def stream_round(
-    program: DeltaProgram,
     transport: Transport,
     k: int,
     phase: CopyPhase,
     sends: list[tuple[int, torch.Tensor, torch.Tensor]],
-    mine: int,
-    stats: DeltaStats,
+    incoming: list[Incoming],
+    land: Land,
+    apply: Callable[[tuple], None],
 ) -> None:
-    """Round ``k`` of ``program``: ``sends`` (``encode_round``'s), then each incoming
-    message received and applied in turn; ``mine``: this rank's version."""
-    incoming = program.rounds[k].incoming
+    """Round ``k``: ``sends`` (``encode_round``'s), then each of ``incoming`` received,
+    landed (``land``) and applied (``apply``: ``DeltaProgram.apply``) in turn."""
     headers = [torch.empty(HEADER_BYTES, dtype=torch.uint8) for _ in incoming]
     arriving = [transport.start_exchange([], [(i.peer, h)], k) for i, h in zip(incoming, headers)]
     out = [(peer, h) for peer, h, _ in sends] + [(peer, p) for peer, _, p in sends if p.numel()]
@@ -43,14 +44,14 @@ def stream_round(
     landing, at = [], 0
     for message, raw, header_arrived in zip(incoming, headers, arriving):
         header_arrived.wait()
-        buf, patch, at = program.land(k, message, raw, mine, stats, at)
+        buf, patch, at = land(message, raw, at)
         recv = [(message.peer, buf)] if buf.numel() else []
         landing.append((transport.start_exchange([], recv, k), patch))
     for job in phase.before_in:
         job()
     for arrived, patch in landing:
         arrived.wait()
-        program.apply(patch)
+        apply(patch)
     for job in phase.after_in:
         job()
     sent.wait()

@@ -46,6 +46,8 @@ class RunConfig:
     delta: bool = False
     lr: float = 1e-6
     anchor_every: int = 0
+    # how CPU ranks compare and apply (DeltaOptions.cpu_kernel: auto, numba, numpy)
+    delta_kernel: str = "auto"
 
     def parallel(self) -> tuple[TrainParallel, InferParallel]:
         """The training and inference parallelisms ``train`` and ``infer`` spell."""

@@ -1,0 +1,55 @@
+"""Delta refit's options, per-step stats and errors (``engine/delta.py`` runs them).
+
+Versions: :data:`UNKNOWN` for a rank that is new, restarted or emptied, :data:`FAILED`
+after a failed step; otherwise the step its baselines / weights hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import delta_kernels
+
+UNKNOWN = -1
+FAILED = -2
+BASELINE_PLACES = ("device", "host")
+
+
+class DeltaError(RuntimeError):
+    """A delta arrived that this rank cannot apply (the ranks disagree on versions)."""
+
+
+@dataclass(frozen=True)
+class DeltaOptions:
+    """``anchor_every``: a dense step every that many versions (0: only when needed).
+    ``baseline``: where senders keep their baselines, ``"device"`` (the staging's) or
+    ``"host"`` (pinned host memory when the device is a GPU). ``cpu_kernel``: how CPU
+    ranks compare, encode and apply (``engine/delta_kernels.py``): ``"numba"`` (compiled,
+    one pass, no pack of direct messages), ``"numpy"``, or ``"auto"`` (numba when
+    installed); the bytes on the wire are the same."""
+
+    anchor_every: int = 0
+    baseline: str = "device"
+    cpu_kernel: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.anchor_every < 0:
+            raise ValueError(f"delta anchor_every={self.anchor_every} must be >= 0")
+        if self.baseline not in BASELINE_PLACES:
+            raise ValueError(
+                f"delta baseline={self.baseline!r}: choose one of {list(BASELINE_PLACES)}"
+            )
+        delta_kernels.use_numba(self.cpu_kernel)  # refuses an unknown or missing kernel
+
+
+@dataclass
+class DeltaStats:
+    """One step's delta on this rank: messages and payload bytes by form, units changed."""
+
+    version: int = UNKNOWN
+    sent_bytes: int = 0  # payloads + headers this rank sent
+    dense_bytes: int = 0  # what the same messages weigh dense (without headers)
+    units: int = 0  # units compared (delta-capable outgoing messages)
+    changed: int = 0
+    forms: dict[str, int] = field(default_factory=dict)  # outgoing messages by form
+    received: dict[str, int] = field(default_factory=dict)  # incoming messages by form
