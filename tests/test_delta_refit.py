@@ -353,3 +353,34 @@ def test_the_batched_round_a_gpu_runs_gives_the_same_bytes_and_ends_exact(
             assert group.wire_bytes()[0] == _expected_wire(group, before)
     finally:
         group.close()
+
+
+@pytest.mark.parametrize("relay, infer", [("none", "tp=2,dp=2"), ("chain", "tp=2,dp=4")])
+def test_many_rounds_with_the_first_replica_woken_empty_end_exact(
+    tmp_path: Path, kernel: str, relay: str, infer: str
+) -> None:
+    """Dozens of rounds over one staging; the first engine's first rank (the first
+    receiver of its senders' shared messages) lost its weights: in every round it gets
+    its messages whole — from the baseline where the compiled kernel read the message
+    where it lives and never packed it — while its replicas get deltas; with a relay
+    chain, forwarders' messages carry fixed ranges beside plain replicas."""
+    options = DeltaOptions(cpu_kernel=kernel)
+    group = DeltaGroup(
+        MODELS["qwen3"], tmp_path, "tp=2", infer, relay=relay, options=options, bucket_mb=0.01
+    )
+    try:
+        assert group.plan.num_rounds > 10
+        group.refit()
+        group.train_step()
+        group.refit()
+        woken = group.num_sources
+        group.refitters[woken].forget_version()
+        for t in group.tensors[woken].values():
+            t.fill_(float("nan"))
+        for _ in range(2):
+            group.train_step()
+            group.refit()
+            assert group.mismatches() == [[]] * len(group.destinations)
+        assert "dense" not in group.delta(woken).last.received  # back in step
+    finally:
+        group.close()

@@ -53,6 +53,7 @@ from .delta_codec import (
     count_long_gaps,
     decode,
     encode,
+    payload_bytes,
     payload_values,
     put_units,
     take_units,
@@ -320,7 +321,11 @@ class DeltaProgram:
         elif phase is not None:
             phase.pack()
         packed = phase is None
-        if self.sender is None:
+        if self.sender is not None:  # every message compared before any is sent
+            at = self.sender.compare_round(
+                k, rnd.outgoing, delta_keys, self.baselines, self._encoded, packed, found, at
+            )
+        else:
             for o, delta in zip(rnd.outgoing, delta_to):
                 if delta and o.key not in changed:
                     changed[o.key] = changed_units(o.span, self.baselines[o.key], o.unit)
@@ -335,13 +340,13 @@ class DeltaProgram:
                     out = self._encoded[at:]
                     if self.sender is not None:
                         baseline = self.baselines[o.key]
-                        encoded[variant] = self.sender.encode(
-                            k, o, variant[1], out, packed, found, baseline
-                        )
+                        encoded[variant] = self.sender.encode(o, variant[1], out, found, baseline)
                     else:
                         index = with_ranges(changed[o.key], variant[1], o.unit)
-                        count = index.numel()
-                        form = choose_form(n, o.unit, count, count_long_gaps(index))
+                        count, long_gaps = index.numel(), count_long_gaps(index)
+                        form = choose_form(n, o.unit, count, long_gaps)
+                        if payload_bytes(form, n, o.unit, count, long_gaps) > out.numel():
+                            form = DENSE  # (the round's payloads fill the scratch)
                         encoded[variant] = (form, count, encode(o.span, index, o.unit, form, out))
                     form, _, payload = encoded[variant]
                     if form != DENSE and payload.data_ptr() == out.data_ptr():

@@ -18,7 +18,15 @@ import numpy as np
 import torch
 
 from . import delta_kernels
-from .delta_codec import GAPS, choose_form, count_long_gaps, encode, with_ranges
+from .delta_codec import (
+    DENSE,
+    GAPS,
+    choose_form,
+    count_long_gaps,
+    encode,
+    payload_bytes,
+    with_ranges,
+)
 from .delta_rounds import Outgoing
 from .program import CopyPhase, RankProgram, copy_pairs
 
@@ -55,9 +63,9 @@ class Changes:
     def gaps_payload(self, out: torch.Tensor, unit: int) -> torch.Tensor | None:
         """The ``GAPS`` payload at the front of ``out``, whose values the kernel wrote
         there; None if it could not write them all (the caller encodes from the index)."""
-        if self.values_written < self.count:
-            return None
         values, k = self.count * unit, self.count
+        if self.values_written < k or values + k + 4 * self.long_gaps > out.numel():
+            return None
         raw = out.numpy()
         raw[values : values + k] = self.gaps
         raw[values + k : values + k + 4 * self.long_gaps] = self.longs.view(np.uint8)
@@ -97,46 +105,63 @@ class CompiledSender:
 
     def encode(
         self,
-        k: int,
         o: Outgoing,
         fixed,
         out: torch.Tensor,
-        packed: bool,
         found: dict[int, Changes],
         baseline: torch.Tensor,
     ) -> tuple[int, int, torch.Tensor]:
         """One variant of message ``o`` (``fixed``: the byte ranges its receiver cannot
-        re-pack): ``(form, count, payload)``. Compares first if ``found`` has not (into
-        ``found``); a ``GAPS`` payload is the one built then, any other form is encoded
-        into ``out`` from the baseline, which holds the message."""
-        if o.key not in found:
-            self.compare_into(k, o, baseline, out, packed, found)
+        re-pack), compared already (:meth:`compare_round`): ``(form, count, payload)``.
+        A ``GAPS`` payload is the one built then; any other form is encoded into ``out``
+        from the baseline, which holds the message — whole (DENSE) if ``out`` cannot
+        hold it."""
         changes, unit, n = found[o.key], o.unit, o.span.numel()
         if not fixed:
-            form = choose_form(n, unit, changes.count, changes.long_gaps)
+            count, long_gaps = changes.count, changes.long_gaps
+            form = choose_form(n, unit, count, long_gaps)
             if form == GAPS and changes.payload is not None:
-                return form, changes.count, changes.payload
+                return form, count, changes.payload
             index = changes.index()
         else:
             index = with_ranges(changes.index(), fixed, unit)
-            form = choose_form(n, unit, index.numel(), count_long_gaps(index))
-        return form, index.numel(), encode(baseline, index, unit, form, out)
+            count, long_gaps = index.numel(), count_long_gaps(index)
+            form = choose_form(n, unit, count, long_gaps)
+        if payload_bytes(form, n, unit, count, long_gaps) > out.numel():
+            form = DENSE
+        return form, count, encode(baseline, index, unit, form, out)
 
     def ahead(
         self, outgoing: list[Outgoing], baselines: dict[int, torch.Tensor], out: torch.Tensor
     ) -> tuple[dict[int, Changes], int]:
         """Round 0's direct messages compared before the step's versions are known
-        (while they are gathered): ``(found, bytes of out their GAPS payloads take)``.
-        Safe whatever the versions say: the baselines then hold the messages, as a dense
-        step leaves them, and a dense message is sent from there."""
+        (while they are gathered; the others are not packed yet): ``(found, bytes of
+        out their GAPS payloads take)``. Safe whatever the versions say: the baselines
+        then hold the messages, as a dense step leaves them, and a dense message is sent
+        from there."""
         found: dict[int, Changes] = {}
-        at = 0
-        # (only direct messages: the others are not packed yet)
-        for o in {o.key: o for o in outgoing if o.key in self.direct[0]}.values():
-            changes = self.compare_into(0, o, baselines[o.key], out[at:], False, found)
+        at = self.compare_round(0, outgoing, set(self.direct[0]), baselines, out, False, found, 0)
+        return found, at
+
+    def compare_round(
+        self,
+        k: int,
+        outgoing: list[Outgoing],
+        keys: set[int],
+        baselines: dict[int, torch.Tensor],
+        out: torch.Tensor,
+        packed: bool,
+        found: dict[int, Changes],
+        at: int,
+    ) -> int:
+        """Compare each message of round ``k`` in ``keys`` that ``found`` lacks, before any
+        is sent (a direct one is not packed: its DENSE copies go from its baseline), each
+        ``GAPS`` payload built at ``out[at:]`` and kept there; returns the next free byte."""
+        for o in {o.key: o for o in outgoing if o.key in keys and o.key not in found}.values():
+            changes = self.compare_into(k, o, baselines[o.key], out[at:], packed, found)
             if changes.payload is not None:
                 at += changes.payload.numel()
-        return found, at
+        return at
 
     def compare_into(
         self,
@@ -179,12 +204,9 @@ class CompiledSender:
 
 
 def _span_run(span: torch.Tensor, unit: int) -> Run:
-    """A packed message as one run of its staging."""
-    offset = span.storage_offset()
-    if offset % unit:
-        raise ValueError(f"a message at byte {offset} of its staging is not {unit}-byte aligned")
+    """A packed message as one run: its span's bytes as ``unit``-byte integers."""
     units = span.numel() // unit
-    return delta_kernels.unit_storage(span, unit), offset // unit, 1, units, units, 0
+    return span.numpy().view(delta_kernels.np_int(unit)), 0, 1, units, units, 0
 
 
 def _direct_runs(phase: CopyPhase, outgoing: list[Outgoing], baselines):
@@ -206,6 +228,7 @@ def _direct_runs(phase: CopyPhase, outgoing: list[Outgoing], baselines):
         layout = delta_kernels.rows_of(live, o.unit)
         if (
             live.dtype != staged.dtype
+            or live.shape != staged.shape
             or not staged.is_contiguous()
             or layout is None
             or start % o.unit
