@@ -384,3 +384,28 @@ def test_many_rounds_with_the_first_replica_woken_empty_end_exact(
         assert "dense" not in group.delta(woken).last.received  # back in step
     finally:
         group.close()
+
+
+def test_a_failed_gather_after_the_compare_ahead_leaves_the_rank_failed(tmp_path: Path) -> None:
+    """The compiled sender compares round 0 (moving its baselines) while the versions are
+    gathered: if the gather fails, the rank is FAILED — its next step dense, never a
+    delta against baselines the receivers do not hold."""
+    if not delta_kernels.AVAILABLE:
+        pytest.skip("numba is not installed")
+    options = DeltaOptions(cpu_kernel="numba")
+    group = DeltaGroup(MODELS["qwen3"], tmp_path, "tp=2", "tp=2", options=options)
+    try:
+        group.refit()
+        group.train_step()
+        sender = group.delta(0)
+        before = {key: b.clone() for key, b in sender.baselines.items()}
+
+        def broken_gather() -> list[int]:
+            raise RuntimeError("peer gone")
+
+        with pytest.raises(RuntimeError, match="peer gone"):
+            sender.gather_versions(broken_gather)
+        assert sender.version == FAILED
+        assert any(not torch.equal(before[k], b) for k, b in sender.baselines.items())
+    finally:
+        group.close()
