@@ -79,15 +79,24 @@ def simulate_plan(
     sources: Sequence[Mapping[str, torch.Tensor]],
     destinations: Sequence[Mapping[str, torch.Tensor]],
 ) -> None:
-    """Run one refit of ``plan`` from ``sources[s]`` into ``destinations[d]`` in place."""
+    """Run one refit of ``plan`` from ``sources[s]`` into ``destinations[d]`` in place.
+    Each rank's program is compiled on the device its tensors are on (CPU or a GPU: the
+    same programs a distributed rank runs there)."""
     s = plan.num_sources
-    programs = [RankProgram(plan, r, sources[r]) for r in range(s)]
-    programs += [RankProgram(plan, s + d, destinations[d]) for d in range(plan.num_destinations)]
+    ranks = [*sources[:s], *destinations[: plan.num_destinations]]
+    programs = [RankProgram(plan, r, t, device=tensors_device(t)) for r, t in enumerate(ranks)]
     for p in programs:
         p.prepare()
     simulate_phases([p.rounds for p in programs])
     for p in programs:
         p.finish()
+
+
+def tensors_device(tensors: Mapping[str, torch.Tensor]) -> torch.device:
+    """The device a rank's tensors are on (CPU for a rank that holds none); the program
+    refuses a rank whose tensors are on several (``check_live_tensors``)."""
+    first = next(iter(tensors.values()), None)
+    return torch.device("cpu") if first is None else first.device
 
 
 def simulate_broadcast(
@@ -97,7 +106,9 @@ def simulate_broadcast(
 ) -> None:
     """Run one gather-broadcast refit in place, like :func:`simulate_plan`."""
     tensors = list(sources) + list(destinations)
-    programs = [BroadcastProgram(plan, r, t) for r, t in enumerate(tensors)]
+    programs = [
+        BroadcastProgram(plan, r, t, device=tensors_device(t)) for r, t in enumerate(tensors)
+    ]
     simulate_phases([p.phases for p in programs])
     for p in programs:
         if p.fp8 is not None:
