@@ -22,10 +22,23 @@ def _layer(device: str) -> torch.nn.Module:
     a plain tensor (as vLLM 0.25 assigns it)."""
     g = torch.Generator().manual_seed(0)
     layer = torch.nn.Module()
-    w_uv = torch.randn(8, 4, 6, generator=g).to(device).transpose(0, 1)
+    # Small integers: every product below is exact in float32, whatever order cuBLAS sums
+    # in, so a graph's output and an eager one compare with torch.equal.
+    w_uv = _ints((8, 4, 6), g).to(device).transpose(0, 1)  # (4, 8, 6), strides (6, 24, 1)
     layer.W_UV = torch.nn.Parameter(w_uv, requires_grad=False)
-    layer.W_UK_T = torch.randn(4, 5, 8, generator=g).to(device)
+    layer.W_UK_T = _ints((4, 5, 8), g).to(device)
     return layer
+
+
+def _ints(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    return torch.randint(-4, 5, shape, generator=g).float()
+
+
+def _graph_inputs(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The left operands of the graph's two batched products: ``x @ W_UV`` is
+    (4, 3, 8) x (4, 8, 6), ``y @ W_UK_T`` is (4, 3, 5) x (4, 5, 8)."""
+    g = torch.Generator().manual_seed(1)
+    return _ints((4, 3, 8), g).to(device), _ints((4, 3, 5), g).to(device)
 
 
 def _rerun(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -69,21 +82,37 @@ def test_derived_tensor_of_another_shape_is_refused() -> None:
     )
 
 
+def test_the_graphs_products_are_well_formed_and_see_the_rerun() -> None:
+    """The CPU half of the CUDA-graph test below: its two products are well formed, and
+    the rerun's values change both (so a graph reading the previous step's tensors would
+    fail that test's comparison)."""
+    layer = _layer("cpu")
+    x, y = _graph_inputs("cpu")
+    before = (torch.bmm(x, layer.W_UV), torch.bmm(y, layer.W_UK_T))
+    assert [tuple(t.shape) for t in before] == [(4, 3, 6), (4, 3, 8)]
+    want = _rerun(layer)
+    after = (torch.bmm(x, want["W_UV"]), torch.bmm(y, want["W_UK_T"]))
+    assert not torch.equal(before[0], after[0]) and not torch.equal(before[1], after[1])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_captured_before_the_refit_reads_the_new_tensors() -> None:
     """A graph captured on the derived tensors replays with the rerun's values once they
     are put back (without that, it would read the previous step's)."""
     layer = _layer("cuda")
-    x = torch.randn(4, 3, 4, device="cuda")
-    y = torch.randn(4, 3, 5, device="cuda")
+    x, y = _graph_inputs("cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (cuBLAS handle, workspace) before capture
+        torch.bmm(x, layer.W_UV)
+        torch.bmm(y, layer.W_UK_T)
+    torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph):
-            out_uv = torch.bmm(x, layer.W_UV)
-            out_uk = torch.bmm(y, layer.W_UK_T)
+    with torch.cuda.graph(graph, stream=stream):
+        out_uv = torch.bmm(x, layer.W_UV)
+        out_uk = torch.bmm(y, layer.W_UK_T)
     before = _before(layer)
     want = _rerun(layer)
     _keep_storage("layer", layer, before)
