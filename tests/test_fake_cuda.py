@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor
 
+from nemo_refit_reshard.engine.delta_codec import put_units
+from nemo_refit_reshard.engine.delta_rounds import compile_rounds, place
+from nemo_refit_reshard.engine.host_staged import HostStagedTransport
 from nemo_refit_reshard.engine.materialize import empty_like_layout
 from nemo_refit_reshard.engine.program import TORCH_DTYPES, RankProgram
 from nemo_refit_reshard.engine.simulate import simulate_plan
@@ -83,3 +86,65 @@ def test_block_fp8_refit_quantizes_on_cuda(tmp_path: Path) -> None:
         sources, destinations = _on(src, CUDA), _on(dst, CUDA)
         simulate_plan(plan, sources, destinations)
     assert any(t.dtype == fp8 for d in destinations for t in d.values())
+
+
+def test_delta_place_takes_the_runs_starts_on_the_index_device() -> None:
+    """A GPU receiver's decoded index is on the GPU: ``place`` cuts it by its runs'
+    starts with ``searchsorted`` on that device, and gets as far as the cut positions
+    (a data-dependent ``tolist``, where the fake mode stops). Before the fix the starts
+    were a CPU tensor: ``FakeTensorDeviceMismatchError`` on every first delta message."""
+    plan, src, dst = _moe_plan()
+    me = plan.num_sources
+    with fake_cuda():
+        program = RankProgram(plan, me, _on(dst, CUDA)[0], device=CUDA)
+        rounds, _ = compile_rounds(program, plan)
+        incoming = next(i for rnd in rounds for i in rnd.incoming if i.runs)
+        index = torch.zeros(1, dtype=torch.int64, device=CUDA)
+        values = torch.zeros(incoming.unit, dtype=torch.uint8, device=CUDA)
+        with pytest.raises(DataDependentOutputException):
+            place(incoming, index, values)
+
+
+def test_put_units_patches_a_host_message_with_cuda_changes() -> None:
+    """``baseline="host"`` and chain forwarders keep baselines in host memory while the
+    changed units are found on the GPU: ``put_units`` writes them where the message
+    lives. Before the fix it took numpy's path and called ``.numpy()`` on CUDA tensors."""
+    with fake_cuda():
+        baseline = torch.zeros(64, dtype=torch.uint8)
+        index = torch.arange(4, dtype=torch.int64, device=CUDA)
+        values = torch.ones(8, dtype=torch.uint8, device=CUDA)
+        put_units(baseline, index, values, 2)
+        assert baseline.device.type == "cpu"
+
+
+def test_host_staged_waits_for_the_buffers_own_gpu() -> None:
+    """Buffers on GPU 1, the exchange issued from a thread whose current GPU is 0 (a
+    thread pool's): the copies into the host mirrors are waited for on GPU 1's stream.
+    Before the fix it synchronised ``torch.cuda.current_stream()``: GPU 0's."""
+    inner = _Loop()
+    gpu1 = torch.device("cuda", 1)
+    with fake_cuda():
+        staged = HostStagedTransport(inner)
+        send = torch.zeros(64, dtype=torch.uint8, device=gpu1)
+        recv = torch.zeros(64, dtype=torch.uint8, device=gpu1)
+        staged.exchange([(1, send[:32])], [(1, recv[32:])])
+        assert torch.cuda.current_stream(gpu1).synchronized == 1
+        assert torch.cuda.current_stream(CUDA).synchronized == 0
+        assert [b.device.type for b in inner.seen] == ["cpu", "cpu"]
+        assert staged.staged_bytes == 128  # one mirror per storage, not per span
+
+
+class _Loop:
+    """An inner (host) transport that records the buffers it is handed."""
+
+    rank, world_size, timeout_s = 0, 2, 5.0
+
+    def __init__(self) -> None:
+        self.seen: list[torch.Tensor] = []
+
+    def start_exchange(self, sends, recvs, round_index=0):
+        self.seen += [b for _, b in [*sends, *recvs]]
+        return self
+
+    def wait(self) -> None:
+        pass

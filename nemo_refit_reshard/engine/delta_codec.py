@@ -169,10 +169,17 @@ def take_units(message: torch.Tensor, index: torch.Tensor, unit: int) -> torch.T
 
 
 def put_units(message: torch.Tensor, index: torch.Tensor, values: torch.Tensor, unit: int) -> None:
-    """Write ``values`` (bytes, back to back) into units ``index`` of ``message``."""
-    if message.device.type == "cpu":
+    """Write ``values`` (bytes, back to back) into units ``index`` of ``message``.
+
+    The write happens where ``message`` lives: a host baseline (``baseline="host"``) or a
+    chain forwarder's host copy is patched with indices and values that were found on
+    the GPU, so those are brought to the message's device first (a blocking copy to the
+    host: numpy reads them at once). numpy's path serves only when all three are on the
+    CPU already."""
+    if message.device.type == "cpu" and index.device.type == "cpu" == values.device.type:
         _np_units(message, unit)[index.numpy()] = values.numpy().view(_NP_INT_OF_WIDTH[unit])
         return
+    index, values = index.to(message.device), values.to(message.device)
     _units(message, unit)[index] = values.view(-1, unit)
 
 

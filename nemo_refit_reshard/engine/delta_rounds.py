@@ -100,7 +100,7 @@ def compile_rounds(
         for (peer, span), m in zip(phase.sends, sent, strict=True):
             # Identical replica messages of one round share a span; rounds reuse the
             # staging, so the round is part of what makes a message distinct.
-            key = spans.setdefault((k, span.data_ptr(), span.numel()), len(spans))
+            key = spans.setdefault((k, span.storage_offset(), span.numel()), len(spans))
             outgoing.append(Outgoing(peer, span, _unit(m), key))
         incoming = []
         for (peer, span), m in zip(phase.recvs, received, strict=True):
@@ -163,9 +163,10 @@ def place(
     changed elements of a ``DIRECT`` run are written, nothing of the message is copied.
     ``compiled``: CPU ``DIRECT`` runs through ``delta_kernels.scatter`` (one pass)."""
     unit, span = incoming.unit, incoming.span
-    cuts = torch.searchsorted(
-        index, torch.tensor([r.start for r in incoming.runs] + [span.numel() // unit])
-    ).tolist()
+    # The runs' first units, on the device of the decoded index (a GPU receiver's is on
+    # the GPU): searchsorted takes both from one device.
+    starts = [r.start for r in incoming.runs] + [span.numel() // unit]
+    cuts = torch.searchsorted(index, torch.tensor(starts, device=index.device)).tolist()
     for r, lo, hi in zip(incoming.runs, cuts, cuts[1:]):
         if lo == hi and r.mode != FIXED:
             continue  # nothing of this run changed
