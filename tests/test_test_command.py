@@ -1,4 +1,5 @@
-"""scripts/test.sh, the one test command, with its setup scripts and pytest stubbed.
+"""scripts/test.sh, the one test command, with its setup scripts and pytest stubbed; and
+the install command that comes before it (CI's, and the README's Quick start).
 
 A copy of the script runs in a scratch tree whose ``scripts/setup_*_cpu.sh`` only log
 their arguments and whose ``python3`` (first on PATH) only logs its own: what is checked
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SKIP_LINE = "NeMo RL tests skipped: set NEMO_RL_SOURCE=<clone or git URL> (NeMo RL is not on PyPI)"
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 SETUPS = ("setup_vllm_cpu.sh", "setup_verl_cpu.sh", "setup_sglang_cpu.sh", "setup_nemo_rl_cpu.sh")
 
 
@@ -113,4 +116,18 @@ def test_ci_runs_exactly_the_test_command() -> None:
     assert lines[-2:] == [
         'python3 -m pip install -q torch==2.13.0 -e ".[test]"',
         "bash scripts/test.sh",
+    ]
+
+
+def test_readme_quick_start_installs_what_ci_installs_from_the_cpu_index_too() -> None:
+    """A newcomer copies the README's one line: the same torch pin and extras as CI's
+    install, plus PyTorch's CPU index (PyPI's torch on Linux x86_64 is the CUDA build;
+    an index pip cannot reach only costs retries, so the line works offline too)."""
+    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if "pip install" in line]
+    assert len(ci) == 1, ci
+    requirements = ci[0].split("pip install -q ", 1)[1]
+    quick_start = (REPO / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ")[0]
+    first = re.findall(r"```bash\n(.*?)```", quick_start, re.S)[0]
+    assert first.splitlines() == [
+        f"pip install {requirements} --extra-index-url {CPU_INDEX} && nemo-refit-reshard demo"
     ]
