@@ -11,8 +11,8 @@
 # install from PyPI on a machine without a GPU, and cupy.cuda.nccl.get_unique_id() runs
 # there (NCCL makes the id without a device); the first CUDA call then fails with CuPy's
 # own error. The venv sees the packages of the environment that runs the tests
-# (scripts/venv_lib.sh: the CPU torch, this project). About 30 s and 0.5 GB each
-# (cupy-cuda12x ~110 MB, nvidia-nccl-cu12 ~300 MB). Idempotent.
+# (scripts/venv_lib.sh: the CPU torch, this project). About 30 s and 0.75 GB each
+# (installed: NCCL ~470 MB, CuPy ~300 MB). Idempotent.
 set -euo pipefail
 VERSION="${1:-14.2.0}"
 VENV="${2:-.venv-cupy14}"
