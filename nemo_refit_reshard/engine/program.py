@@ -21,13 +21,14 @@ arrive in round ``r`` into one half of a relay buffer and leave from it in round
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..layouts.base import Box
 from ..plan import DTYPE_BYTES, Message, PlanError, RankPlan, RefitPlan, is_relay
 from .fp8_rounds import Fp8Receiver, Fp8Sender
+from .phase import CopyGroups, CopyPhase, copy_pairs
 from .pipeline import replay_overlapped, replay_serial
 from .transport import Transport
 
@@ -39,66 +40,6 @@ TORCH_DTYPES = {
     "float8_e4m3fn": torch.float8_e4m3fn,  # block-FP8 engines' weights (engine/quantize.py)
 }
 TORCH_DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
-
-
-def copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src)`` for every ``(dst, src)``, in one dispatch (casting where the
-    dtypes differ)."""
-    if pairs:
-        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
-
-
-@dataclass
-class CopyPhase:
-    """One exchange with the copies around it: pack, send/receive, unpack.
-
-    Copies run through ``torch._foreach_copy_`` (one dispatch for the whole list,
-    casting where dtypes differ); views were bound at compile time.
-    """
-
-    copies_out: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    copies_in: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    copies_in_from: list[int] = field(default_factory=list)  # the sender of each copies_in
-    # Packed straight into a co-located receiver's staging (``outgoing_into``): no wire.
-    local_out: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    local_quantize_out: list[Callable[[], None]] = field(default_factory=list)
-    sends: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (peer, bytes)
-    recvs: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    reads_previous: bool = False  # pack reads what the previous round's unpack writes
-    # Block FP8 (engine/fp8_rounds.py): runs quantized straight into the send staging;
-    # shadows' scratch slots opened before the unpack and quantized after it.
-    quantize_out: list[Callable[[], None]] = field(default_factory=list)
-    before_in: list[Callable[[], None]] = field(default_factory=list)
-    after_in: list[Callable[[], None]] = field(default_factory=list)
-
-    def pack(self) -> None:
-        self.pack_local()
-        self.pack_wire()
-
-    def pack_local(self) -> None:
-        """What goes to a receiver on this device, into its staging."""
-        copy_pairs(self.local_out)
-        for job in self.local_quantize_out:
-            job()
-
-    def pack_wire(self) -> None:
-        """What goes on the wire, into the send buffer."""
-        copy_pairs(self.copies_out)
-        for job in self.quantize_out:
-            job()
-
-    def unpack(self) -> None:
-        for job in self.before_in:
-            job()
-        copy_pairs(self.copies_in)
-        for job in self.after_in:
-            job()
-
-    def run(self, transport: Transport, round_index: int = 0) -> None:
-        self.pack()
-        if self.sends or self.recvs:
-            transport.exchange(self.sends, self.recvs, round_index)
-        self.unpack()
 
 
 def check_live_tensors(
@@ -254,6 +195,8 @@ class RankProgram:
         self.num_copies = sum(
             len(r.copies_out) + len(r.local_out) + len(r.copies_in) for r in self.rounds
         )
+        # Grouped now, so that the first step pays nothing for it; reported per round.
+        self.launches_per_round = [phase.launches for phase in self.rounds]
 
     def _runs(
         self, m: Message, outgoing: bool, start: int, carried: dict, arriving: dict, who: str
@@ -400,4 +343,11 @@ class RankProgram:
         return sum(b.numel() for b in buffers)
 
 
-__all__ = ["DTYPE_BYTES", "RankProgram", "check_live_tensors"]
+__all__ = [
+    "DTYPE_BYTES",
+    "CopyGroups",
+    "CopyPhase",
+    "RankProgram",
+    "check_live_tensors",
+    "copy_pairs",
+]

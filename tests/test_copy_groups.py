@@ -1,0 +1,55 @@
+"""``CopyGroups`` (engine/phase.py): a phase's copies split once into the lists that
+``torch._foreach_copy_`` runs on its multi-tensor path, the rest apart; the same bytes
+as one ``copy_`` per pair."""
+
+from __future__ import annotations
+
+import torch
+
+from nemo_refit_reshard.engine.phase import CopyGroups, CopyPhase
+
+
+def _pairs():
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(6, 8, generator=g)
+    dst_bf16 = torch.empty(40, dtype=torch.bfloat16)
+    dst_f32 = torch.empty(30)
+    return [
+        (dst_bf16[:10], torch.randn(10, generator=g).bfloat16()),  # fast, bf16
+        (dst_f32[:10], torch.randn(10, generator=g)),  # fast, f32
+        (dst_bf16[10:20], torch.randn(10, generator=g)),  # a cast
+        (dst_f32[10:22].view(6, 2), wide[:, :2]),  # strided source
+        (dst_bf16[20:30], torch.randn(10, generator=g).bfloat16()),  # fast, bf16
+        (dst_f32[22:30].view(2, 4), torch.randn(2, 4, generator=g)),  # fast, f32
+    ]
+
+
+def test_fast_pairs_grouped_by_dtype_the_rest_apart() -> None:
+    pairs = _pairs()
+    groups = CopyGroups.of(pairs)
+    assert [[d.dtype for d in dsts] for dsts, _ in groups.fast] == [
+        [torch.bfloat16, torch.bfloat16],
+        [torch.float32, torch.float32],
+    ]
+    assert [d.data_ptr() for d, _ in groups.rest] == [
+        pairs[2][0].data_ptr(),
+        pairs[3][0].data_ptr(),
+    ]
+    assert groups.launches == 2 + 2
+
+
+def test_grouped_copies_write_what_copy_writes() -> None:
+    pairs = _pairs()
+    want = [d.clone().copy_(s) for d, s in pairs]
+    phase = CopyPhase(copies_in=pairs)
+    phase.unpack()
+    assert all(torch.equal(d, w) for (d, _), w in zip(pairs, want))
+    assert phase.launches == 4
+
+
+def test_a_list_that_grew_is_grouped_again() -> None:
+    pairs = _pairs()
+    phase = CopyPhase(copies_out=pairs[:2])
+    assert phase.launches == 2
+    phase.copies_out.append(pairs[2])
+    assert phase.launches == 3
