@@ -1,25 +1,32 @@
 """``nemo-refit-reshard gpu-check``: the GPU paths on one GPU, in one command.
 
-Without CUDA (or CuPy) it says in one line what it needs and exits 1. With them, in
-well under 5 minutes on one H200, and every figure a ratio measured in the same run:
+Without CUDA (or CuPy) it says in one line what it needs and exits 1. With them, every
+figure a ratio measured in the same run:
 
-1. ``CupyNcclTransport``, one rank sending to itself, 1 MiB to 1 GiB: bandwidth against
-   a device-to-device copy of the same bytes.
+1. ``CupyNcclTransport``, one rank sending to itself, 1 MiB to 1 GiB (``--quick``: 1 and
+   16 MiB): bandwidth against a device-to-device copy of the same bytes.
 2. Pack and unpack throughput of real compiled programs — DeepSeek-V3 trained with
    ``pp=16,dp=16,ep=16`` refit into vLLM ``tp=32,dp=8``: training rank 16's share and
-   inference rank 0's, tensors on the GPU — against the device copy peak.
+   inference rank 0's, tensors on the GPU (``--quick``: a small Qwen3) — against the
+   device copy peak (a copy of at most 1 GiB: ``gpu_check_memory.py`` says why).
 3. Overlapped vs serial replay of both programs through a loopback transport (the wire
    is a copy on its own stream, ``engine/loopback.py``).
 4. Bit-exact: the inference rank's tensors after the overlapped replay equal those
    after the serial one; CUDA-graph safety: no tensor's storage moved.
 
-A table at the end; exit 0 when every check passes. ``run_program_checks`` also runs
-on CPU (tests, with a small model) — the CPU twin of check 2-4.
+Cards under 100 GB run ``--quick`` unless ``--full`` is given (it says so): DeepSeek-V3's
+inference rank 0 alone holds 40.9 GiB. Before a rank's checks allocate anything, the
+memory they will hold is computed from its programs compiled on the meta device and
+compared with what the device has free. A check that raises (out of memory, NCCL, …)
+becomes a failed row with the error's first line, and the others still run: the table
+always comes. Exit 0 when every row passes. ``run_program_checks`` also runs on CPU
+(tests, with a small model) — the CPU twin of checks 2-4.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -29,13 +36,26 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.loopback import LoopbackTransport
-from ..engine.program import TORCH_DTYPES, RankProgram
+from ..engine.program import RankProgram
 from ..engine.rendezvous import free_port
 from ..layouts import MegatronOptions, RankLayout, refit_layouts
 from ..plan import RankPlan, plan_refit, rank_plan
 from ..spec import InferParallel, TrainParallel, load_model_spec
+from .gpu_check_memory import (
+    DIGEST_CHUNK,
+    GB,
+    RankMemory,
+    empty_tensors,
+    gib,
+    largest_message,
+    moved_bytes,
+    plan_rank_memory,
+    reference_bytes,
+)
 
 NEEDS = "gpu-check needs a CUDA GPU and CuPy (pip install -e '.[gpu]')"
+QUICK_BELOW_BYTES = 100 * GB  # cards with less memory run --quick unless --full is given
+NCCL_SIZES_MIB = {True: [1, 16], False: [1, 16, 256, 1024]}  # by quick
 
 
 @dataclass(frozen=True)
@@ -49,9 +69,51 @@ class Row:
     ok: bool = True
 
 
+@dataclass(frozen=True)
+class ProgramCase:
+    """The refit whose two ranks' programs checks 2-4 run."""
+
+    model: str
+    train: TrainParallel
+    infer: InferParallel
+    source_rank: int
+    dest_rank: int
+    options: MegatronOptions
+    bucket_mb: float
+
+
+FULL = ProgramCase(
+    "deepseek-v3", TrainParallel(pp=16, dp=16, ep=16), InferParallel(tp=32, dp=8), 16, 0,
+    MegatronOptions(num_layers_in_first_pipeline_stage=3, num_layers_in_last_pipeline_stage=2),
+    512,
+)  # fmt: skip
+QUICK = ProgramCase(
+    "small-qwen3", TrainParallel(tp=2, pp=2), InferParallel(tp=4, dp=2), 1, 0,
+    MegatronOptions(), 4,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RankCase:
+    """One rank of a :class:`ProgramCase`: its slice of the plan and its layout."""
+
+    label: str
+    slice_: RankPlan
+    rank: int
+    layout: RankLayout
+    is_source: bool
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    """Give what the last check held back to the device (its tensors are garbage now)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -68,10 +130,23 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> floa
 
 
 def copy_gbps(device: torch.device, nbytes: int, repeats: int) -> float:
-    """Device-to-device copy of ``nbytes`` (the peak a pack or the wire is held to)."""
+    """Device-to-device copy of ``nbytes`` (the peak a pack or the wire is held to);
+    callers size it with ``reference_bytes`` (at most 1 GiB)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     return nbytes / _timed(lambda: dst.copy_(src), device, repeats) / 1e9
+
+
+def guarded(label: str, check: Callable[[], list[Row]], device: torch.device) -> list[Row]:
+    """``check()``'s rows; if it raises, one failed row with the error's first line (the
+    other checks still run and the table still comes). Frees what it held either way."""
+    try:
+        return check()
+    except Exception as err:  # noqa: BLE001 — any failure of one check is its row
+        first = next((line for line in str(err).splitlines() if line.strip()), "")
+        return [Row(f"{label}: raised", f"{type(err).__name__}: {first.strip()}"[:240], "-", False)]
+    finally:
+        _free(device)
 
 
 def nccl_loopback_rows(device: torch.device, sizes_mib: list[int], repeats: int) -> list[Row]:
@@ -88,7 +163,7 @@ def nccl_loopback_rows(device: torch.device, sizes_mib: list[int], repeats: int)
             seconds = _timed(lambda s=send, r=recv: transport.exchange([(0, s)], [(0, r)]),
                              device, repeats)  # fmt: skip
             exact = bool(torch.equal(send, recv))
-            nccl, copy = n / seconds / 1e9, copy_gbps(device, n, repeats)
+            nccl, copy = n / seconds / 1e9, copy_gbps(device, reference_bytes(n), repeats)
             rows.append(
                 Row(
                     f"NCCL self send/recv {mib} MiB",
@@ -105,15 +180,13 @@ def nccl_loopback_rows(device: torch.device, sizes_mib: list[int], repeats: int)
 
 def _random_tensors(layout: RankLayout, device: torch.device) -> dict[str, torch.Tensor]:
     g = torch.Generator(device=device).manual_seed(layout.rank)
-    return {
-        t.name: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device=device).normal_(
-            generator=g
-        )
-        for t in layout.tensors
-    }
+    tensors = empty_tensors(layout, device)
+    for t in tensors.values():
+        t.normal_(generator=g)
+    return tensors
 
 
-def digest(tensors: Mapping[str, torch.Tensor], chunk: int = 1 << 24) -> int:
+def digest(tensors: Mapping[str, torch.Tensor], chunk: int = DIGEST_CHUNK) -> int:
     """A position-weighted sum of every byte (mod 2^61-1): equal bytes, equal digest;
     one changed byte changes it."""
     device = next(iter(tensors.values())).device
@@ -129,8 +202,25 @@ def digest(tensors: Mapping[str, torch.Tensor], chunk: int = 1 << 24) -> int:
     return total
 
 
-def _copy_bytes(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    return sum(d.numel() * d.element_size() for d, _ in pairs)
+def case_ranks(case: ProgramCase) -> list[RankCase]:
+    """Plan ``case`` (the whole refit) and slice out its training and inference rank."""
+    spec = load_model_spec(case.model)
+    sources, destinations = refit_layouts(spec, case.train, case.infer, case.options)
+    plan = plan_refit(spec, sources, destinations, bucket_mb=case.bucket_mb)
+    s, src, dst = plan.num_sources, case.source_rank, case.dest_rank
+    return [
+        RankCase(f"training rank {src}", rank_plan(plan, src), src, sources[src], True),
+        RankCase(
+            f"inference rank {dst}", rank_plan(plan, s + dst), s + dst, destinations[dst], False
+        ),
+    ]
+
+
+def case_memory(case: ProgramCase) -> list[RankMemory]:
+    """What each rank's checks of ``case`` hold (what :func:`_rank_checks` sizes by)."""
+    return [
+        plan_rank_memory(r.label, r.slice_, r.rank, r.layout, r.is_source) for r in case_ranks(case)
+    ]
 
 
 def run_program_checks(
@@ -144,51 +234,41 @@ def run_program_checks(
     repeats: int = 5,
     bucket_mb: float = 512,
 ) -> list[Row]:
-    """Checks 2-4 on one training and one inference rank's programs."""
-    spec = load_model_spec(model)
-    sources, destinations = refit_layouts(spec, train, infer, options)
-    plan = plan_refit(spec, sources, destinations, bucket_mb=bucket_mb)
-    s = plan.num_sources
-    rows = _rank_checks(
-        f"training rank {source_rank}",
-        rank_plan(plan, source_rank),
-        source_rank,
-        sources[source_rank],
-        True,
-        device,
-        repeats,
-    )
-    rows += _rank_checks(
-        f"inference rank {dest_rank}",
-        rank_plan(plan, s + dest_rank),
-        s + dest_rank,
-        destinations[dest_rank],
-        False,
-        device,
-        repeats,
-    )
-    return rows  # fmt: skip
+    """Checks 2-4 on one training and one inference rank's programs; a rank whose
+    checks raise is one failed row, and the other rank still runs."""
+    case = ProgramCase(model, train, infer, source_rank, dest_rank, options, bucket_mb)
+    rows: list[Row] = []
+    for r in case_ranks(case):
+        rows += guarded(r.label, lambda r=r: _rank_checks(r, device, repeats), device)
+    return rows
 
 
-def _rank_checks(
-    label: str,
-    slice_: RankPlan,
-    rank: int,
-    layout: RankLayout,
-    is_source: bool,
-    device: torch.device,
-    repeats: int,
-) -> list[Row]:
-    tensors = _random_tensors(layout, device)
+def _fits(mem: RankMemory, device: torch.device) -> None:
+    """Refuse, before allocating, checks the device cannot hold."""
+    if device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    print(f"gpu-check: {mem.label}: holds at most {gib(mem.allocated)} "
+          f"({gib(mem.tensors)} of tensors); {gib(free)} of {gib(total)} free")  # fmt: skip
+    if mem.allocated > free:
+        raise MemoryError(
+            f"{mem.label}'s checks need {gib(mem.allocated)}, {gib(free)} free of "
+            f"{gib(total)}: run --quick"
+        )
+
+
+def _rank_checks(r: RankCase, device: torch.device, repeats: int) -> list[Row]:
+    label, is_source = r.label, r.is_source
+    mem = plan_rank_memory(label, r.slice_, r.rank, r.layout, is_source)
+    _fits(mem, device)
+    tensors = _random_tensors(r.layout, device)
     pointers = {n: t.data_ptr() for n, t in tensors.items()}
-    serial = RankProgram(slice_, rank, tensors, device)
-    overlapped = RankProgram(slice_, rank, tensors, device, overlap=True)
-    largest = max(b.numel() for b in [*serial.send_buffers, *serial.recv_buffers])
-    wire = LoopbackTransport(device, largest)
+    serial = RankProgram(r.slice_, r.rank, tensors, device)
+    overlapped = RankProgram(r.slice_, r.rank, tensors, device, overlap=True)
+    wire = LoopbackTransport(device, largest_message(serial))
     rows = []
     # Pack or unpack throughput against the device copy peak.
     if is_source:
-        moved = sum(_copy_bytes(p.copies_out) for p in serial.rounds)
 
         def work() -> None:
             for p in serial.rounds:
@@ -197,16 +277,16 @@ def _rank_checks(
         what = "pack"
     else:
         serial.replay(wire)  # fill the receive buffers once
-        moved = sum(_copy_bytes(p.copies_in) for p in serial.rounds)
 
         def work() -> None:
             for p in serial.rounds:
                 p.unpack()
 
         what = "unpack"
+    moved = moved_bytes(serial, is_source)
     with torch.no_grad():
         rate = moved / _timed(work, device, repeats) / 1e9
-    peak = copy_gbps(device, max(moved, 1 << 20), repeats)
+    peak = copy_gbps(device, mem.reference, repeats)
     rows.append(
         Row(f"{what}, {label}", f"{rate:,.0f} GB/s vs copy {peak:,.0f} GB/s "
             f"({moved / 2**30:,.2f} GiB, {len(serial.rounds)} rounds)", f"{rate / peak:.2f}")
@@ -239,15 +319,28 @@ def _rank_checks(
 
 
 def print_table(rows: list[Row]) -> None:
-    """The rows as a Markdown table."""
+    """The rows as a Markdown table (a ``|`` inside a cell becomes ``/``)."""
     print("| check | figure | ratio | ok |")
     print("|---|---|---|---|")
     for r in rows:
-        print(f"| {r.check} | {r.figure} | {r.ratio} | {'yes' if r.ok else 'NO'} |")
+        cells = [r.check, r.figure, r.ratio, "yes" if r.ok else "NO"]
+        print("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
 
 
-def run(repeats: int, quick: bool) -> int:
-    """Every check on the current GPU, then the table; the exit status."""
+def choose_quick(quick: bool | None, name: str, total_bytes: int) -> bool:
+    """``--quick`` / ``--full`` as given; neither: quick on cards under 100 GB, said so."""
+    if quick is not None:
+        return quick
+    if total_bytes < QUICK_BELOW_BYTES:
+        print(f"gpu-check: --quick chosen: {name} has {total_bytes / GB:.0f} GB, under "
+              f"{QUICK_BELOW_BYTES // GB} GB (--full: DeepSeek-V3 scale)")  # fmt: skip
+        return True
+    return False
+
+
+def run(repeats: int, quick: bool | None = None) -> int:
+    """Every check on the current GPU, then the table; the exit status. ``quick``:
+    ``None`` chooses by the card's memory (:func:`choose_quick`)."""
     from ..engine.cupy_nccl import cupy_available
 
     if not torch.cuda.is_available() or not cupy_available():
@@ -255,26 +348,25 @@ def run(repeats: int, quick: bool) -> int:
               f"CuPy usable={cupy_available()}", file=sys.stderr)  # fmt: skip
         return 1
     device = torch.device("cuda", torch.cuda.current_device())
+    name = torch.cuda.get_device_name(device)
+    quick = choose_quick(quick, name, torch.cuda.get_device_properties(device).total_memory)
     t0 = time.perf_counter()
-    sizes = [1, 16] if quick else [1, 16, 256, 1024]
-    rows = nccl_loopback_rows(device, sizes, repeats)
-    if quick:
-        rows += run_program_checks(
-            device, "small-qwen3", TrainParallel(tp=2, pp=2), InferParallel(tp=4, dp=2),
-            1, 0, MegatronOptions(), repeats, bucket_mb=4,
-        )  # fmt: skip
-    else:
-        rows += run_program_checks(
-            device, "deepseek-v3", TrainParallel(pp=16, dp=16, ep=16), InferParallel(tp=32, dp=8),
-            16, 0, MegatronOptions(num_layers_in_first_pipeline_stage=3,
-                                   num_layers_in_last_pipeline_stage=2), repeats,
-        )  # fmt: skip
-    print(f"gpu-check on {torch.cuda.get_device_name(device)}, "
+    sizes = NCCL_SIZES_MIB[quick]
+    rows = guarded("NCCL self send/recv", lambda: nccl_loopback_rows(device, sizes, repeats),
+                   device)  # fmt: skip
+    c = QUICK if quick else FULL
+    rows += guarded(
+        f"programs of {c.model}",
+        lambda: run_program_checks(device, c.model, c.train, c.infer, c.source_rank,
+                                   c.dest_rank, c.options, repeats, c.bucket_mb),
+        device,
+    )  # fmt: skip
+    print(f"gpu-check on {name} ({'quick' if quick else 'full'}), "
           f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
     print_table(rows)
     return 0 if all(r.ok for r in rows) else 1
 
 
 def cmd_gpu_check(args: argparse.Namespace) -> int:
-    """``nemo-refit-reshard gpu-check [--repeats N] [--quick]``."""
-    return run(args.repeats, args.quick)
+    """``nemo-refit-reshard gpu-check [--repeats N] [--quick | --full]``."""
+    return run(args.repeats, getattr(args, "quick", None))

@@ -110,7 +110,17 @@ def add_gpu_check_parser(sub: argparse._SubParsersAction) -> None:
         "gpu-check", help="the GPU paths on one GPU: NCCL, pack/unpack, overlap (needs CUDA)"
     )
     gpu.add_argument("--repeats", type=int, default=5)
-    gpu.add_argument("--quick", action="store_true", help="a small model instead of DeepSeek")
+    size = gpu.add_mutually_exclusive_group()
+    size.add_argument(
+        "--quick",
+        action="store_const",
+        const=True,
+        default=None,
+        help="a small model instead of DeepSeek-V3 (the default on cards under 100 GB)",
+    )
+    size.add_argument(
+        "--full", dest="quick", action="store_const", const=False, help="DeepSeek-V3 on any card"
+    )
     gpu.set_defaults(func=cmd_gpu_check)
 
 
