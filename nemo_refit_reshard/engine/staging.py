@@ -14,6 +14,10 @@
   GPUs in another order: the opener replaces it by the index of the creator's GPU (by
   UUID) among its own visible GPUs (:func:`visible_index`), as vLLM does when it rebuilds
   IPC handles. The creator must keep its buffer alive while the other side uses it.
+  The buffer comes from a ``cudaMalloc`` segment even where the creator runs with
+  ``expandable_segments:True``, which a second process could open only through
+  ``pidfd_getfd`` (refused in unprivileged containers); the ``cudaMallocAsync`` backend
+  is refused by name (``engine/staging_alloc.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 import torch
 
 from .shm_segments import new_segment_name, sweep_orphans
+from .staging_alloc import allocate_shareable
 
 
 @dataclass
@@ -164,8 +169,7 @@ def _open_shm(name: str, nbytes: int) -> SharedBuffer:
 def create_shared_buffer(nbytes: int, device: torch.device) -> SharedBuffer:
     """A new buffer of ``nbytes`` on ``device`` (CPU or CUDA) and its handle."""
     if device.type == "cuda":
-        tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
-        fields = tensor.untyped_storage()._share_cuda_()
+        tensor, fields = allocate_shareable(nbytes, device)
         handle = cuda_handle(fields, gpu_uuid(tensor.device.index))
         return SharedBuffer(tensor[:nbytes], handle, tensor)
     if device.type != "cpu":
