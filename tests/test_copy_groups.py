@@ -53,3 +53,16 @@ def test_a_list_that_grew_is_grouped_again() -> None:
     assert phase.launches == 2
     phase.copies_out.append(pairs[2])
     assert phase.launches == 3
+
+
+def test_a_list_replaced_is_grouped_again() -> None:
+    """A phase rebound to other views (tests/test_pipeline.py's negative control does)
+    copies through the new views, not the groups of the old list."""
+    pairs = _pairs()
+    phase = CopyPhase(copies_in=pairs[:2])
+    assert phase.launches == 2
+    target = torch.zeros(10, dtype=torch.bfloat16)
+    source = torch.ones(10, dtype=torch.bfloat16)
+    phase.copies_in = [(target, source), pairs[1]]
+    phase.unpack()
+    assert torch.equal(target, source)

@@ -78,7 +78,16 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     add_run_arguments(p, steps=1)
     p.add_argument("--out", help="write the plan JSON here")
     p.add_argument(
-        "--delta", action="store_true", help="also report a delta refit's baselines per rank"
+        "--delta",
+        action="store_true",
+        help="also report a delta refit's baselines and scratch per rank, in the peak",
+    )
+    p.add_argument(
+        "--delta-baseline",
+        choices=("device", "host"),
+        default="device",
+        help="with --delta: where training ranks keep their baselines (DeltaOptions."
+        "baseline); forwarding inference ranks keep theirs in host memory either way",
     )
     p.set_defaults(func=plan.cmd_plan, fast_exit=True)
 

@@ -29,6 +29,7 @@ from ..plan import (
     predict_refit,
     predict_timeline,
 )
+from ..plan.analysis.delta_memory import delta_memory_report
 from ..plan.result.memory import memory_report
 from ..runner import RunConfig, build_layouts
 from ..spec import ModelSpec, load_model_spec
@@ -56,6 +57,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         }
     if getattr(args, "delta", False):
         summary["delta_baseline_bytes"] = baseline_memory(timed.plan)
+        baseline = getattr(args, "delta_baseline", "device")
+        summary["memory"] = delta_memory_report(timed.plan, summary["memory"], baseline)
     if args.out:
         write_plan_file(args.out, timed.plan.to_json())
     if args.json:
@@ -79,6 +82,8 @@ def mem_row(memory: dict[str, Any]) -> str:
     text = f"{mib(memory['max_peak_extra_bytes'])} (staging bound {mib(memory['staging_bound'])}"
     if memory["max_fp8_scratch"]:
         text += f"; FP8 shadow scratch up to {mib(memory['max_fp8_scratch'])}"
+    if "delta_baseline" in memory:
+        text += f"; with the delta refit's baselines ({memory['delta_baseline']}) and scratch"
     return text + ")"
 
 

@@ -86,9 +86,11 @@ def compile_rounds(
     by_round: dict[int, list] = {}
     for m in plan.messages_of(me):
         by_round.setdefault(m.round, []).append(m)
-    foreign = {program.relay_buffer.untyped_storage().data_ptr()}
+    # Storages told apart by identity (their StorageImpl), not address: the same on any
+    # device, fake CUDA included.
+    foreign = {program.relay_buffer.untyped_storage()._cdata}
     if program.fp8_receiver is not None:
-        foreign.add(program.fp8_receiver.scratch.untyped_storage().data_ptr())
+        foreign.add(program.fp8_receiver.scratch.untyped_storage()._cdata)
     spans: dict[tuple[int, int, int], int] = {}
     rounds, fixed = [], []
     for k, phase in enumerate(program.rounds):
@@ -133,7 +135,7 @@ def _unit(message) -> int:
 
 
 def _repackable(staged: torch.Tensor, live: torch.Tensor, foreign: set[int]) -> bool:
-    return live.dtype == staged.dtype and live.untyped_storage().data_ptr() not in foreign
+    return live.dtype == staged.dtype and live.untyped_storage()._cdata not in foreign
 
 
 def _range(span: torch.Tensor, staged: torch.Tensor) -> tuple[int, int]:

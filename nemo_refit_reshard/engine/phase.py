@@ -43,7 +43,8 @@ class CopyGroups:
 
     fast: list[tuple[list[torch.Tensor], list[torch.Tensor]]]
     rest: list[tuple[torch.Tensor, torch.Tensor]]
-    size: int  # pairs grouped (the list is regrouped if it grew since)
+    source: list[tuple[torch.Tensor, torch.Tensor]]  # the list grouped
+    size: int  # its length then (a list replaced, or grown since, is grouped again)
 
     @classmethod
     def of(cls, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> CopyGroups:
@@ -56,7 +57,7 @@ class CopyGroups:
                 srcs.append(s)
             else:
                 rest.append((d, s))
-        return cls(list(fast.values()), rest, len(pairs))
+        return cls(list(fast.values()), rest, pairs, len(pairs))
 
     def run(self) -> None:
         for dsts, srcs in self.fast:
@@ -100,10 +101,11 @@ class CopyPhase:
 
     def _grouped(self, name: str) -> CopyGroups:
         """The copies of list ``name`` grouped for ``_foreach_copy_`` (:class:`CopyGroups`):
-        once, when the phase first runs — after compilation, which only appends."""
+        once, at the end of compilation; again only for a list replaced or appended to
+        since (compilation and rebinding do that; nothing edits a list's pairs in place)."""
         pairs = getattr(self, name)
         groups = self._groups.get(name)
-        if groups is None or groups.size != len(pairs):
+        if groups is None or groups.source is not pairs or groups.size != len(pairs):
             groups = self._groups[name] = CopyGroups.of(pairs)
         return groups
 

@@ -1,0 +1,91 @@
+"""What a delta refit (``engine/delta.py``) holds per refit-group rank beyond the dense
+refit's staging (``plan/result/memory.py``), from the plan alone.
+
+A rank's ``DeltaProgram`` allocates, once:
+
+* **baselines**: a copy of each distinct outgoing message that can travel as a delta
+  (:func:`~.delta.baseline_memory`): on the rank's device by default; in pinned host
+  memory with ``DeltaOptions(baseline="host")``, and always for an inference rank that
+  forwards along a chain (no second copy of the model on an inference GPU). A DeepSeek-V3
+  training rank in BF16 keeps ~5.5 GiB of them: where its GPU cannot, ``"host"``.
+* **scratch**, on the device: the encoded payloads of a round (one send staging's
+  bytes) and the received ones (one receive staging's), whatever the baselines' place.
+
+``plan --json --delta`` reports both per rank, and the peak extra bytes of a rank's
+device include the device-resident ones (``tests/test_delta_memory.py`` compiles every
+rank and compares).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..result.memory import staging_sizes
+from ..result.refit_plan import RefitPlan
+from .delta import baseline_memory
+
+BASELINE_PLACES = ("device", "host")
+
+
+@dataclass(frozen=True)
+class DeltaMemory:
+    """One rank's delta refit memory: ``baselines`` and ``scratch`` on its device,
+    ``host_baselines`` in (pinned) host memory."""
+
+    baselines: int
+    host_baselines: int
+    scratch: int
+
+    @property
+    def device_bytes(self) -> int:
+        return self.baselines + self.scratch
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "device_bytes": self.device_bytes,
+            "baselines": self.baselines,
+            "host_baselines": self.host_baselines,
+            "scratch": self.scratch,
+        }
+
+
+def delta_memory(plan: RefitPlan, baseline: str = "device") -> list[DeltaMemory]:
+    """Per refit-group rank, what its ``DeltaProgram`` allocates with baselines kept at
+    ``baseline`` (``"device"`` or ``"host"``), separate pools (a colocated plan's delta
+    memory is its hosts': not reported here)."""
+    if baseline not in BASELINE_PLACES:
+        raise ValueError(f"delta baseline={baseline!r}: choose one of {list(BASELINE_PLACES)}")
+    if plan.colocated_hosts:
+        raise ValueError("delta_memory reports separate pools; this plan is colocated")
+    kept = baseline_memory(plan)
+    out = []
+    for rank, nbytes in enumerate(kept):
+        sizes = staging_sizes(plan.messages_of(rank), rank, plan.num_rounds)
+        on_host = baseline == "host" or rank >= plan.num_sources
+        out.append(
+            DeltaMemory(
+                baselines=0 if on_host else nbytes,
+                host_baselines=nbytes if on_host else 0,
+                scratch=sizes.send + sizes.recv,
+            )
+        )
+    return out
+
+
+def delta_memory_report(plan: RefitPlan, memory: dict, baseline: str = "device") -> dict:
+    """``plan --json``'s ``memory`` with the delta refit's bytes added (``--delta``): per
+    rank its delta figures under ``ranks[i]["delta"]``, ``peak_extra_bytes`` and its
+    maximum including the device-resident ones, and the largest host baselines."""
+    ranks = delta_memory(plan, baseline)
+    peaks = [p + d.device_bytes for p, d in zip(memory["peak_extra_bytes"], ranks)]
+    return {
+        **memory,
+        "delta_baseline": baseline,
+        "peak_extra_bytes": peaks,
+        "max_peak_extra_bytes": max(peaks, default=0),
+        "max_delta_host_bytes": max((d.host_baselines for d in ranks), default=0),
+        "ranks": [{**r, "delta": d.to_json()} for r, d in zip(memory["ranks"], ranks)],
+    }
+
+
+__all__ = ["BASELINE_PLACES", "DeltaMemory", "delta_memory", "delta_memory_report"]
