@@ -41,10 +41,12 @@ def _error(err: BaseException | None) -> dict[str, str] | None:
     return {"type": type(err).__name__, "module": type(err).__module__, "message": str(err)}
 
 
-def run_rank(rank: int, port: int, out: dict[int, Any]) -> None:
-    """One rank's init path: its store connection, the id, the communicator."""
+def run_rank(rank: int, port: int, stores: dict[int, dist.Store], out: dict[int, Any]) -> None:
+    """One rank's init path: its store connection (kept in ``stores``: rank 0's hosts
+    the store the others still read), the id, the communicator."""
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", port, WORLD, rank == 0, timeout, wait_for_workers=False)
+    stores[rank] = store
     record: dict[str, Any] = {}
     try:
         uid = share_unique_id(store, nccl, rank, WORLD, TIMEOUT_S)
@@ -63,7 +65,8 @@ def main() -> None:
     available = cupy_available()
     port = free_port()
     out: dict[int, Any] = {}
-    threads = [threading.Thread(target=run_rank, args=(r, port, out)) for r in range(WORLD)]
+    stores: dict[int, dist.Store] = {}
+    threads = [threading.Thread(target=run_rank, args=(r, port, stores, out)) for r in range(WORLD)]
     for t in threads:
         t.start()
     for t in threads:
