@@ -20,7 +20,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SKIP_LINE = "NeMo RL tests skipped: set NEMO_RL_SOURCE=<clone or git URL> (NeMo RL is not on PyPI)"
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-SETUPS = ("setup_vllm_cpu.sh", "setup_verl_cpu.sh", "setup_sglang_cpu.sh", "setup_nemo_rl_cpu.sh")
+SETUPS = (
+    "setup_vllm_cpu.sh",
+    "setup_verl_cpu.sh",
+    "setup_sglang_cpu.sh",
+    "setup_cupy_cpu.sh",
+    "setup_nemo_rl_cpu.sh",
+)
+# The line test.sh prints before each venv it builds (none here is built: every one is).
+BUILD_LINES = [
+    "building .venv-vllm (vLLM 0.33.0 model classes, ~1 min, first run only)",
+    "building .venv-verl (veRL 0.9.1, ~3 min, first run only)",
+    "building .venv-sglang (SGLang 0.5.23 model classes, ~2 min, first run only)",
+    "building .venv-cupy13 (CuPy 13.6.0 + NCCL wheels, ~30 s, first run only)",
+    "building .venv-cupy14 (CuPy 14.2.0 + NCCL wheels, ~30 s, first run only)",
+]
 
 
 def _tree(tmp_path: Path) -> Path:
@@ -71,11 +85,13 @@ def _pytest_args(lines: list[str]) -> list[str]:
 
 def test_without_nemo_rl_source_one_line_says_how_and_the_rest_runs(tmp_path: Path) -> None:
     out, lines = _run(tmp_path)
-    assert out.splitlines() == [SKIP_LINE]
+    assert out.splitlines() == [*BUILD_LINES, SKIP_LINE]
     assert [line.split()[0] for line in lines if line.startswith("setup_")] == [
         "setup_vllm_cpu.sh",
         "setup_verl_cpu.sh",
         "setup_sglang_cpu.sh",
+        "setup_cupy_cpu.sh",
+        "setup_cupy_cpu.sh",
     ]
     assert _pytest_args(lines) == ["-m", "pytest", "-q"]
 
