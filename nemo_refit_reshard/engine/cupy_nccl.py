@@ -216,7 +216,8 @@ def open_communicator(
             _use_device(device)
             comm = nccl.NcclCommunicator(world_size, uid, rank)
         except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
-            box["error"] = err
+            with lock:
+                box["error"] = err
             return
         with lock:
             if box.get("abandoned"):
