@@ -10,13 +10,13 @@ driver then kills every actor, so a step that fails never hangs.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..engine.checksum import combine, compare
+from ..engine.checksum import Checksums, combine, compare
 from ..engine.materialize import canonical_from_ranks
 from ..engine.rendezvous import free_port, new_rendezvous
 from ..integrations.worker import RefitEndpoint
@@ -58,6 +58,34 @@ class ActorInfo:
             f"generation actor replica {self.replica} tp rank {self.tp_rank} "
             f"(inference rank {self.rank}, refit rank {self.refit_rank})"
         )
+
+
+def check_checksums(
+    what: str,
+    senders: Sequence[Checksums],
+    receivers: Sequence[Checksums],
+    name_of: Callable[[int], str],
+) -> int:
+    """``refit.verify``'s verdict on one refit: the senders' checksums summed per
+    (destination refit rank, tensor) against the receivers'. Raises
+    :class:`RefitVerifyError` naming up to 8 differing tensors (``name_of``: the actor of
+    a destination refit rank, in the group that refit); else the number of destination
+    tensors found bit-exact. Shared by the fixed group and the groups of a run whose
+    engines come and go, whose ranks are numbered per group."""
+    received = combine(receivers)
+    bad = compare(combine(senders), received)
+    if bad:
+        rows = [
+            f"{name_of(d)}: {name} (received {got:#018x}, sent {sent:#018x})"
+            for d, name, sent, got in bad[:8]
+        ]
+        more = f"\n  ... and {len(bad) - 8} more" if len(bad) > 8 else ""
+        raise RefitVerifyError(
+            f"{what}: checksum mismatch in {len(bad)} destination tensor(s):\n  "
+            + "\n  ".join(rows)
+            + more
+        )
+    return len(received)
 
 
 def _first_line(err: BaseException) -> str:
@@ -329,20 +357,12 @@ class GrpoCluster:
             sent = sum(o["delta"]["sent_bytes"] for o in out[:s])
             self.last_delta = (sent, sum(o["delta"]["dense_bytes"] for o in out[:s]))
         if verify:
-            bad = compare(
-                combine(o["checksums"] for o in out[:s]), combine(o["checksums"] for o in out[s:])
+            check_checksums(
+                what,
+                [o["checksums"] for o in out[:s]],
+                [o["checksums"] for o in out[s:]],
+                lambda d: str(self.generators[d - s]),
             )
-            if bad:
-                rows = [
-                    f"{self.generators[d - s]}: {name} (received {got:#018x}, sent {sent:#018x})"
-                    for d, name, sent, got in bad[:8]
-                ]
-                more = f"\n  ... and {len(bad) - 8} more" if len(bad) > 8 else ""
-                raise RefitVerifyError(
-                    f"{what}: checksum mismatch in {len(bad)} destination tensor(s):\n  "
-                    + "\n  ".join(rows)
-                    + more
-                )
         return max(o["seconds"] for o in out)
 
     # -- canonical views (tests, debugging) ------------------------------------------------
