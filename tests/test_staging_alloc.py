@@ -226,7 +226,8 @@ after = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
 segments = {s["address"]: s for s in torch.cuda.memory_snapshot()}
 def expandable(t):
     p = t.data_ptr()
-    return [s.get("is_expandable") for a, s in segments.items() if a <= p < a + s["total_size"]]
+    return sorted({s.get("is_expandable") for a, s in segments.items()
+                   if a <= p < a + s["total_size"]}, key=str)
 print(json.dumps({
     "kind": staging_alloc.handle_kind(staging.parse_cuda_handle(buf.handle)[1]).decode(),
     "staging": expandable(buf.tensor), "warm": expandable(warm), "after": expandable(after),
