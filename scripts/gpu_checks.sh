@@ -98,9 +98,13 @@ except Exception as e:  # noqa: BLE001
 try:
     import cupy
 
-    usable = bool(cupy.cuda.is_available())
-    print(f"cupy={cupy.__version__}, usable {usable}")
-    print(f"cupy_ok={int(usable)}")
+    # The transport's own test: a device, and NCCL's library (CuPy imports without it).
+    from nemo_refit_reshard.engine.cupy_nccl import cupy_unavailable_reason
+
+    why = cupy_unavailable_reason()
+    note = "" if why is None else f" ({why})".replace("\n", " ")
+    print(f"cupy={cupy.__version__}, usable {why is None}{note}")
+    print(f"cupy_ok={int(why is None)}")
 except Exception as e:  # noqa: BLE001
     print(f"cupy=not importable ({type(e).__name__})")
     print("cupy_ok=0")
