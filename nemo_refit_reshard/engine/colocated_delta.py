@@ -40,6 +40,9 @@ class ColocatedDelta:
         self.num_sources = own[1].num_sources
         self.own = DeltaProgram(own[0], own[1], options)
         self.own.learn_fixed([])  # a held message needs no re-pack: nothing is fixed
+        # Its receivers rebuild from the copies they hold, never from live tensors that
+        # could change outside the refit: no fingerprints to check (delta_check.py).
+        self.own.check = False
         self.guest: DeltaProgram | None = None
         if guest is not None:
             self.guest = DeltaProgram(guest[0], guest[1], options, rank, device)

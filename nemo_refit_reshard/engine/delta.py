@@ -41,6 +41,7 @@ import torch
 
 from ..plan import RankPlan, RefitPlan
 from . import delta_kernels
+from .delta_check import baseline_fingerprints, exchange_fingerprints
 from .delta_codec import (
     DENSE,
     FORM_NAMES,
@@ -122,6 +123,11 @@ class DeltaProgram:
             self.options.cpu_kernel
         )
         self.sender: CompiledSender | None = None
+        # Each delta's base checked against its receiver's live tensors (delta_check.py):
+        # the fingerprints of the baselines, and this step's messages found stale.
+        self.check = self.options.check and held_from_all_but is None
+        self.base_fingerprints: dict[tuple[int, int], torch.Tensor] = {}
+        self._stale: set[tuple[int, int]] = set()
         # CPU: apply each message as it arrives (delta_stream.py); GPU: the round batched
         self.stream = self.device.type == "cpu"
         # round 0 compared while the versions were gathered: (found, bytes of payloads)
@@ -181,8 +187,13 @@ class DeltaProgram:
                 phase.pack_wire()
                 for o in outgoing.values():
                     self.baselines[o.key].copy_(o.span)
+            self._fingerprint_baselines()
         self.version = version
         return True
+
+    def _fingerprint_baselines(self) -> None:
+        if self.check:
+            self.base_fingerprints = baseline_fingerprints(self)
 
     def gather_versions(self, gather: Callable[[], Sequence[int]]) -> list[int]:
         """Every rank's version (``gather``: the group's collective, which has read this
@@ -213,7 +224,10 @@ class DeltaProgram:
         return version, anchor or FAILED in versions
 
     def done(self, stats: DeltaStats) -> DeltaStats:
+        with torch.no_grad():
+            self._fingerprint_baselines()
         self.version, self.last = stats.version, stats
+        self._stale = set()
         return stats
 
     def replay(self, transport: Transport, versions: Sequence[int]) -> DeltaStats:
@@ -224,6 +238,9 @@ class DeltaProgram:
         stats = DeltaStats(version=version)
         mine = versions[self.rank]
         with torch.no_grad():
+            if self.check and not dense_step:
+                self._stale = exchange_fingerprints(self, transport, versions, mine)
+                stats.stale = len(self._stale)
             for k, phase in enumerate(self.program.rounds):
                 sends = self.encode_round(k, mine, versions.__getitem__, dense_step, stats, phase)
                 if self.stream:
@@ -306,8 +323,12 @@ class DeltaProgram:
         live; None: the caller packed it. Baselines then hold the round's messages."""
         rnd = self.rounds[k]
         delta_to = [
-            not dense_step and mine >= 0 and version_of(o.peer) == mine and o.key in self.baselines
-            for o in rnd.outgoing
+            not dense_step
+            and mine >= 0
+            and version_of(o.peer) == mine
+            and o.key in self.baselines
+            and (k, i) not in self._stale  # its receiver holds other bytes (delta_check.py)
+            for i, o in enumerate(rnd.outgoing)
         ]
         # Changed units of each distinct message (bits, against its baseline): numpy's
         # indices, or the kernel's Changes (its baseline then holds the message; round 0's

@@ -26,11 +26,15 @@ class DeltaOptions:
     ``"host"`` (pinned host memory when the device is a GPU). ``cpu_kernel``: how CPU
     ranks compare, encode and apply (``engine/delta_kernels.py``): ``"numba"`` (compiled,
     one pass, no pack of direct messages), ``"numpy"``, or ``"auto"`` (numba when
-    installed); the bytes on the wire are the same."""
+    installed); the bytes on the wire are the same. ``check``: before each step, every
+    receiver's live tensors are fingerprinted and a message whose receiver holds other
+    bytes than its sender's baseline goes dense (``engine/delta_check.py``): weights
+    changed outside the refit are caught, not patched into silent corruption."""
 
     anchor_every: int = 0
     baseline: str = "device"
     cpu_kernel: str = "auto"
+    check: bool = True
 
     def __post_init__(self) -> None:
         if self.anchor_every < 0:
@@ -51,5 +55,6 @@ class DeltaStats:
     dense_bytes: int = 0  # what the same messages weigh dense (without headers)
     units: int = 0  # units compared (delta-capable outgoing messages)
     changed: int = 0
+    stale: int = 0  # messages sent dense: their receiver held other bytes (delta_check.py)
     forms: dict[str, int] = field(default_factory=dict)  # outgoing messages by form
     received: dict[str, int] = field(default_factory=dict)  # incoming messages by form

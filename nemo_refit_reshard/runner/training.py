@@ -145,5 +145,6 @@ def delta_figures(stats: Any, baseline_bytes: int) -> dict[str, Any]:
         "units": stats.units,
         "changed": stats.changed,
         "forms": stats.forms,
+        "stale": stats.stale,  # messages sent dense: their receiver held other bytes
         "baseline_bytes": baseline_bytes,
     }

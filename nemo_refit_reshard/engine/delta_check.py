@@ -1,0 +1,163 @@
+"""Each delta's base checked against what its receiver holds, every step.
+
+A receiver keeps no baseline: its live tensors are its implicit one, and only a version
+number says what they hold. Anything that changes them outside the refit — vLLM's
+``sleep(level=2)`` and ``reload_weights`` on the vLLM-native route (which installs no
+``watch_weights``), a user's ``load_weights``, a sender's ``prime()`` after the trainer's
+optimizer step (its baselines then hold a newer version than the receivers) — would make
+every later delta patch the wrong bytes: permanent, silent corruption. So before a
+step's first round, every receiver sends each of its senders a *fingerprint* of each
+message as its live tensors hold it now, and the sender compares it with the
+fingerprint of the baseline its delta would be taken against: a message whose two
+fingerprints differ goes dense this step (its receiver is whole again after it).
+
+Fingerprint of a message's bytes, as ``u``-byte signed integers ``b_i`` (``u`` its
+unit), leaving out its *fixed* byte ranges (they travel whole every step)::
+
+    F = (Σ b_i, Σ b_i²)   (int64, wrapping)
+
+Sums, so a receiver takes them over its live runs where they live (no pack) and a
+sender over its baseline less the fixed ranges; two of them, so that a change whose
+sum cancels (a +1 and a -1) still shows in the squares. Cost per step: one read of
+each receiver's delta-receiving weights and of each sender's baselines (on a GPU, at
+HBM speed), and one small exchange (16 bytes a message) — measured in
+``docs/benchmarks.md``. ``DeltaOptions(check=False)`` turns it off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from .delta_rounds import FIXED, Incoming, Outgoing, Round
+from .transport import Transport
+
+if TYPE_CHECKING:
+    from .delta import DeltaProgram
+
+FINGERPRINT_BYTES = 16
+_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 22  # elements per pass: bounds the int64 temporary of the squares
+
+
+def unit_sums(t: torch.Tensor, unit: int) -> torch.Tensor:
+    """``(Σ b, Σ b²)`` (int64, on ``t``'s device) of ``t``'s bytes read as ``unit``-byte
+    signed integers (``unit`` divides its itemsize: a message's unit is its smallest)."""
+    if t.numel() == 0:
+        return torch.zeros(2, dtype=torch.int64, device=t.device)
+    if t.dim() == 0 or t.stride(-1) != 1:
+        t = t.contiguous()  # (a view of a dtype needs its last dimension dense)
+    ints = t.view(_INTS[unit])
+    rows = ints.reshape(-1, ints.shape[-1]) if ints.dim() > 1 else ints.view(1, -1)
+    out = torch.zeros(2, dtype=torch.int64, device=t.device)
+    step = max(1, _CHUNK // rows.shape[1])
+    for r in range(0, rows.shape[0], step):
+        wide = rows[r : r + step].to(torch.int64)
+        out[0] += wide.sum()
+        out[1] += (wide * wide).sum()
+    return out
+
+
+def incoming_fingerprint(message: Incoming) -> torch.Tensor:
+    """What ``message``'s receiver holds of it now: the sums over its live runs, its
+    fixed runs left out."""
+    total = torch.zeros(2, dtype=torch.int64, device=message.span.device)
+    for run in message.runs:
+        if run.mode != FIXED:
+            total += unit_sums(run.live, message.unit)
+    return total
+
+
+def baseline_fingerprint(
+    baseline: torch.Tensor, unit: int, fixed: Iterable[tuple[int, int]]
+) -> torch.Tensor:
+    """The sums of a baseline (a message's bytes), its ``fixed`` byte ranges left out."""
+    total = unit_sums(baseline, unit)
+    for a, b in fixed:
+        total -= unit_sums(baseline[a:b], unit)
+    return total
+
+
+def pairs_in_order(rounds: Sequence[Round], outgoing: bool) -> dict[int, list[tuple[int, int]]]:
+    """Per peer, ``(round, index in the round's list)`` of every message exchanged with
+    it, in round order: the order both ends of a pair list their fingerprints in (the
+    order the pair's messages of a round are issued in, which the transport pairs by)."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for k, rnd in enumerate(rounds):
+        messages: list[Incoming] | list[Outgoing] = rnd.outgoing if outgoing else rnd.incoming
+        for i, m in enumerate(messages):
+            out.setdefault(m.peer, []).append((k, i))
+    return out
+
+
+def baseline_fingerprints(program: DeltaProgram) -> dict[tuple[int, int], torch.Tensor]:
+    """``(round, index among the round's outgoing messages)`` -> the fingerprint of the
+    baseline a delta of that message is taken against (after a step, or a prime: the
+    baselines hold the messages sent)."""
+    out: dict[tuple[int, int], torch.Tensor] = {}
+    for k, rnd in enumerate(program.rounds):
+        for i, o in enumerate(rnd.outgoing):
+            if o.key in program.baselines:
+                fixed = program.fixed_out.get((o.peer, k), ())
+                out[(k, i)] = baseline_fingerprint(program.baselines[o.key], o.unit, fixed)
+    return out
+
+
+def exchange_fingerprints(
+    program: DeltaProgram, transport: Transport, versions: Sequence[int], mine: int
+) -> set[tuple[int, int]]:
+    """Before a step's first round (not a dense one): every rank sends each sender the
+    fingerprints of the messages it receives from it, as its live tensors hold them
+    now (zeros where it holds no version: it gets dense messages anyway), and receives
+    its receivers'. The ``(round, index)`` of each outgoing message whose receiver holds
+    other bytes than the baseline the delta would be taken against: it goes dense."""
+    device = program.device
+    incoming = pairs_in_order(program.rounds, outgoing=False)
+    outgoing = pairs_in_order(program.rounds, outgoing=True)
+    zero = torch.zeros(2, dtype=torch.int64, device=device)
+    sends = []
+    for peer, at in incoming.items():
+        held = versions[peer] == mine >= 0
+        prints = [
+            incoming_fingerprint(program.rounds[k].incoming[i]) if held else zero for k, i in at
+        ]
+        sends.append((peer, as_bytes(prints, device)))
+    recvs = [
+        (peer, torch.empty(FINGERPRINT_BYTES * len(at), dtype=torch.uint8, device=device))
+        for peer, at in outgoing.items()
+    ]
+    transport.exchange(sends, recvs, 0)
+    expected = program.base_fingerprints
+    stale: set[tuple[int, int]] = set()
+    for peer, buf in recvs:
+        if mine < 0 or versions[peer] != mine:
+            continue  # dense to it anyway
+        rows = [(n, key) for n, key in enumerate(outgoing[peer]) if key in expected]
+        if not rows:
+            continue
+        got = buf.view(torch.int64).view(-1, 2)[[n for n, _ in rows]]
+        want = torch.stack([expected[key] for _, key in rows])
+        differs = (got != want).any(dim=1).tolist()  # the step's one sync per receiver
+        stale.update(key for (_, key), bad in zip(rows, differs) if bad)
+    return stale
+
+
+def as_bytes(fingerprints: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Fingerprints back to back, as the bytes one message carries."""
+    if not fingerprints:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.stack(fingerprints).reshape(-1).view(torch.uint8)
+
+
+__all__ = [
+    "FINGERPRINT_BYTES",
+    "as_bytes",
+    "baseline_fingerprint",
+    "baseline_fingerprints",
+    "exchange_fingerprints",
+    "incoming_fingerprint",
+    "pairs_in_order",
+    "unit_sums",
+]
