@@ -1,7 +1,7 @@
 """Dense reshard vs delta reshard vs vLLM's ``sparse_nccl`` data path, CPU gloo, one run.
 
     python benchmarks/delta_cpu.py [--steps 5] [--lr 1e-6 3e-6] [--kernels numba numpy]
-                                   [--json out.json]
+                                   [--checks on off] [--json out.json]
 
 Per learning rate: the 246M dense model of ``benchmarks/cpu_refit.py`` (Megatron tp=2,pp=2
 → vLLM tp=4,dp=2) trained with Adam between refits (``runner/training.py``: BF16 weights,
@@ -15,7 +15,8 @@ rank, median step time; and the changed fraction. The break-even density (where 
 delta's step time meets the dense one on this machine) comes from the learning rates
 run. ``--kernels``: the CPU ranks' delta path (``DeltaOptions.cpu_kernel``), each in a run
 of its own with its own dense rows (numba: compiled kernels, no pack; numpy: pack, then
-numpy's passes).
+numpy's passes). ``--checks``: the per-step check of each delta's base against its
+receiver (``engine/delta_check.py``) on and off, each in a run of its own.
 """
 
 from __future__ import annotations
@@ -37,13 +38,14 @@ MODEL = os.path.join(HERE, "configs/dense-gqa-250m.json")
 
 
 def reshard_rows(
-    args: argparse.Namespace, lr: float, kernel: str
+    args: argparse.Namespace, lr: float, kernel: str, check: bool = True
 ) -> tuple[list[dict], float, dict]:
     """Dense and delta reshard in one run: their rows and the median changed fraction."""
     steps = args.steps
     cfg = RunConfig(
         model=args.model, train=args.train, infer=args.infer, steps=steps,
         backends=("reshard", "delta"), delta=True, lr=lr, timeout_s=900, delta_kernel=kernel,
+        delta_check=check,
     )  # fmt: skip
     report, result = run_report(cfg, show_progress=False)
     if report["errors"]:
@@ -66,7 +68,7 @@ def reshard_rows(
             "exact": dense["verified"],
         },
         {
-            "path": f"delta reshard ({kernel})",
+            "path": f"delta reshard ({kernel}{'' if check else ', unchecked'})",
             "bytes": delta["bytes"],
             "busiest_bytes": int(statistics.median(busiest)),
             "median_s": delta["median_s"],
@@ -107,6 +109,13 @@ def main() -> int:
     parser.add_argument("--infer", default="tp=4,dp=2")
     parser.add_argument("--lr", type=float, nargs="+", default=[1e-6, 3e-6])
     parser.add_argument("--kernels", nargs="+", default=["numba"], choices=["numba", "numpy"])
+    parser.add_argument(
+        "--checks",
+        nargs="+",
+        default=["on"],
+        choices=["on", "off"],
+        help="the delta base check (DeltaOptions.check), each in a run of its own",
+    )
     parser.add_argument("--no-sparse-nccl", action="store_true")
     parser.add_argument("--json", help="write every row here")
     args = parser.parse_args()
@@ -116,9 +125,10 @@ def main() -> int:
     for lr in args.lr:
         rows, base_of = [], []
         for kernel in args.kernels:  # each with the dense rows of its own run
-            pair, changed, _ = reshard_rows(args, lr, kernel)
-            rows += pair
-            base_of += [pair[0]["median_s"]] * 2
+            for check in args.checks:
+                pair, changed, _ = reshard_rows(args, lr, kernel, check == "on")
+                rows += pair
+                base_of += [pair[0]["median_s"]] * 2
         if not args.no_sparse_nccl:
             rows.append(sparse_nccl_row(args, lr))
             base_of.append(rows[0]["median_s"])

@@ -21,7 +21,8 @@ from .run_args import run_config
 REPORTED_CONFIG = (
     "model", "train", "infer", "infer_engine", "steps", "bucket_mb", "transport", "relay",
 )  # fmt: skip
-DELTA_CONFIG = ("delta", "lr", "anchor_every", "delta_kernel")  # reported when --delta
+# reported when --delta
+DELTA_CONFIG = ("delta", "lr", "anchor_every", "delta_kernel", "delta_check")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

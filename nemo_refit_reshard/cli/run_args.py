@@ -111,6 +111,12 @@ def add_delta_arguments(p: argparse.ArgumentParser) -> None:
         help="with --delta: how CPU ranks compare and apply — numba's compiled kernels "
         "(the cpu-delta extra), numpy, or auto (numba when installed); same bytes",
     )
+    p.add_argument(
+        "--no-delta-check",
+        action="store_true",
+        help="with --delta: skip the per-step check of each delta's base against its "
+        "receiver's live tensors (engine/delta_check.py; on by default)",
+    )
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:
@@ -167,4 +173,5 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         lr=getattr(args, "lr", 1e-6),
         anchor_every=getattr(args, "anchor_every", 0),
         delta_kernel=getattr(args, "delta_kernel", "auto"),
+        delta_check=not getattr(args, "no_delta_check", False),
     )

@@ -92,7 +92,11 @@ def _run(
         if cfg.delta
         else SyntheticWeights(spec.unquantized(), cfg.seed)
     )
-    delta = DeltaOptions(cfg.anchor_every, cpu_kernel=cfg.delta_kernel) if cfg.delta else None
+    delta = (
+        DeltaOptions(cfg.anchor_every, cpu_kernel=cfg.delta_kernel, check=cfg.delta_check)
+        if cfg.delta
+        else None
+    )
     hosts = share(rank).colocated_hosts
     host_rank = rank if rank < s else hosts[rank - s]
     device = torch.device("cpu")

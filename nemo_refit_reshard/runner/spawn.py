@@ -225,7 +225,7 @@ def _run_rank(
         "127.0.0.1", port, s + len(destinations), rank, cfg.transport, cfg.timeout_s,
         cfg.connect_timeout_s, secret=secret,
     )  # fmt: skip
-    delta = DeltaOptions(cfg.anchor_every, cpu_kernel=cfg.delta_kernel)
+    delta = DeltaOptions(cfg.anchor_every, cpu_kernel=cfg.delta_kernel, check=cfg.delta_check)
     worker = RefitWorker(
         endpoint, tensors, device, overlap=cfg.overlap, host_staged=cfg.host_staged
     )
