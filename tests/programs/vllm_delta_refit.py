@@ -23,11 +23,11 @@ SPEC: ``{"config", "seed", "infer": [EngineRank fields per worker rank]}``.
 
 Phases: 4 updates (separate pools); worker 1 sleeps at level 2 and worker 0 at level 1,
 one update; worker 0's weights poisoned and ``refit_forget_weights`` called, one update;
-worker 1's weights poisoned *without* forgetting, one update (the control: its delta is
-patched into garbage); then colocated (re-initialised through vLLM's own calls, every
-worker poisoned), 3 updates. After each update every worker compares its parameters bit
-for bit with vLLM's ``load_weights`` of the trainer's policy, and every rank reports its
-delta statistics.
+worker 1's weights poisoned *without* forgetting, one update (the per-step base check,
+``engine/delta_check.py``, sends it dense); then colocated (re-initialised through
+vLLM's own calls, every worker poisoned), 3 updates. After each update every worker
+compares its parameters bit for bit with vLLM's ``load_weights`` of the trainer's
+policy, and every rank reports its delta statistics.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def run(spec: dict[str, Any], work: str) -> dict[str, Any]:
     get(workers[0].execute.remote("poison"))
     out["forgot"] = get(workers[0].execute.remote(refit_forget_weights))
     update("after_forget")
-    get(workers[1].execute.remote("poison"))  # the control: nothing forgotten
+    get(workers[1].execute.remote("poison"))  # nothing forgotten: the base check finds it
     update("unforgotten")
     get([t.leave.remote() for t in trainers])
     get(llm.shutdown_weight_transfer_engine.remote())
