@@ -118,3 +118,18 @@ def test_fingerprints_are_sums_and_sums_of_squares_of_the_units() -> None:
         unit_sums(plus_minus, 2)[1]
         != unit_sums(torch.tensor([1, 0, 1, 0], dtype=torch.uint8), 2)[1]
     )
+
+
+def test_each_receiver_sends_sixteen_bytes_a_message(tmp_path: Path) -> None:
+    group = _group(tmp_path, True)
+    try:
+        group.refit()
+        group.train_step()
+        group.refit()
+        s = group.num_sources
+        for r in range(group.world):
+            incoming = sum(len(rnd.incoming) for rnd in group.delta(r).rounds)
+            assert group.delta(r).last.check_bytes == 16 * incoming
+        assert all(group.delta(r).last.check_bytes == 0 for r in range(s))  # no incoming
+    finally:
+        group.close()

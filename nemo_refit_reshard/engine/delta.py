@@ -239,7 +239,9 @@ class DeltaProgram:
         mine = versions[self.rank]
         with torch.no_grad():
             if self.check and not dense_step:
-                self._stale = exchange_fingerprints(self, transport, versions, mine)
+                self._stale, stats.check_bytes = exchange_fingerprints(
+                    self, transport, versions, mine
+                )
                 stats.stale = len(self._stale)
             for k, phase in enumerate(self.program.rounds):
                 sends = self.encode_round(k, mine, versions.__getitem__, dense_step, stats, phase)

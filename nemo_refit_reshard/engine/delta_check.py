@@ -107,12 +107,13 @@ def baseline_fingerprints(program: DeltaProgram) -> dict[tuple[int, int], torch.
 
 def exchange_fingerprints(
     program: DeltaProgram, transport: Transport, versions: Sequence[int], mine: int
-) -> set[tuple[int, int]]:
+) -> tuple[set[tuple[int, int]], int]:
     """Before a step's first round (not a dense one): every rank sends each sender the
     fingerprints of the messages it receives from it, as its live tensors hold them
     now (zeros where it holds no version: it gets dense messages anyway), and receives
     its receivers'. The ``(round, index)`` of each outgoing message whose receiver holds
-    other bytes than the baseline the delta would be taken against: it goes dense."""
+    other bytes than the baseline the delta would be taken against: it goes dense; and
+    the bytes of fingerprints this rank sent."""
     device = program.device
     incoming = pairs_in_order(program.rounds, outgoing=False)
     outgoing = pairs_in_order(program.rounds, outgoing=True)
@@ -141,7 +142,7 @@ def exchange_fingerprints(
         want = torch.stack([expected[key] for _, key in rows])
         differs = (got != want).any(dim=1).tolist()  # the step's one sync per receiver
         stale.update(key for (_, key), bad in zip(rows, differs) if bad)
-    return stale
+    return stale, sum(buf.numel() for _, buf in sends)
 
 
 def as_bytes(fingerprints: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -56,5 +56,6 @@ class DeltaStats:
     units: int = 0  # units compared (delta-capable outgoing messages)
     changed: int = 0
     stale: int = 0  # messages sent dense: their receiver held other bytes (delta_check.py)
+    check_bytes: int = 0  # fingerprints this rank sent for the base check (16 a message)
     forms: dict[str, int] = field(default_factory=dict)  # outgoing messages by form
     received: dict[str, int] = field(default_factory=dict)  # incoming messages by form

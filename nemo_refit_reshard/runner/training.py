@@ -146,5 +146,6 @@ def delta_figures(stats: Any, baseline_bytes: int) -> dict[str, Any]:
         "changed": stats.changed,
         "forms": stats.forms,
         "stale": stats.stale,  # messages sent dense: their receiver held other bytes
+        "check_bytes": stats.check_bytes,  # fingerprints sent for the base check
         "baseline_bytes": baseline_bytes,
     }
