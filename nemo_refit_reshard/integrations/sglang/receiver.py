@@ -22,23 +22,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ...engine.program import live_tensor_problems
 from ...layouts.sglang import SGLANG_KV_CACHE_SCALES
 from ...plan import PlanError, RankPlan, RefitPlan, load_plan_json
-from ..worker import (
-    ColocatedWorker,
-    RefitEndpoint,
-    RefitWorker,
-    WeightsState,
-    describe_tensors,
-    device_name,
-    plan_text,
-)
+from ..worker import EngineRankState, describe_tensors, device_name, plan_text
 
 STATE_ATTR = "_nemo_refit_reshard_state"
 
@@ -48,14 +39,8 @@ STATE_ATTR = "_nemo_refit_reshard_state"
 DERIVED_SUFFIXES = (".w_kc", ".w_vc")
 
 
-@dataclass
-class _RankState:
-    engine_rank: int
-    params: dict[str, torch.Tensor]  # written in place
-    refit: RefitWorker | None = None
-    colocated: ColocatedWorker | None = None  # colocated refit: the host on its GPU
-    weights: WeightsState = field(default_factory=WeightsState)  # across memberships
-    steps: int = 0
+@dataclass(kw_only=True)
+class _RankState(EngineRankState):
     errors: list[str] = field(default_factory=list)  # what the loader caught (loader.py)
 
 
@@ -112,14 +97,7 @@ def refit_join(model: torch.nn.Module, endpoint_json: str, first_rank: int) -> i
     """Join the refit group as rank ``first_rank + engine rank``; returns that rank.
     Every rank receives the same arguments (one ``update_weights_from_tensor``
     payload for the whole engine), so the endpoint's ``group_rank`` is ignored."""
-    s = _state(model)
-    refit_close(model)  # joining again replaces the previous membership
-    endpoint = replace(
-        RefitEndpoint.from_json(endpoint_json), group_rank=first_rank + s.engine_rank
-    )
-    s.refit = RefitWorker(endpoint, s.params, weights=s.weights)
-    s.refit.join()
-    return endpoint.group_rank
+    return _state(model).join(endpoint_json, first_rank)
 
 
 def refit_check_plan(
@@ -140,11 +118,7 @@ def refit_check_plan(
             f"{loaded.fingerprint[:12]}, not the driver's plan {fingerprint[:12]}: ship "
             "every rank a slice of the same plan"
         )
-    expected = loaded.expected_tensors(group_rank)
-    problems = [
-        f"{n}: live, but the plan does not write it" for n in sorted(set(s.params) - set(expected))
-    ]
-    problems += live_tensor_problems(expected, s.params, None)
+    problems = s.plan_problems(loaded.expected_tensors(group_rank))
     problems += fp8_relayout_problems(s.params)
     problems += kv_cache_scale_problems(model)
     if problems:
@@ -204,13 +178,7 @@ def refit_load_plan(
 ) -> int:
     """Check the plan (:func:`refit_check_plan`) and compile this rank's program.
     Collective over the refit group. Returns the number of parameters it writes."""
-    s = _state(model)
-    if s.refit is None:
-        raise RuntimeError("join the refit group before loading a plan")
-    rank = s.refit.endpoint.group_rank
-    loaded = refit_check_plan(model, plan, rank, fingerprint)
-    s.refit.load_plan(loaded)
-    return len(loaded.expected_tensors(rank))
+    return _state(model).load_plan(lambda rank: refit_check_plan(model, plan, rank, fingerprint))
 
 
 def refit_connect_colocated(
@@ -230,7 +198,7 @@ def refit_connect_colocated(
     read). ``endpoint_json``: the training ranks' group (secret, timeouts). Returns
     this rank's refit rank."""
     s = _state(model)
-    refit_close(model)
+    s.close()
     rank = first_rank + s.engine_rank
     where = f"SGLang {sglang_version()} engine rank {s.engine_rank}"
     if s.engine_rank >= len(addresses) or len(host_gpus) != len(addresses):
@@ -247,12 +215,7 @@ def refit_connect_colocated(
             "placement group's GPU i*tp + k, as the policy's rank i*tp + k)"
         )
     loaded = refit_check_plan(model, plan, rank, fingerprint)
-    e = RefitEndpoint.from_json(endpoint_json)
-    s.colocated = ColocatedWorker(s.params, weights=s.weights)
-    s.colocated.connect(
-        addresses[s.engine_rank], e.secret, loaded, rank, e.timeout_s, e.connect_timeout_s
-    )
-    return rank
+    return s.connect_colocated(endpoint_json, addresses[s.engine_rank], loaded, rank)
 
 
 def refit_step(model: torch.nn.Module, step: int | None = None) -> dict[str, float]:
@@ -310,9 +273,5 @@ def refit_require_fresh(model: torch.nn.Module) -> None:
 
 def refit_close(model: torch.nn.Module) -> None:
     s = getattr(model, STATE_ATTR, None)
-    if s is not None and s.refit is not None:
-        s.refit.close()
-        s.refit = None
-    if s is not None and s.colocated is not None:
-        s.colocated.close()
-        s.colocated = None
+    if s is not None:
+        s.close()

@@ -22,22 +22,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ...engine.program import live_tensor_problems
 from ...plan import PlanError, RankPlan, RefitPlan, load_plan_json
-from ..worker import (
-    ColocatedWorker,
-    RefitEndpoint,
-    RefitWorker,
-    WeightsState,
-    describe_tensors,
-    device_name,
-    plan_text,
-)
+from ..worker import EngineRankState, describe_tensors, device_name, plan_text
 from .config import EngineLayout, UnsupportedVllmOption, engine_layout
 from .derived import DerivedWeights, check_derived, derived_parameter_names
 from .discarded_weights import STATE_ATTR, refit_delta_stats, refit_forget_weights, watch_weights
@@ -46,16 +37,11 @@ from .kernel_checks import check_fp8_kernels, check_moe_backends
 _STATE = STATE_ATTR
 
 
-@dataclass
-class _WorkerState:
+@dataclass(kw_only=True)
+class _WorkerState(EngineRankState):
+    # ``params`` (EngineRankState's): on an FP8 engine, its e4m3 weights and scales
     layout: EngineLayout
-    engine_rank: int
-    params: dict[str, torch.Tensor]  # written in place (FP8: its e4m3 weights and scales)
-    derived: DerivedWeights  # what vLLM derives from them, rerun after every refit
-    refit: RefitWorker | None = None
-    colocated: ColocatedWorker | None = None  # instead of ``refit`` in a colocated refit
-    weights: WeightsState = field(default_factory=WeightsState)  # across memberships
-    steps: int = 0
+    derived: DerivedWeights  # what vLLM derives from the parameters, rerun after every refit
 
 
 def _model(worker: Any) -> torch.nn.Module:
@@ -158,15 +144,9 @@ def refit_join(worker: Any, endpoint_json: str, first_rank: int) -> int:
     ``endpoint_json`` is a :class:`RefitEndpoint` whose ``group_rank`` is ignored:
     every worker of the engine receives the same arguments from ``collective_rpc``.
     """
-    s = _state(worker)
-    refit_close(worker)  # joining again replaces the previous membership
-    base = RefitEndpoint.from_json(endpoint_json)
-    endpoint = replace(base, group_rank=first_rank + s.engine_rank)
     # With gloo and parameters on a GPU, RefitWorker stages the messages through pinned
     # host memory (engine/host_staged.py); the parameters are still written in place.
-    s.refit = RefitWorker(endpoint, s.params, weights=s.weights)
-    s.refit.join()
-    return endpoint.group_rank
+    return _state(worker).join(endpoint_json, first_rank)
 
 
 def refit_check_plan(
@@ -184,10 +164,7 @@ def refit_check_plan(
         f"build the plan with VllmOptions(vllm_version={s.layout.vllm_version!r}, "
         f"all2all_backend={s.layout.options.all2all_backend!r}) and this engine's parallelism"
     )
-    problems = [
-        f"{n}: live, but the plan does not write it" for n in sorted(set(s.params) - set(expected))
-    ]
-    problems += live_tensor_problems(expected, s.params, None)
+    problems = s.plan_problems(expected)
     if problems:
         raise PlanError.listing(f"{where}: live parameters do not match the plan", problems, hint)
     return loaded
@@ -202,13 +179,7 @@ def refit_load_plan(
     mapping from refit rank to slice (ship each worker its slice). ``fingerprint``, when
     given, is the plan the driver built: a slice of another plan is refused. Returns the
     number of parameters the plan writes."""
-    s = _state(worker)
-    if s.refit is None:
-        raise RuntimeError("call refit_join before refit_load_plan")
-    rank = s.refit.endpoint.group_rank
-    loaded = _checked_plan(worker, plan, rank, fingerprint)
-    s.refit.load_plan(loaded)
-    return len(loaded.expected_tensors(rank))
+    return _state(worker).load_plan(lambda rank: _checked_plan(worker, plan, rank, fingerprint))
 
 
 def _checked_plan(
@@ -237,7 +208,7 @@ def refit_connect_colocated(
     :func:`refit_load_plan` does. ``endpoint_json``: the training ranks' group (its
     secret and timeouts). Returns this worker's refit rank."""
     s = _state(worker)
-    refit_close(worker)
+    s.close()
     rank = first_rank + s.engine_rank
     if s.engine_rank >= len(addresses):
         raise PlanError(
@@ -245,12 +216,7 @@ def refit_connect_colocated(
             "workers; every worker of a colocated engine needs a training rank on its GPU"
         )
     loaded = _checked_plan(worker, plan, rank, fingerprint)
-    e = RefitEndpoint.from_json(endpoint_json)
-    s.colocated = ColocatedWorker(s.params, weights=s.weights)
-    s.colocated.connect(
-        addresses[s.engine_rank], e.secret, loaded, rank, e.timeout_s, e.connect_timeout_s
-    )
-    return rank
+    return s.connect_colocated(endpoint_json, addresses[s.engine_rank], loaded, rank)
 
 
 def refit_step(worker: Any, step: int | None = None) -> dict[str, float]:
@@ -315,12 +281,7 @@ def refit_require_fresh(worker: Any) -> None:
 def refit_close(worker: Any) -> None:
     s = getattr(worker, _STATE, None)
     if s is not None:
-        if s.refit is not None:
-            s.refit.close()
-            s.refit = None
-        if s.colocated is not None:
-            s.colocated.close()
-            s.colocated = None
+        s.close()
 
 
 class ReshardWorkerExtension:
