@@ -269,10 +269,7 @@ class LocalTensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def to_json(self) -> dict[str, Any]:
         return {

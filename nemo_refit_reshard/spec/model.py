@@ -8,6 +8,7 @@ MoE experts in memory but still saves ``mlp.experts.{e}.gate_proj.weight``).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,10 +28,7 @@ class CanonicalTensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 Named = TypeVar("Named")

@@ -17,6 +17,7 @@ No vLLM import here: sources are built in the training process.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -165,10 +166,7 @@ class DTensorSource(ReshardSource):
 
     @property
     def world_size(self) -> int:
-        n = 1
-        for d in self.mesh_shape:
-            n *= d
-        return n
+        return math.prod(self.mesh_shape)
 
     def layouts(self) -> list[RankLayout]:
         return [

@@ -18,6 +18,7 @@ rank quantizes (``layouts/fp8_wire.py``, ``engine/quantize.Fp8Steps``).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -43,10 +44,7 @@ class BroadcastStep:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * DTYPE_BYTES[self.dtype]
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
 
 
 @dataclass(frozen=True)
