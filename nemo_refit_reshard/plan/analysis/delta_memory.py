@@ -18,7 +18,7 @@ rank and compares).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from ..result.memory import staging_sizes
 from ..result.refit_plan import RefitPlan
@@ -41,12 +41,8 @@ class DeltaMemory:
         return self.baselines + self.scratch
 
     def to_json(self) -> dict[str, int]:
-        return {
-            "device_bytes": self.device_bytes,
-            "baselines": self.baselines,
-            "host_baselines": self.host_baselines,
-            "scratch": self.scratch,
-        }
+        """The device total, then every field under its own name."""
+        return {"device_bytes": self.device_bytes, **asdict(self)}
 
 
 def delta_memory(plan: RefitPlan, baseline: str = "device") -> list[DeltaMemory]:

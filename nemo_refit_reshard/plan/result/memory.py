@@ -33,7 +33,7 @@ compiles every rank and compares). Not counted: the quantizer's transient workin
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..base import DTYPE_BYTES, is_relay
@@ -213,12 +213,8 @@ class RankMemory:
         return self.staging + self.relay + self.fp8_scratch
 
     def to_json(self) -> dict[str, int]:
-        return {
-            "peak_extra_bytes": self.peak_extra_bytes,
-            "staging": self.staging,
-            "relay": self.relay,
-            "fp8_scratch": self.fp8_scratch,
-        }
+        """The total, then every field under its own name."""
+        return {"peak_extra_bytes": self.peak_extra_bytes, **asdict(self)}
 
 
 def rank_memory(plan: RefitPlan | RankPlan, group_rank: int, overlap: bool = False) -> RankMemory:
