@@ -27,9 +27,14 @@ def _pairs():
 def test_fast_pairs_grouped_by_dtype_the_rest_apart() -> None:
     pairs = _pairs()
     groups = CopyGroups.of(pairs)
+    # as integers of their width: the bits move, NaN payloads included
     assert [[d.dtype for d in dsts] for dsts, _ in groups.fast] == [
-        [torch.bfloat16, torch.bfloat16],
-        [torch.float32, torch.float32],
+        [torch.int16, torch.int16],
+        [torch.int32, torch.int32],
+    ]
+    assert [d.data_ptr() for d in groups.fast[0][0]] == [
+        pairs[0][0].data_ptr(),
+        pairs[4][0].data_ptr(),
     ]
     assert [d.data_ptr() for d, _ in groups.rest] == [
         pairs[2][0].data_ptr(),
@@ -40,10 +45,15 @@ def test_fast_pairs_grouped_by_dtype_the_rest_apart() -> None:
 
 def test_grouped_copies_write_what_copy_writes() -> None:
     pairs = _pairs()
+    nans = torch.tensor([0x7FC1, -0x3F], dtype=torch.int16)  # NaNs with payloads
+    pairs[0][1].view(torch.int16)[3:5] = nans
     want = [d.clone().copy_(s) for d, s in pairs]
     phase = CopyPhase(copies_in=pairs)
     phase.unpack()
-    assert all(torch.equal(d, w) for (d, _), w in zip(pairs, want))
+    assert all(
+        torch.equal(d.view(torch.uint8), w.view(torch.uint8)) for (d, _), w in zip(pairs, want)
+    )
+    assert torch.equal(pairs[0][0].view(torch.int16)[3:5], nans)
     assert phase.launches == 4
 
 

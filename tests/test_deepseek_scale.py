@@ -93,7 +93,7 @@ def test_copies_are_grouped_into_few_launches(deepseek, inference_rank_0) -> Non
     rounds = len(program.rounds)
     assert program.num_copies > 18_000
     assert _strided(program) < 20
-    assert sum(program.launches_per_round) <= 5 * rounds
+    assert sum(program.launches_per_round) <= 8 * rounds  # ~380 copies a round, 64 a launch
     training = _program(deepseek, TRAINING_RANK)
     strided = _strided(training)
     assert strided > 2_000

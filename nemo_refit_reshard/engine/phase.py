@@ -18,6 +18,12 @@ def copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
 
+# Tensors one multi-tensor launch of a two-list op takes before ATen starts another:
+# 64 before CUDA 13 (its kernel-argument space), more after it; counted at the lower.
+TENSORS_PER_LAUNCH = 64
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _fast(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Whether ``_foreach_copy_`` can take ``(dst, src)`` on its multi-tensor path: same
     dtype and device, same shape, both dense (contiguous) — what ATen's
@@ -38,8 +44,12 @@ class CopyGroups:
     when *every* pair qualifies (:func:`_fast`), so one cast or strided pair sends the
     whole list down the per-pair path (one launch per pair: 19,258 copies a step on a
     DeepSeek-V3 inference rank, ~100 ms of host dispatch against ~25 ms of HBM traffic).
-    Here each ``(dtype, device)`` of fast pairs is one list, and the rest one list of
-    their own. Order within a phase does not matter: the destinations are disjoint."""
+    Here each ``(itemsize, device)`` of fast pairs is one list, and the rest one list of
+    their own. Order within a phase does not matter: the destinations are disjoint.
+
+    A fast list copies the pairs as integers of their width: the multi-tensor kernel
+    loads through a float ``opmath`` type, which on a GPU would turn every BF16/FP16 NaN
+    into the canonical one; an integer copy moves the bits, as ``copy_`` does."""
 
     fast: list[tuple[list[torch.Tensor], list[torch.Tensor]]]
     rest: list[tuple[torch.Tensor, torch.Tensor]]
@@ -48,13 +58,14 @@ class CopyGroups:
 
     @classmethod
     def of(cls, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> CopyGroups:
-        fast: dict[tuple[torch.dtype, torch.device], tuple[list, list]] = {}
+        fast: dict[tuple[int, torch.device], tuple[list, list]] = {}
         rest = []
         for d, s in pairs:
             if _fast(d, s):
-                dsts, srcs = fast.setdefault((d.dtype, d.device), ([], []))
-                dsts.append(d)
-                srcs.append(s)
+                bits = _INT_OF_WIDTH[d.element_size()]
+                dsts, srcs = fast.setdefault((d.element_size(), d.device), ([], []))
+                dsts.append(d.view(bits))
+                srcs.append(s.view(bits))
             else:
                 rest.append((d, s))
         return cls(list(fast.values()), rest, pairs, len(pairs))
@@ -66,9 +77,9 @@ class CopyGroups:
 
     @property
     def launches(self) -> int:
-        """Kernel launches on a GPU: one per fast list (per ~100 tensors: ATen's chunks
-        of a multi-tensor launch), one per other pair."""
-        return sum(-(-len(d) // 110) for d, _ in self.fast) + len(self.rest)
+        """Kernel launches on a GPU, at most: one per :data:`TENSORS_PER_LAUNCH` tensors of
+        a fast list, one per other pair."""
+        return sum(-(-len(d) // TENSORS_PER_LAUNCH) for d, _ in self.fast) + len(self.rest)
 
 
 @dataclass
