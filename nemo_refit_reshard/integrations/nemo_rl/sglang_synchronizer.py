@@ -22,14 +22,13 @@ HTTP refit does.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import ray
 
 from ..sglang.loader import LOADER, serialized_refit_command
-from .config import NemoRlConfigError, RefitConfig
 from .plans import plan_nemo_rl_sglang
 from .sglang_config import SGLANG_DELTA, check_sglang_servers
 from .synchronizer import ReshardWeightSynchronizer, gather
@@ -38,17 +37,7 @@ from .synchronizer import ReshardWeightSynchronizer, gather
 class ReshardSGLangWeightSynchronizer(ReshardWeightSynchronizer):
     """NeMo RL weight synchronizer for ``refit.backend: reshard`` with SGLang servers."""
 
-    def __init__(
-        self,
-        policy: Any,
-        generation: Any,
-        master_config: Mapping[str, Any],
-        refit: RefitConfig | None = None,
-    ) -> None:
-        super().__init__(policy, generation, master_config, refit)
-        if self._refit.delta:
-            raise NemoRlConfigError(SGLANG_DELTA)
-        self._gpus: list[str] = []
+    _delta_refused = SGLANG_DELTA
 
     def _servers(self) -> list[Any]:
         return list(self._generation.engines)  # the first node's actor of each server
@@ -99,7 +88,7 @@ class ReshardSGLangWeightSynchronizer(ReshardWeightSynchronizer):
         self.plan = plan = plan_nemo_rl_sglang(self._config, self._refit, reports, len(servers))
         print(plan, flush=True)
         t, tp = plan.num_policy, plan.infer.tp
-        self._gpus = [str(r["gpu"]) for r in sorted(reports, key=lambda r: int(r["rank"]))]
+        gpus = [str(r["gpu"]) for r in sorted(reports, key=lambda r: int(r["rank"]))]
         with self._released_on_failure():
             endpoint = self._endpoint(t)
             addresses = self._listen_colocated(plan, endpoint)
@@ -113,7 +102,7 @@ class ReshardSGLangWeightSynchronizer(ReshardWeightSynchronizer):
                         "endpoint_json": endpoint,
                         "first_rank": first,
                         "addresses": [addresses[h] for h in ranks],
-                        "host_gpus": [self._gpus[h] for h in ranks],
+                        "host_gpus": [gpus[h] for h in ranks],
                         "plan": plan.engine_slices(first, tp),
                         "fingerprint": plan.plan.fingerprint,
                     }

@@ -48,7 +48,7 @@ from ..vllm import (
     refit_step,
 )
 from ..worker import RefitEndpoint
-from .config import RefitConfig
+from .config import NemoRlConfigError, RefitConfig
 from .plans import NemoRlPlan, plan_nemo_rl
 
 _TP_PP = ["tensor_parallel", "pipeline_parallel"]
@@ -78,6 +78,9 @@ def gather(named: list[tuple[str, ray.ObjectRef]], what: str) -> list[Any]:
 class ReshardWeightSynchronizer(WeightSynchronizer):
     """NeMo RL weight synchronizer for ``refit.backend: reshard``, colocated or not."""
 
+    # Why a route (a subclass: its generation backend) cannot refit deltas; None: it can.
+    _delta_refused: str | None = None
+
     def __init__(
         self,
         policy: Any,
@@ -89,6 +92,8 @@ class ReshardWeightSynchronizer(WeightSynchronizer):
         self._generation = generation
         self._config = master_config
         self._refit = refit or RefitConfig(backend="reshard")
+        if self._refit.delta and self._delta_refused is not None:
+            raise NemoRlConfigError(self._delta_refused)
         self._stale = True
         self.plan: NemoRlPlan | None = None
         self.steps = 0
