@@ -125,13 +125,13 @@ def test_host_staged_waits_for_the_buffers_own_gpu() -> None:
     gpu1 = torch.device("cuda", 1)
     with fake_cuda():
         staged = HostStagedTransport(inner)
-        send = torch.zeros(64, dtype=torch.uint8, device=gpu1)
-        recv = torch.zeros(64, dtype=torch.uint8, device=gpu1)
+        send = torch.zeros(1 << 16, dtype=torch.uint8, device=gpu1)
+        recv = torch.zeros(1 << 16, dtype=torch.uint8, device=gpu1)
         staged.exchange([(1, send[:32])], [(1, recv[32:])])
         assert torch.cuda.current_stream(gpu1).synchronized == 1
         assert torch.cuda.current_stream(CUDA).synchronized == 0
         assert [b.device.type for b in inner.seen] == ["cpu", "cpu"]
-        assert staged.staged_bytes == 128  # one mirror per storage, not per span
+        assert staged.staged_bytes == 2 << 16  # one mirror per storage, not per span
 
 
 class _Loop:

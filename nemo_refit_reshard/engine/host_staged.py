@@ -8,7 +8,9 @@ staging storage* (page-locked when the buffer is on a GPU), made on first use an
 every step, and stands each message for the same byte range of its mirror: the host
 memory held is the staging size, whatever the number of messages (keyed per message
 instead, a DeepSeek-V3 inference rank's 1,758 spans pinned 39.6 GiB against 1 GiB of
-staging). ``start_exchange`` copies the outgoing buffers to their mirrors and
+staging; a buffer of a storage under :data:`MIRROR_MIN_BYTES`, such as a delta step's
+headers made anew each round, gets host bytes of its own for the one exchange).
+``start_exchange`` copies the outgoing buffers to their mirrors and
 synchronises the current stream of each buffer's own GPU once (gloo reads and writes
 host memory from its own threads: the copies into the send ranges, and earlier copies
 out of the receive ranges, must be done; the device is the buffer's, never the calling
@@ -27,6 +29,8 @@ import torch
 
 from .transport import Messages, PendingExchange, Transport
 
+MIRROR_MIN_BYTES = 1 << 16  # a storage this large or larger gets a mirror kept across steps
+
 
 class HostStagedTransport(Transport):
     """Wraps a host transport so that device buffers can be exchanged through it."""
@@ -40,22 +44,27 @@ class HostStagedTransport(Transport):
         self.staged_bytes = 0  # host memory held by the mirrors
 
     def pinned(self, buf: torch.Tensor) -> torch.Tensor:
-        """The host bytes that stand for ``buf``: its range of the mirror of its storage."""
+        """The host bytes that stand for ``buf``: its range of the mirror of its storage,
+        or, for a buffer of a small storage, host bytes of its own for this exchange."""
         storage = buf.untyped_storage()
+        nbytes = buf.numel() * buf.element_size()
+        # A meta buffer (sizing a rank at scale) gets meta bytes: no memory.
+        host = "meta" if buf.device.type == "meta" else "cpu"
+        pin = buf.device.type == "cuda"
+        if storage.nbytes() < MIRROR_MIN_BYTES:
+            # Small storages are made anew each round (a delta step's 32-byte headers):
+            # mirrored, they would pile up one per address ever used.
+            return torch.empty(nbytes, dtype=torch.uint8, device=host, pin_memory=pin)
         # The storage's identity (its StorageImpl, as torch.multiprocessing keys storages)
-        # and size: a storage freed and another of the same size made at its address may
-        # take over its mirror, which holds nothing between exchanges.
+        # and size: the staging and the delta scratch, made once per program.
         key = (str(buf.device), storage._cdata, storage.nbytes())
         mirror = self._mirrors.get(key)
         if mirror is None:
-            # A meta buffer (sizing a rank at scale) gets a meta mirror: no memory.
-            host = "meta" if buf.device.type == "meta" else "cpu"
-            pin = buf.device.type == "cuda"
             mirror = torch.empty(storage.nbytes(), dtype=torch.uint8, device=host, pin_memory=pin)
             self._mirrors[key] = mirror
             self.staged_bytes += mirror.numel()
         start = buf.storage_offset() * buf.element_size()
-        return mirror[start : start + buf.numel() * buf.element_size()]
+        return mirror[start : start + nbytes]
 
     def begin_step(self, step: int | None = None) -> int:
         return self.inner.begin_step(step)
