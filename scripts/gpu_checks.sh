@@ -42,8 +42,9 @@
 # a check killed at its limit or left without time, a pytest run in which no test passed
 # (all skipped, or none selected), and a GPU that nvidia-smi lists while torch sees none
 # (CUDA_VISIBLE_DEVICES unset). Exit 1 when any row is FAIL. PYTHON picks the
-# interpreter (default python3); GPU_CHECK_ARGS adds arguments to gpu-check (--quick,
-# --full). The last two checks fit no single GPU; with more, raise TOTAL_S (say 1300).
+# interpreter (default python3); GPU_CHECK_ARGS gives gpu-check's arguments (default
+# --quick: the DeepSeek-V3-scale --full run plans for ~50 s and moves ~40 GiB per rank,
+# past its limit here; set GPU_CHECK_ARGS=--full with a larger GPU_CHECK_S for it). The last two checks fit no single GPU; with more, raise TOTAL_S (say 1300).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -290,7 +291,7 @@ CUPY_MISSING="needs CuPy (pip install -e '.[gpu]'): ${P[cupy]:-not importable}"
 if cuda_or_row gpu-check && needs gpu-check "${P[cupy_ok]:-0}" "$CUPY_MISSING"; then
     # shellcheck disable=SC2086  # GPU_CHECK_ARGS: words on purpose
     run_check gpu-check "${GPU_CHECK_S:-95}" head_gpu_check - \
-        "$PYTHON" -m nemo_refit_reshard.cli gpu-check ${GPU_CHECK_ARGS:-}
+        "$PYTHON" -m nemo_refit_reshard.cli gpu-check ${GPU_CHECK_ARGS:---quick}
 fi
 
 # gpu-check's own quick run is the gpu-check row: not run twice.
