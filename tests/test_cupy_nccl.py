@@ -276,6 +276,45 @@ def test_a_good_round_is_one_group() -> None:
     assert (nccl.comm.aborts, len(t._order.after)) == (0, 1)
 
 
+def test_a_peer_that_never_reaches_the_round_cannot_hang_the_first_connection() -> None:
+    """NCCL connects a pair inside ``groupEnd`` the first time the pair is used, blocking
+    on the host until the peer comes: a live peer that never reaches the round would
+    hang the rank there. The first round to a peer is issued on a watchdog thread; past
+    the timeout the communicator is aborted (releasing the blocked call) and the step
+    fails naming the peer. Rounds to connected peers are issued inline."""
+    t, nccl = transport(rank=0, world=3, timeout_s=0.5)
+    released = threading.Event()
+    blocking = {"on": False}
+
+    def group_end() -> None:
+        nccl.log.append("groupEnd")
+        if blocking["on"]:
+            released.wait(30)  # NCCL's host wait for the peer's connection
+
+    def abort() -> None:
+        nccl.comm.aborts += 1
+        released.set()  # ncclCommAbort releases the blocked group end
+
+    nccl.groupEnd = group_end  # type: ignore[method-assign]
+    nccl.comm.abort = abort  # type: ignore[method-assign]
+    buf = torch.zeros(4, dtype=torch.uint8)
+    t.begin_step(1)
+    t.exchange([(1, buf)], [(1, buf)], round_index=0)  # peer 1 connects
+    assert t._connected == {1}
+    blocking["on"] = True
+    start = time.monotonic()
+    with pytest.raises(TransportError) as err:
+        t.start_exchange([(1, buf), (2, buf)], [], round_index=1)
+    assert time.monotonic() - start < 10
+    assert str(err.value) == (
+        "refit rank 0: step 1 round 1: NCCL could not connect to refit ranks [2] within "
+        "0.5 s: they never reached this round (communicator aborted)"
+    )
+    assert nccl.comm.aborts == 1 and released.is_set()
+    with pytest.raises(GroupUnusableError):
+        t.begin_step(2)
+
+
 # -- 4. no hang at join, at init, or while a peer is dead ----------------------------------
 
 

@@ -244,6 +244,9 @@ def open_communicator(
 # -- one round ----------------------------------------------------------------------------
 
 
+ABORT_JOIN_S = 5.0  # how long an aborted connecting round is given to return
+
+
 def issue_round(
     nccl: ModuleType, comm: Any, sends: Messages, recvs: Messages, stream_ptr: int
 ) -> None:
@@ -374,6 +377,7 @@ class CupyNcclTransport(Transport):
         self.guard = StepGuard(rank)
         self._syncs = 0  # store syncs (gathers, barriers) this rank has begun
         self._aborted = False
+        self._connected: set[int] = set()  # peers a round has already reached
 
     def begin_step(self, step: int | None = None) -> int:
         return self.guard.begin(step)
@@ -403,14 +407,55 @@ class CupyNcclTransport(Transport):
     ) -> _PendingNccl:
         self.guard.check()
         self._order.before_issue()
+        peers = {p for p, _ in [*sends, *recvs]}
         try:
-            issue_round(self._nccl, self.comm, sends, recvs, self._order.ptr)
+            if peers <= self._connected:
+                issue_round(self._nccl, self.comm, sends, recvs, self._order.ptr)
+            else:
+                self._issue_connecting(sends, recvs, peers - self._connected, round_index)
+        except TransportError:
+            raise
         except Exception as err:  # noqa: BLE001 - NCCL errors have several types
             raise self._fail(
                 f"refit rank {self.rank}: {self.guard.where(round_index)}NCCL launch failed "
                 f"({first_line(err)})"
             ) from err
+        self._connected |= peers
         return _PendingNccl(self, self._order.record_done(), round_index)
+
+    def _issue_connecting(
+        self, sends: Messages, recvs: Messages, new: set[int], round_index: int
+    ) -> None:
+        """A round that reaches a peer for the first time. NCCL connects a pair lazily,
+        inside ``ncclGroupEnd``, which waits on the host for the peer's side: a peer that
+        lives but never reaches this round would hang the rank there, out of reach of
+        every timeout. So the group is issued on a watchdog thread; past ``timeout_s``
+        the communicator is aborted (which releases the blocked call) and the step
+        fails, naming the peers."""
+        box: dict[str, BaseException] = {}
+        index = self.device.index if self.device is not None else 0
+
+        def issue() -> None:
+            try:
+                _use_device(index)
+                issue_round(self._nccl, self.comm, sends, recvs, self._order.ptr)
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+                box["error"] = err
+
+        thread = threading.Thread(target=issue, name=f"refit-nccl-connect-{self.rank}")
+        thread.daemon = True
+        thread.start()
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            error = self._fail(
+                f"refit rank {self.rank}: {self.guard.where(round_index)}NCCL could not "
+                f"connect to refit ranks {sorted(new)} within {self.timeout_s:g} s: they "
+                "never reached this round (communicator aborted)"
+            )
+            thread.join(ABORT_JOIN_S)  # the abort releases the blocked group end
+            raise error
+        if "error" in box:
+            raise box["error"]
 
     def _poll(self, done: Any, round_index: int = 0) -> None:
         start = time.monotonic()
