@@ -32,6 +32,7 @@ backend cannot export CUDA IPC handles at all: refused by name, saying what to s
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -127,15 +128,22 @@ def expandable_refusal(settings: str) -> str:
     )
 
 
+_ALLOCATING = threading.Lock()
+
+
 def allocate_shareable(nbytes: int, device: torch.device) -> tuple[torch.Tensor, tuple[Any, ...]]:
     """A uint8 tensor of ``max(nbytes, 1)`` bytes on the CUDA ``device`` from a
     ``cudaMalloc`` segment, and its ``_share_cuda_()`` fields."""
-    settings = allocator_settings()
-    path = allocation_path(settings, _allocator_backend())
-    tensor, fields = _allocate(nbytes, device, path)
-    if fields is None and path.name == "caching":  # set where neither record showed it
-        del tensor
-        tensor, fields = _allocate(nbytes, device, allocation_path(settings, expandable=True))
+    # One allocation at a time in a process: the allocator's settings are global, and
+    # another thread's window could turn expandable segments back on inside this one.
+    with _ALLOCATING:
+        settings = allocator_settings()
+        path = allocation_path(settings, _allocator_backend())
+        tensor, fields = _allocate(nbytes, device, path)
+        if fields is None and path.name == "caching":  # set where neither record showed it
+            del tensor
+            again = allocation_path(settings, expandable=True)
+            tensor, fields = _allocate(nbytes, device, again)
     if fields is None:
         raise StagingAllocatorRefused(expandable_refusal(settings))
     return tensor, fields
