@@ -54,8 +54,6 @@ from __future__ import annotations
 
 from ..spec.model import ModelSpec
 from ..spec.parallel import InferParallel
-from ..spec.quantization import FP8
-from .base import Box
 from .sglang_grid import sglang_pp_indices
 from .vllm import VllmRankWalker, vllm_padded_vocab
 from .vllm_releases import VllmOptions
@@ -63,6 +61,8 @@ from .vllm_releases import VllmOptions
 
 class SglangRank(VllmRankWalker):
     """One SGLang rank's tensors; ``fuse_shared``: the shared expert lives in ``experts``."""
+
+    fused_qkv_a = "fused_qkv_a_proj_with_mqa"  # a ReplicatedLinear, as vLLM's fused_qkv_a_proj
 
     def __init__(
         self,
@@ -91,39 +91,11 @@ class SglangRank(VllmRankWalker):
             "whole blocks)"
         )
 
-    def mla(self, p: str) -> None:
-        a, h, nq = self.a, self.a.hidden_size, self.a.num_attention_heads
-        m = a.mla
-        assert m is not None
-        if m.q_lora_rank is None:
-            super().mla(p)  # q_proj and kv_a_proj_with_mqa: vLLM's names and shards
-            return
-        kv_a, q_lora = m.kv_lora_rank + m.qk_rope_head_dim, m.q_lora_rank
-        name, q_a = f"{p}.fused_qkv_a_proj_with_mqa.weight", f"{p}.q_a_proj.weight"
-        self.b.tensor(name, (q_lora + kv_a, h), self.weight_dtype(q_a))
-        segments = [
-            (0, q_lora, q_a, 0),
-            (q_lora, kv_a, f"{p}.kv_a_proj_with_mqa.weight", 0),
-        ]
-        self.b.rows(name, segments, 0, q_lora + kv_a)
-        if self.fp8(q_a):  # its scale: each part's block rows, stacked (vLLM's rule)
-            self.scale_rows(name, (q_lora + kv_a, h), segments, 0, q_lora + kv_a)
-        self.replicated(f"{p}.q_a_layernorm.weight", (q_lora,))
-        self.column(f"{p}.q_b_proj.weight", f"{p}.q_b_proj.weight", nq * m.qk_head_dim, q_lora)
-        self.replicated(f"{p}.kv_a_layernorm.weight", (m.kv_lora_rank,))
-        self.column(
-            f"{p}.kv_b_proj.weight",
-            f"{p}.kv_b_proj.weight",
-            nq * (m.qk_nope_head_dim + m.v_head_dim),
-            m.kv_lora_rank,
-        )
-        self.row(f"{p}.o_proj.weight", f"{p}.o_proj.weight", h, nq * m.v_head_dim)
-
     def fused_moe(self, p: str) -> None:
         a, par = self.a, self.par
         moe = a.moe
         assert moe is not None
-        h, fe, e_total = a.hidden_size, moe.expert_intermediate_size, moe.num_experts
+        fe, e_total = moe.expert_intermediate_size, moe.num_experts
         moe_tp = self.ffn_tp // par.ep
         ep_rank, tp_rank = self.ffn_rank // moe_tp, self.ffn_rank % moe_tp
         n_routed = e_total // par.ep
@@ -131,24 +103,10 @@ class SglangRank(VllmRankWalker):
         if self.fuse_shared:
             experts.append(f"{p}.shared_experts")  # loaded as experts.E, in the last slot
         n = fe // moe_tp
-        w13, w2 = f"{p}.experts.w13_weight", f"{p}.experts.w2_weight"
         dtype = self.weight_dtype(f"{experts[0]}.gate_proj.weight")
-        self.b.tensor(w13, (len(experts), 2 * n, h), dtype)
-        self.b.tensor(w2, (len(experts), h, n), dtype)
-        lo = tp_rank * n
-        if dtype == FP8:  # SGLang's Fp8MoEMethod: vLLM's scale names, shapes and slices
-            self.expert_scales(f"{p}.experts", experts, n, lo, h)  # a fused shared one too
-        gate_up, down = Box((lo, 0), (n, h)), Box((0, lo), (h, n))
-        halves = (("gate_proj", 0), ("up_proj", n))
-        w13_slots = [
-            (f"{hf}.{half}.weight", (j, row, 0))
-            for j, hf in enumerate(experts)
-            for half, row in halves
-        ]
-        self.b.stacked_pieces(w13, gate_up, w13_slots)
-        self.b.stacked_pieces(
-            w2, down, [(f"{hf}.down_proj.weight", (j, 0, 0)) for j, hf in enumerate(experts)]
-        )
+        # vLLM's tensors, and with FP8 (SGLang's Fp8MoEMethod) its scale names, shapes and
+        # slices, under SGLang's module name
+        self.expert_weights(f"{p}.experts", experts, dtype, n, tp_rank * n)
 
     def dense_mlp(
         self, p: str, hf: str, ffn: int, tp: int | None = None, rank: int | None = None
@@ -193,11 +151,7 @@ class SglangRank(VllmRankWalker):
         if first:
             self.vocab("model.embed_tokens.weight", "model.embed_tokens.weight")
         for layer in range(start, end):
-            p = f"model.layers.{layer}"
-            self.replicated(f"{p}.input_layernorm.weight", (h,))
-            self.attention(f"{p}.self_attn")
-            self.replicated(f"{p}.post_attention_layernorm.weight", (h,))
-            self.mlp(layer, f"{p}.mlp")
+            self.decoder_layer(layer)
         if last:
             self.replicated("model.norm.weight", (h,))
         # A tied DeepSeek at pp=1 is lm_head = embed_tokens (deepseek_v2.py ~3288); tied

@@ -94,6 +94,10 @@ class VllmRankWalker(Fp8Layout):
     """Walks the model's modules in vLLM's order, building one rank's local tensors and
     their pieces (``layouts/sglang_walk.py`` subclasses it for SGLang's names)."""
 
+    # MLA's fused ``[q_a_proj ; kv_a_proj_with_mqa]``, replicated: vLLM's module name (the
+    # one thing SGLang, which builds the same tensor, names otherwise).
+    fused_qkv_a = "fused_qkv_a_proj"
+
     def __init__(self, spec: ModelSpec, par: InferParallel, rank: int, opts: VllmOptions):
         self.spec = spec
         self.a = spec.arch
@@ -216,7 +220,7 @@ class VllmRankWalker(Fp8Layout):
             self.replicated(f"{p}.kv_a_proj_with_mqa.weight", (kv_a, h))
         else:
             # fused_qkv_a_proj = [q_a_proj ; kv_a_proj_with_mqa], replicated (disable_tp).
-            name, q_a = f"{p}.fused_qkv_a_proj.weight", f"{p}.q_a_proj.weight"
+            name, q_a = f"{p}.{self.fused_qkv_a}.weight", f"{p}.q_a_proj.weight"
             self.b.tensor(name, (m.q_lora_rank + kv_a, h), self.weight_dtype(q_a))
             segments = [
                 (0, m.q_lora_rank, q_a, 0),
@@ -243,7 +247,7 @@ class VllmRankWalker(Fp8Layout):
         a, par, pos = self.a, self.par, self.pos
         moe = a.moe
         assert moe is not None
-        h, fe, e_total = a.hidden_size, moe.expert_intermediate_size, moe.num_experts
+        fe, e_total = moe.expert_intermediate_size, moe.num_experts
         m_size, m_rank = par.moe_size, pos.edp * par.tp + pos.tp
         if par.expert_parallel:
             first, stop = vllm_expert_range(e_total, m_size, m_rank)
@@ -251,28 +255,36 @@ class VllmRankWalker(Fp8Layout):
         else:
             first, stop = 0, e_total
             shard, shard_rank = m_size, m_rank
-        n_local, n = stop - first, fe // shard
-        module = f"{p}.{self.release.expert_module}"
-        w13, w2 = f"{module}.w13_weight", f"{module}.w2_weight"
+        n = fe // shard
         dtype = self.weight_dtype(f"{p}.experts.{first}.gate_proj.weight")
-        self.b.tensor(w13, (n_local, 2 * n, h), dtype)
-        self.b.tensor(w2, (n_local, h, n), dtype)
-        lo = shard_rank * n
+        experts = [f"{p}.experts.{e}" for e in range(first, stop)]
+        self.expert_weights(f"{p}.{self.release.expert_module}", experts, dtype, n, shard_rank * n)
+
+    def expert_weights(self, module: str, experts: list[str], dtype: str, n: int, lo: int) -> None:
+        """A FusedMoE's ``w13_weight`` and ``w2_weight`` (and block-FP8 scales) holding the
+        local ``experts`` (their checkpoint modules, in slot order), each sliced to the
+        intermediate rows ``[lo, lo + n)``. SGLang's FusedMoE holds them alike
+        (``layouts/sglang_walk.py``, a fused shared expert among them)."""
+        h = self.a.hidden_size
+        w13, w2 = f"{module}.w13_weight", f"{module}.w2_weight"
+        self.b.tensor(w13, (len(experts), 2 * n, h), dtype)
+        self.b.tensor(w2, (len(experts), h, n), dtype)
         if dtype == FP8:
-            self.expert_scales(module, [f"{p}.experts.{e}" for e in range(first, stop)], n, lo, h)
+            self.expert_scales(module, experts, n, lo, h)
         # Every expert reads the same canonical boxes: build them once (DeepSeek-V3 at
-        # tp=32 has 1.5 million expert pieces per rank set). Slot j < n_local and rows
-        # [half * n, half * n + n) lie inside (n_local, 2n, h) by construction.
+        # tp=32 has 1.5 million expert pieces per rank set). Slot j < len(experts) and rows
+        # [half * n, half * n + n) lie inside (len(experts), 2n, h) by construction.
         gate_up, down = Box((lo, 0), (n, h)), Box((0, lo), (h, n))
-        experts = [(j, f"{p}.experts.{e}") for j, e in enumerate(range(first, stop))]
         # w13's pieces in expert order, each expert's gate before its up
         halves = (("gate_proj", 0), ("up_proj", n))
         w13_slots = [
-            (f"{hf}.{half}.weight", (j, row, 0)) for j, hf in experts for half, row in halves
+            (f"{hf}.{half}.weight", (j, row, 0))
+            for j, hf in enumerate(experts)
+            for half, row in halves
         ]
         self.b.stacked_pieces(w13, gate_up, w13_slots)
         self.b.stacked_pieces(
-            w2, down, [(f"{hf}.down_proj.weight", (j, 0, 0)) for j, hf in experts]
+            w2, down, [(f"{hf}.down_proj.weight", (j, 0, 0)) for j, hf in enumerate(experts)]
         )
 
     def mlp(self, layer: int, p: str) -> None:
@@ -308,15 +320,20 @@ class VllmRankWalker(Fp8Layout):
         if first or everywhere or (tied and last):
             self.vocab("model.embed_tokens.weight", "model.embed_tokens.weight")
         for layer in range(start, end):
-            p = f"model.layers.{layer}"
-            self.replicated(f"{p}.input_layernorm.weight", (h,))
-            self.attention(f"{p}.self_attn")
-            self.replicated(f"{p}.post_attention_layernorm.weight", (h,))
-            self.mlp(layer, f"{p}.mlp")
+            self.decoder_layer(layer)
         if last or everywhere:
             self.replicated("model.norm.weight", (h,))
             if not tied:
                 self.vocab("lm_head.weight", "lm_head.weight")
+
+    def decoder_layer(self, layer: int) -> None:
+        """Decoder layer ``layer``'s parameters, in the order vLLM's (and SGLang's) model
+        classes register them."""
+        p, h = f"model.layers.{layer}", self.a.hidden_size
+        self.replicated(f"{p}.input_layernorm.weight", (h,))
+        self.attention(f"{p}.self_attn")
+        self.replicated(f"{p}.post_attention_layernorm.weight", (h,))
+        self.mlp(layer, f"{p}.mlp")
 
 
 @paused_gc
