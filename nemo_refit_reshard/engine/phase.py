@@ -12,8 +12,16 @@ from .transport import Transport
 
 
 def copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src)`` for every ``(dst, src)``, in one dispatch (casting where the
-    dtypes differ)."""
+    """``dst.copy_(src)`` for every ``(dst, src)`` (casting where the dtypes differ), as
+    few launches as :class:`CopyGroups` makes of them: for lists made per step (a delta
+    step's dense messages, a colocated guest's unpack); a compiled phase keeps its
+    groups instead (:meth:`CopyPhase._grouped`)."""
+    if pairs:
+        CopyGroups.of(pairs).run()
+
+
+def _copy_each(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """One ``_foreach_copy_`` over ``pairs``: its per-pair path when any pair is not fast."""
     if pairs:
         torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
@@ -73,7 +81,7 @@ class CopyGroups:
     def run(self) -> None:
         for dsts, srcs in self.fast:
             torch._foreach_copy_(dsts, srcs)
-        copy_pairs(self.rest)
+        _copy_each(self.rest)
 
     @property
     def launches(self) -> int:
