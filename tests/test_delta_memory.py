@@ -94,3 +94,72 @@ def test_plan_json_counts_delta_bytes_in_the_peak(tmp_path: Path, capsys) -> Non
         assert [r["delta"] for r in memory["ranks"]] == [m.to_json() for m in ranks]
     assert reports["device"]["max_peak_extra_bytes"] > reports["host"]["max_peak_extra_bytes"]
     assert reports["host"]["max_delta_host_bytes"] == max(m.host_baselines for m in ranks)
+
+
+@pytest.mark.parametrize("free_gib, place", [(64, "cuda"), (0.0001, "cpu")])
+def test_auto_keeps_baselines_on_the_gpu_only_where_they_fit(
+    monkeypatch, free_gib: float, place: str
+) -> None:
+    """``baseline="auto"`` (the default): a training rank's baselines on its GPU while
+    they take at most half its free memory, else in pinned host memory — the reported
+    host figure then; forwarding inference ranks in host memory either way."""
+    spec = spec_from_hf_config(MODELS["qwen3"])
+    src, dst = refit_layouts(spec, TrainParallel.parse("tp=2"), InferParallel.parse("tp=2"))
+    plan = plan_refit(spec, src, dst, 0.05)
+    free = int(free_gib * 2**30)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * 2**30))
+    options = DeltaOptions(cpu_kernel="numpy")
+    assert options.baseline == "auto"
+    with fake_cuda():
+        program = DeltaProgram(
+            RankProgram(plan, 0, empty_like_layout(src[0], 0.0, CUDA), CUDA), plan, options
+        )
+        program.learn_fixed([[]] * plan.num_sources + [[]] * plan.num_destinations)
+        program._gathering.shutdown()
+    assert program.baselines and {b.device.type for b in program.baselines.values()} == {place}
+    assert program.baseline_place == ("device" if place == "cuda" else "host")
+    want = delta_memory(plan, program.baseline_place)[0]
+    assert program.baseline_bytes == want.baselines + want.host_baselines
+
+
+@pytest.mark.parametrize("baseline", ["device", "host"])
+def test_colocated_hosts_report_what_they_allocate(baseline: str) -> None:
+    """A colocated plan (4 training ranks, 2 of them hosting a vLLM rank): each host's
+    ``ColocatedDelta`` — its own baselines and scratch, its guest's receiving scratch,
+    the copies it holds of its guest's messages — is what ``plan --delta`` reports."""
+    from nemo_refit_reshard.engine.colocated import ColocatedHost
+    from nemo_refit_reshard.engine.materialize import empty_like_layout as empty
+    from nemo_refit_reshard.plan import Colocation
+
+    spec = spec_from_hf_config(MODELS["qwen3"])
+    src, dst = refit_layouts(spec, TrainParallel.parse("tp=2,dp=2"), InferParallel.parse("tp=2"))
+    plan = plan_refit(spec, src, dst, 0.05, colocation=Colocation.same_index(4, 2))
+    reported = delta_memory(plan, baseline)
+    options = DeltaOptions(baseline=baseline, cpu_kernel="numpy")
+    s = plan.num_sources
+    assert reported[s:] == [DeltaMemory(0, 0, 0)] * 2
+    totals: list[tuple[int, int]] = []
+    for rank in range(s):
+        guest = plan if rank in plan.colocated_hosts else None
+        host = ColocatedHost(plan, guest, rank, empty(src[rank], 0.0), "cpu", options)
+        try:
+            d = host.delta
+            assert d is not None
+            kept = sum(b.numel() for b in d.own.baselines.values())
+            programs = [d.own] + ([d.guest] if d.guest is not None else [])
+            scratch = sum(p._encoded.numel() + p._received.numel() for p in programs)
+            held = sum(b.numel() for b in d.guest.held.values()) if d.guest else 0
+            want = reported[rank]
+            assert (want.baselines + want.host_baselines, want.scratch, want.held) == (
+                kept,
+                scratch,
+                held,
+            )
+            assert want.host_baselines == (kept if baseline == "host" else 0)
+            totals.append((kept, held))
+        finally:
+            for p in programs:
+                p._gathering.shutdown()
+            host.close()
+    # rank 2 sends host 1's guest its half of the model; host 1 holds a copy of it
+    assert totals == [(0, 0), (0, 4608), (4608, 0), (0, 0)]

@@ -59,6 +59,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         summary["delta_baseline_bytes"] = baseline_memory(timed.plan)
         baseline = getattr(args, "delta_baseline", "device")
         summary["memory"] = delta_memory_report(timed.plan, summary["memory"], baseline)
+        if cfg.colocated:  # the hosts' baselines, scratch and held copies of guests' messages
+            memory = summary["colocated"]["memory"]
+            summary["colocated"]["memory"] = delta_memory_report(colocated, memory, baseline)
     if args.out:
         write_plan_file(args.out, timed.plan.to_json())
     if args.json:
@@ -84,6 +87,8 @@ def mem_row(memory: dict[str, Any]) -> str:
         text += f"; FP8 shadow scratch up to {mib(memory['max_fp8_scratch'])}"
     if "delta_baseline" in memory:
         text += f"; with the delta refit's baselines ({memory['delta_baseline']}) and scratch"
+        if memory["max_delta_host_bytes"]:
+            text += f"; host memory up to {mib(memory['max_delta_host_bytes'])}"
     return text + ")"
 
 

@@ -10,6 +10,10 @@ A rank's ``DeltaProgram`` allocates, once:
   training rank in BF16 keeps ~5.5 GiB of them: where its GPU cannot, ``"host"``.
 * **scratch**, on the device: the encoded payloads of a round (one send staging's
   bytes) and the received ones (one receive staging's), whatever the baselines' place.
+* **held** (a colocated host, ``engine/colocated_delta.py``): in host memory, the last
+  content of each message its guest receives from the other hosts; the host's scratch
+  then also receives its guest's payloads (one guest receive staging). The guest's own
+  process adds nothing.
 
 ``plan --json --delta`` reports both per rank, and the peak extra bytes of a rank's
 device include the device-resident ones (``tests/test_delta_memory.py`` compiles every
@@ -35,6 +39,7 @@ class DeltaMemory:
     baselines: int
     host_baselines: int
     scratch: int
+    held: int = 0  # host memory: a colocated host's copies of its guest's messages
 
     @property
     def device_bytes(self) -> int:
@@ -47,12 +52,13 @@ class DeltaMemory:
 
 def delta_memory(plan: RefitPlan, baseline: str = "device") -> list[DeltaMemory]:
     """Per refit-group rank, what its ``DeltaProgram`` allocates with baselines kept at
-    ``baseline`` (``"device"`` or ``"host"``), separate pools (a colocated plan's delta
-    memory is its hosts': not reported here)."""
+    ``baseline`` (``"device"`` or ``"host"``); a colocated plan's, as its hosts'
+    ``ColocatedDelta`` allocate it."""
     if baseline not in BASELINE_PLACES:
         raise ValueError(f"delta baseline={baseline!r}: choose one of {list(BASELINE_PLACES)}")
+    world = plan.num_sources + plan.num_destinations
     if plan.colocated_hosts:
-        raise ValueError("delta_memory reports separate pools; this plan is colocated")
+        return [_colocated(plan, r, baseline) for r in range(world)]
     kept = baseline_memory(plan)
     out = []
     for rank, nbytes in enumerate(kept):
@@ -68,6 +74,36 @@ def delta_memory(plan: RefitPlan, baseline: str = "device") -> list[DeltaMemory]
     return out
 
 
+def _colocated(plan: RefitPlan, rank: int, baseline: str) -> DeltaMemory:
+    """Training rank ``rank`` of a colocated plan: baselines of its distinct messages to
+    the other hosts' guests (nothing of them fixed: every receiver holds its copy), the
+    scratch of its own program and of its guest's receiving half, and the copies it
+    holds of its guest's messages from the other hosts. A guest: nothing."""
+    s = plan.num_sources
+    if rank >= s:
+        return DeltaMemory(0, 0, 0)
+    hosts = plan.colocated_hosts
+    guest = s + hosts.index(rank) if rank in hosts else None
+    sent = [m for m in plan.messages_of(rank) if m.dst != guest]  # its guest's: no wire
+    own = staging_sizes(sent, rank, plan.num_rounds)
+    distinct = {
+        (m.round, tuple((t.src_tensor, t.src_box, t.dtype) for t in m.transfers)): m
+        for m in sent
+        if m.src == rank
+    }
+    kept = sum(sum(t.nbytes for t in m.transfers) for m in distinct.values())
+    scratch, held = own.send + own.recv, 0
+    if guest is not None:
+        received = plan.messages_of(guest)
+        half = staging_sizes(received, guest, plan.num_rounds)
+        scratch += half.send + half.recv
+        held = sum(
+            sum(t.nbytes for t in m.transfers) for m in received if m.dst == guest and m.src != rank
+        )
+    on_host = baseline == "host"
+    return DeltaMemory(0 if on_host else kept, kept if on_host else 0, scratch, held)
+
+
 def delta_memory_report(plan: RefitPlan, memory: dict, baseline: str = "device") -> dict:
     """``plan --json``'s ``memory`` with the delta refit's bytes added (``--delta``): per
     rank its delta figures under ``ranks[i]["delta"]``, ``peak_extra_bytes`` and its
@@ -79,7 +115,7 @@ def delta_memory_report(plan: RefitPlan, memory: dict, baseline: str = "device")
         "delta_baseline": baseline,
         "peak_extra_bytes": peaks,
         "max_peak_extra_bytes": max(peaks, default=0),
-        "max_delta_host_bytes": max((d.host_baselines for d in ranks), default=0),
+        "max_delta_host_bytes": max((d.host_baselines + d.held for d in ranks), default=0),
         "ranks": [{**r, "delta": d.to_json()} for r, d in zip(memory["ranks"], ranks)],
     }
 
