@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -87,7 +88,9 @@ def test_gpu_check_program_checks_on_cpu() -> None:
         torch.device("cpu"), "small-qwen3", TrainParallel(tp=2, pp=2), InferParallel(tp=4, dp=2),
         1, 0, MegatronOptions(), repeats=1, bucket_mb=0.5,
     )  # fmt: skip
-    assert "rounds)" in rows[0].figure and " 1 rounds" not in rows[0].figure
+    assert "rounds, " in rows[0].figure and " 1 rounds" not in rows[0].figure
+    # every copy grouped: a launch per message at most (CPU pairs are all dense here)
+    assert re.search(r"\d+ copy launches for \d+ copies\)$", rows[0].figure)
     assert [r.check for r in rows] == [
         "pack, training rank 1",
         "replay training rank 1: serial / overlapped",

@@ -287,9 +287,11 @@ def _rank_checks(r: RankCase, device: torch.device, repeats: int) -> list[Row]:
     with torch.no_grad():
         rate = moved / _timed(work, device, repeats) / 1e9
     peak = copy_gbps(device, mem.reference, repeats)
+    launches = sum(serial.launches_per_round)
     rows.append(
         Row(f"{what}, {label}", f"{rate:,.0f} GB/s vs copy {peak:,.0f} GB/s "
-            f"({moved / 2**30:,.2f} GiB, {len(serial.rounds)} rounds)", f"{rate / peak:.2f}")
+            f"({moved / 2**30:,.2f} GiB, {len(serial.rounds)} rounds, {launches:,} copy "
+            f"launches for {serial.num_copies:,} copies)", f"{rate / peak:.2f}")
     )  # fmt: skip
     # Overlapped vs serial replay through the loopback wire.
     t_serial = _timed(lambda: serial.replay(wire), device, repeats)
