@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 from ..engine.shm_segments import sweep_orphans
 from ..plan import Colocation, RankPlan, RefitPlan, plan_refit
 from .config import RunConfig, build_layouts
-from .spawn import RunResult, spawn_ranks
+from .spawn import RunResult, report_rank, spawn_ranks
 
 BACKEND = "reshard-colocated"
 
@@ -51,19 +50,12 @@ def run_colocated(
 
 
 def _worker(rank: int, cfg_json: str, plan_path: str, port: int, out: str, secret: str) -> None:
-    import torch
+    """One spawned rank, reported as ``spawn.py``'s are."""
 
-    torch.set_num_threads(1)
-    result: dict[str, Any] = {"rank": rank, "backends": {}}
-    try:
-        cfg = RunConfig(**json.loads(cfg_json))
-        _run(rank, cfg, Path(plan_path), port, secret, result)
-    except BaseException as err:  # reported to the driver
-        result["error"] = f"{type(err).__name__}: {err}"
-        result["traceback"] = traceback.format_exc()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    if "error" in result:
-        os._exit(1)
+    def run(result: dict[str, Any]) -> None:
+        _run(rank, RunConfig(**json.loads(cfg_json)), Path(plan_path), port, secret, result)
+
+    report_rank(rank, out, run)
 
 
 def _run(

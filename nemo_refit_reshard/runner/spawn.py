@@ -169,20 +169,31 @@ def _read_int(path: Path) -> int:
         return 0  # not written yet, or caught mid-write
 
 
-def _worker(rank: int, cfg_json: str, plan_path: str, port: int, out_dir: str, secret: str) -> None:
-    """One spawned rank: run it and write its report, errors included, for the driver."""
+def report_rank(rank: int, out_dir: str, run: Callable[[dict[str, Any]], None]) -> None:
+    """One spawned rank (of this runner or ``colocated.py``'s): ``run(report)`` fills its
+    report; written whatever happens, an error included, for the driver (which decides
+    what to raise). A failed rank exits non-zero at once: peers waiting on it see it."""
     import torch
 
     torch.set_num_threads(1)
     result: dict[str, Any] = {"rank": rank, "backends": {}}
     try:
-        _run_rank(rank, RunConfig(**json.loads(cfg_json)), plan_path, port, secret, result)
+        run(result)
     except BaseException as err:  # reported to the driver, which decides what to raise
         result["error"] = f"{type(err).__name__}: {err}"
         result["traceback"] = traceback.format_exc()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     if "error" in result:
         os._exit(1)
+
+
+def _worker(rank: int, cfg_json: str, plan_path: str, port: int, out_dir: str, secret: str) -> None:
+    """One spawned rank: run it and write its report, errors included, for the driver."""
+
+    def run(result: dict[str, Any]) -> None:
+        _run_rank(rank, RunConfig(**json.loads(cfg_json)), plan_path, port, secret, result)
+
+    report_rank(rank, out_dir, run)
 
 
 def _run_rank(
