@@ -27,15 +27,24 @@ HBM speed), and one small exchange (16 bytes a message) — measured in
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from .delta_rounds import FIXED, Incoming, Outgoing, Round
 from .transport import Transport
 
-if TYPE_CHECKING:
-    from .delta import DeltaProgram
+
+class DeltaRank(Protocol):
+    """What the check reads of a rank's ``DeltaProgram`` (``engine/delta.py``), which
+    imports this module."""
+
+    device: torch.device
+    rounds: list[Round]
+    baselines: dict[int, torch.Tensor]
+    fixed_out: dict[tuple[int, int], tuple[tuple[int, int], ...]]
+    base_fingerprints: dict[tuple[int, int], torch.Tensor]
+
 
 FINGERPRINT_BYTES = 16
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -92,7 +101,7 @@ def pairs_in_order(rounds: Sequence[Round], outgoing: bool) -> dict[int, list[tu
     return out
 
 
-def baseline_fingerprints(program: DeltaProgram) -> dict[tuple[int, int], torch.Tensor]:
+def baseline_fingerprints(program: DeltaRank) -> dict[tuple[int, int], torch.Tensor]:
     """``(round, index among the round's outgoing messages)`` -> the fingerprint of the
     baseline a delta of that message is taken against (after a step, or a prime: the
     baselines hold the messages sent)."""
@@ -106,7 +115,7 @@ def baseline_fingerprints(program: DeltaProgram) -> dict[tuple[int, int], torch.
 
 
 def exchange_fingerprints(
-    program: DeltaProgram, transport: Transport, versions: Sequence[int], mine: int
+    program: DeltaRank, transport: Transport, versions: Sequence[int], mine: int
 ) -> tuple[set[tuple[int, int]], int]:
     """Before a step's first round (not a dense one): every rank sends each sender the
     fingerprints of the messages it receives from it, as its live tensors hold them
