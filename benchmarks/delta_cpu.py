@@ -16,7 +16,7 @@ delta's step time meets the dense one on this machine) comes from the learning r
 run. ``--kernels``: the CPU ranks' delta path (``DeltaOptions.cpu_kernel``), each in a run
 of its own with its own dense rows (numba: compiled kernels, no pack; numpy: pack, then
 numpy's passes). ``--checks``: the per-step check of each delta's base against its
-receiver (``engine/delta_check.py``) on and off, each in a run of its own.
+receiver (``engine/delta/check.py``) on and off, each in a run of its own.
 """
 
 from __future__ import annotations

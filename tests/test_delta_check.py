@@ -1,4 +1,4 @@
-"""Delta refit's base check (``engine/delta_check.py``): weights changed outside the
+"""Delta refit's base check (``engine/delta/check.py``): weights changed outside the
 refit are found before the step and their messages go dense, so every step still
 arrives bit-exact; without the check (``DeltaOptions(check=False)``) the same changes
 become permanent corruption (asserted too: the tests show what they guard against)."""
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_refit_reshard.engine.delta_check import baseline_fingerprint, unit_sums
-from nemo_refit_reshard.engine.delta_options import DeltaOptions
+from nemo_refit_reshard.engine.delta.check import baseline_fingerprint, unit_sums
+from nemo_refit_reshard.engine.delta.options import DeltaOptions
 from tests.helpers.delta_threads import DeltaGroup
 from tests.helpers.model_configs import MODELS
 

@@ -1,11 +1,11 @@
-"""engine/delta_codec.py: exact forms, sizes and round trips of a message's delta."""
+"""engine/delta/codec.py: exact forms, sizes and round trips of a message's delta."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from nemo_refit_reshard.engine.delta_codec import (
+from nemo_refit_reshard.engine.delta.codec import (
     BITMAP,
     DENSE,
     GAPS,
@@ -134,7 +134,7 @@ def test_gaps_are_one_byte_up_to_255_then_four_bytes_after_the_units() -> None:
 
 def test_the_gpu_gap_code_gives_the_numpy_bytes_on_cpu_tensors() -> None:
     """The torch ops the GPU path runs, on CPU tensors: the same gap bytes and indices."""
-    from nemo_refit_reshard.engine.delta_codec import _gaps, _gaps_torch, _ungap, _ungap_torch
+    from nemo_refit_reshard.engine.delta.codec import _gaps, _gaps_torch, _ungap, _ungap_torch
 
     index = torch.tensor([0, 1, 255, 256, 70_000, 70_255, 4_000_000_000])
     short, wide = _gaps(index)
@@ -150,7 +150,7 @@ def test_the_gpu_gap_code_gives_the_numpy_bytes_on_cpu_tensors() -> None:
 def test_a_gaps_payload_that_disagrees_with_its_header_is_refused() -> None:
     """Gaps past the message's end, or a payload of another length than its gap bytes
     say, raise before anything is written."""
-    from nemo_refit_reshard.engine.delta_codec import decode
+    from nemo_refit_reshard.engine.delta.codec import decode
 
     values = torch.tensor([5, 0, 6, 0], dtype=torch.uint8)  # two bf16 units
     past_end = torch.cat([values, torch.tensor([200, 100], dtype=torch.uint8)])
@@ -185,7 +185,7 @@ def test_fixed_ranges_join_the_changed_units() -> None:
 def test_a_strided_live_run_takes_exactly_its_changed_elements() -> None:
     """A run into a column slice of a live tensor (as a TP shard's rows of a wider
     tensor): the delta writes the changed elements in place and nothing else."""
-    from nemo_refit_reshard.engine.delta_rounds import DIRECT, Incoming, RunIn, place
+    from nemo_refit_reshard.engine.delta.rounds import DIRECT, Incoming, RunIn, place
 
     whole = torch.full((4, 6), 7.0, dtype=torch.bfloat16)
     live = whole[:, 1:4]  # 4 x 3, strided
@@ -214,7 +214,7 @@ def test_headers_are_32_bytes_and_refuse_garbage() -> None:
 def test_the_cuda_path_gives_the_cpu_paths_bytes(form: int) -> None:
     """The torch ops a GPU runs give byte for byte the payload the numpy path gives, and
     patch a message back to the same bytes; scatters into strided live views too."""
-    from nemo_refit_reshard.engine.delta_rounds import DIRECT, Incoming, RunIn, place
+    from nemo_refit_reshard.engine.delta.rounds import DIRECT, Incoming, RunIn, place
 
     g = torch.Generator().manual_seed(1)
     base = torch.randint(0, 256, (2 * 4096,), dtype=torch.uint8, generator=g)

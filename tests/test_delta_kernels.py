@@ -1,4 +1,4 @@
-"""engine/delta_kernels.py: the compiled CPU path gives the numpy path's bytes exactly —
+"""engine/delta/kernels.py: the compiled CPU path gives the numpy path's bytes exactly —
 the changed units, the ``GAPS`` payload, the baseline it leaves, the decoded indices and
 the receiver's scattered elements — for runs read where they live (strided rows
 included), at every pattern the codec's tests use."""
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_refit_reshard.engine import delta_kernels
 from nemo_refit_reshard.engine.delta import DeltaOptions
-from nemo_refit_reshard.engine.delta_codec import (
+from nemo_refit_reshard.engine.delta import kernels as delta_kernels
+from nemo_refit_reshard.engine.delta.codec import (
     GAPS,
     MAX_GAP,
     Header,
@@ -144,8 +144,8 @@ def test_several_runs_continue_one_message_and_the_values_stop_at_their_room() -
 @pytest.mark.parametrize("shape, view", [((6, 40), (slice(None), slice(8, 30))), ((300,), None)])
 def test_the_compiled_scatter_writes_what_numpy_writes(shape, view) -> None:
     """Into a shard's columns (strided rows) and a whole tensor: the elements numpy's
-    scatter (``delta_rounds._scatter``) writes, and nothing else."""
-    from nemo_refit_reshard.engine.delta_rounds import _scatter
+    scatter (``delta.rounds._scatter``) writes, and nothing else."""
+    from nemo_refit_reshard.engine.delta.rounds import _scatter
 
     g = torch.Generator().manual_seed(2)
     whole = torch.randint(-50, 50, shape, dtype=torch.int16, generator=g).view(torch.bfloat16)

@@ -13,7 +13,7 @@ import torch
 
 from nemo_refit_reshard.cli import main
 from nemo_refit_reshard.engine.delta import DeltaProgram
-from nemo_refit_reshard.engine.delta_options import DeltaOptions
+from nemo_refit_reshard.engine.delta.options import DeltaOptions
 from nemo_refit_reshard.engine.materialize import empty_like_layout
 from nemo_refit_reshard.engine.program import RankProgram
 from nemo_refit_reshard.layouts import refit_layouts

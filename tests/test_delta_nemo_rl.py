@@ -128,7 +128,7 @@ def test_delta_keys_of_the_refit_block() -> None:
         ({"backend": "reshard", "delta": "on"}, "refit.delta='on' must be true or false"),
         (
             {"backend": "reshard", "delta": True, "delta_baseline": "disk"},
-            "refit.delta_baseline='disk' is not one of device, host",
+            "refit.delta_baseline='disk' is not one of auto, device, host",
         ),
         (
             {"backend": "reshard", "delta": True, "delta_anchor_every": -2},
@@ -172,8 +172,8 @@ print(json.dumps(out))
     assert len(names) == 5, names  # SGLang's refuses delta=true later (check_reshard_config)
     for name in names:
         assert out[name + "0"] == "None"
-        assert (
-            out[name + "2"] == "DeltaOptions(anchor_every=16, baseline='device', cpu_kernel='auto')"
+        assert out[name + "2"] == (
+            "DeltaOptions(anchor_every=16, baseline='auto', cpu_kernel='auto', check=True)"
         )
     bad = subprocess.run(
         [python, str(example), "--config", str(configs / names[0]), "refit.delta=true"]

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_refit_reshard.engine import delta_kernels
 from nemo_refit_reshard.engine.checksum import combine, receiver_checksums, sender_checksums
 from nemo_refit_reshard.engine.delta import FAILED, DeltaOptions
-from nemo_refit_reshard.engine.delta_codec import (
+from nemo_refit_reshard.engine.delta import kernels as delta_kernels
+from nemo_refit_reshard.engine.delta.codec import (
     HEADER_BYTES,
     choose_form,
     count_long_gaps,
@@ -335,7 +335,7 @@ def test_the_kernel_compares_direct_messages_where_they_live_and_never_packs_the
 def test_the_batched_round_a_gpu_runs_gives_the_same_bytes_and_ends_exact(
     tmp_path: Path, kernel: str
 ) -> None:
-    """CPU ranks apply each message as it arrives (``engine/delta_stream.py``); a GPU
+    """CPU ranks apply each message as it arrives (``engine/delta/stream.py``); a GPU
     round waits for every header, then every payload (CuPy NCCL). The batched round, run
     here on every rank: the same bytes on the wire, every step bit-exact."""
     options = DeltaOptions(cpu_kernel=kernel)

@@ -123,7 +123,7 @@ def test_delta_through_vllm_weight_transfer(tmp_path: Path) -> None:
     with ``refit_forget_weights`` each make the next update dense to that worker only,
     bit-exact; poisoned weights *without* forgetting (what ``reload_weights`` or a sleep
     without the hook leave) are found by the per-step base check
-    (``engine/delta_check.py``): dense to that worker, bit-exact (before the check they
+    (``engine/delta/check.py``): dense to that worker, bit-exact (before the check they
     were patched into garbage; ``tests/test_delta_check.py`` keeps that control).
     Colocated after that: 3 updates bit-exact, the first dense (new hosts),
     then fewer bytes than dense. Bad delta options are refused by name."""
@@ -143,7 +143,7 @@ def test_delta_through_vllm_weight_transfer(tmp_path: Path) -> None:
         "ReshardTrainerInitInfo.delta_anchor_every / delta_baseline apply to delta refits "
         "only; set delta=True, or drop them",
         "ReshardTrainerInitInfo: delta anchor_every=-1 must be >= 0",
-        "ReshardTrainerInitInfo: delta baseline='gpu': choose one of ['device', 'host']",
+        "ReshardTrainerInitInfo: delta baseline='gpu': choose one of ['auto', 'device', 'host']",
     ]
     u = by_name(out["updates"])
     for name, update in u.items():

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor
 
-from nemo_refit_reshard.engine.delta_codec import put_units
-from nemo_refit_reshard.engine.delta_rounds import compile_rounds, place
+from nemo_refit_reshard.engine.delta.codec import put_units
+from nemo_refit_reshard.engine.delta.rounds import compile_rounds, place
 from nemo_refit_reshard.engine.host_staged import HostStagedTransport
 from nemo_refit_reshard.engine.materialize import empty_like_layout
 from nemo_refit_reshard.engine.program import TORCH_DTYPES, RankProgram

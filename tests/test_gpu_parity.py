@@ -1,6 +1,6 @@
 """On one GPU, the CUDA paths give the CPU paths' bytes: compiled pack/unpack programs
 (staging bytes of every message and every destination tensor), block-FP8 quantization
-(``engine/quantize.py``) and the delta codec (``engine/delta_codec.py``). The CPU paths
+(``engine/quantize.py``) and the delta codec (``engine/delta/codec.py``). The CPU paths
 are the ones the rest of the suite proves bit-exact; these tests carry the ``gpu`` marker
 (``scripts/gpu_checks.sh``, row ``pytest-gpu``) and skip without CUDA. The replay helper
 also runs CPU against CPU here, so a broken helper shows without a GPU."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_refit_reshard.engine.delta_codec import (
+from nemo_refit_reshard.engine.delta.codec import (
     BITMAP,
     DENSE,
     GAPS,

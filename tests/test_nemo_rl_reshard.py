@@ -288,7 +288,7 @@ print(json.dumps(out))
         "make_vocab_size_divisible_by": 128,
         "delta": False,  # refit.delta=true: tests/test_delta_nemo_rl.py
         "delta_anchor_every": 0,
-        "delta_baseline": "device",
+        "delta_baseline": "auto",
     }
     assert (dense["model"], dense["megatron"], dense["vllm"], dense["transport"]) == (
         "Qwen/Qwen3-8B",

@@ -84,7 +84,7 @@ def add_colocated(report: dict[str, Any], cfg: RunConfig, show_progress: bool) -
         "fingerprint": plan.fingerprint,
         **check(result, COLOCATED, plan.num_sources, cfg.verify),
     }
-    if cfg.delta:  # the colocated refit sends deltas too (engine/colocated_delta.py)
+    if cfg.delta:  # the colocated refit sends deltas too (engine/delta/colocated.py)
         rows = delta_steps(result, COLOCATED, plan.num_sources)
         report["backends"][COLOCATED].update(delta_row(rows))
         if any(r["exact"] is False for r in rows):

@@ -115,7 +115,7 @@ def add_delta_arguments(p: argparse.ArgumentParser) -> None:
         "--no-delta-check",
         action="store_true",
         help="with --delta: skip the per-step check of each delta's base against its "
-        "receiver's live tensors (engine/delta_check.py; on by default)",
+        "receiver's live tensors (engine/delta/check.py; on by default)",
     )
 
 

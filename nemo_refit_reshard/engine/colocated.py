@@ -51,8 +51,8 @@ from multiprocessing.connection import Connection
 import torch
 
 from ..plan import Colocation, PlanError, RankPlan, RefitPlan
-from .colocated_delta import ColocatedDelta
 from .delta import DeltaOptions
+from .delta.colocated import ColocatedDelta
 from .program import TORCH_DTYPES, RankProgram, copy_pairs
 from .staging import SharedBuffer, create_shared_buffer, open_shared_buffer
 from .transport import GroupUnusableError, Transport, TransportError, first_line
@@ -169,7 +169,7 @@ class ColocatedHost:
         device: torch.device | str = "cpu",
         delta: DeltaOptions | None = None,
     ) -> None:
-        """``delta``: send each message in its smallest form (``engine/delta.py``); the
+        """``delta``: send each message in its smallest form (``engine/delta/program.py``); the
         host holds the messages it receives for its guest in host memory, so the guest
         re-packs nothing and a guest that lost its weights (sleep mode) still gets whole
         messages (every host of the group alike)."""

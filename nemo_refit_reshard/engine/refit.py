@@ -99,7 +99,7 @@ class Refitter:
     ) -> None:
         """``overlap``: pack/unpack of neighbouring rounds overlap the wire
         (``engine/pipeline.py``; two staging sets). Default: on for CUDA, off on CPU.
-        ``delta``: send each message in its smallest form (``engine/delta.py``; the
+        ``delta``: send each message in its smallest form (``engine/delta/program.py``; the
         reshard backend only, on every rank of the group or none)."""
         if backend not in BACKENDS:
             raise ValueError(f"unknown refit backend {backend!r}; choose one of {BACKENDS}")
@@ -126,7 +126,7 @@ class Refitter:
             self.delta = DeltaProgram(self.program, plan, delta)
             mine = json.dumps(self.delta.fixed_in)
         # One gather, on every rank alike: whether each rank refits with deltas and, if
-        # so, which bytes of its messages it cannot re-pack (engine/delta_rounds.py).
+        # so, which bytes of its messages it cannot re-pack (engine/delta/rounds.py).
         shared = transport.all_gather_object_str(f"{int(delta is not None)}{mine}")
         modes = {text[0] for text in shared}
         if len(modes) > 1:

@@ -109,7 +109,7 @@ class _RefitMember:
     def refit(self, backend: str, step: int, verify: bool) -> dict[str, Any]:
         """One refit with ``backend`` (collective over the refit group): barrier, replay,
         and with ``verify`` this rank's checksums (see ``engine/checksum.py``); a delta
-        refit's bytes (``engine/delta.py``) under ``"delta"``."""
+        refit's bytes (``engine/delta/program.py``) under ``"delta"``."""
         if backend not in self.refitters:
             raise ValueError(f"backend {backend!r} was not loaded; loaded: {list(self.refitters)}")
         if self.exit_at_step == step:

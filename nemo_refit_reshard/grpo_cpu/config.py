@@ -30,7 +30,7 @@ class RefitSettings:
     timeout_s: float = 60.0  # a dead peer surfaces as an error within this
     verify: bool = False  # checksum every destination tensor after every refit
     compare_broadcast: bool = True  # also time the other backend each step
-    delta: bool = False  # delta refit (engine/delta.py): each message in its smallest form
+    delta: bool = False  # delta refit (engine/delta/program.py): each message in its smallest form
     delta_anchor_every: int = 0  # with delta: a dense refit every that many versions (0: never)
 
     def __post_init__(self) -> None:

@@ -14,7 +14,7 @@ Per step:
    trainer's log-probabilities of the sampled tokens;
 3. refit: with ``refit.compare_broadcast`` the other backend first (same weights, timed
    only), then ``refit.backend``, which leaves the generator with the new weights. With
-   ``refit.delta`` each message goes in its smallest form (``engine/delta.py``); the
+   ``refit.delta`` each message goes in its smallest form (``engine/delta/program.py``); the
    report has the bytes the training actors sent and what the step weighs dense.
 
 Step 0 is one refit per backend before the first generation: the generator starts from

@@ -41,7 +41,7 @@ class RunConfig:
     # Block-FP8 engines: training ranks send e4m3 + scales where they hold whole blocks
     # (layouts/fp8_wire.py); False: everything in the trained dtype, quantized on arrival.
     fp8_on_wire: bool = True
-    # Delta refit (engine/delta.py): Adam steps at ``lr`` between refits, each message of
+    # Delta refit (engine/delta/program.py): Adam steps at ``lr`` between refits, each message of
     # the reshard backend sent in its smallest form; a dense step every ``anchor_every``.
     delta: bool = False
     lr: float = 1e-6

@@ -250,7 +250,7 @@ def _run_rank(
     progress = Path(plan_path).with_name(f"progress{rank}")
     done = 0
     for b_index, backend in enumerate(cfg.backends):
-        # "delta": the reshard plan, each message in its smallest form (engine/delta.py)
+        # "delta": the reshard plan, each message in its smallest form (engine/delta/program.py)
         worker.delta = delta if backend == "delta" else None
         worker.load_plan(plan_json, "reshard" if backend == "delta" else backend, bplan)
         worker.refit()  # warm-up: gloo connects pairs lazily on first use

@@ -24,7 +24,7 @@ SPEC: ``{"config", "seed", "infer": [EngineRank fields per worker rank]}``.
 Phases: 4 updates (separate pools); worker 1 sleeps at level 2 and worker 0 at level 1,
 one update; worker 0's weights poisoned and ``refit_forget_weights`` called, one update;
 worker 1's weights poisoned *without* forgetting, one update (the per-step base check,
-``engine/delta_check.py``, sends it dense); then colocated (re-initialised through
+``engine/delta/check.py``, sends it dense); then colocated (re-initialised through
 vLLM's own calls, every worker poisoned), 3 updates. After each update every worker
 compares its parameters bit for bit with vLLM's ``load_weights`` of the trainer's
 policy, and every rank reports its delta statistics.

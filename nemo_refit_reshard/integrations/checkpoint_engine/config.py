@@ -36,10 +36,11 @@ class ReshardEngineConfig:
     block FP8, quantizing what it loads (veRL's ``rollout.quantization: fp8``); default:
     the checkpoint's own ``quantization_config``. The wire carries the trained dtype
     either way (what the rollout's loader takes); it only adds vLLM's block rules.
-    ``delta``: send each message of the plan in its smallest form (``engine/delta.py``;
+    ``delta``: send each message of the plan in its smallest form (``engine/delta/program.py``;
     mode ``reshard`` only), with ``delta_anchor_every`` (a dense update every that many
-    versions; 0: only when needed) and ``delta_baseline`` (``device`` or ``host``: where
-    the actor ranks keep the copy of what they sent last).
+    versions; 0: only when needed) and ``delta_baseline`` (``auto``, ``device`` or ``host``:
+    where the actor ranks keep the copy of what they sent last; ``auto``: the GPU where it
+    fits, ``engine/delta/options.choose_baseline_place``).
     """
 
     model: str
@@ -56,7 +57,7 @@ class ReshardEngineConfig:
     quantization: str | None = None
     delta: bool = False
     delta_anchor_every: int = 0
-    delta_baseline: str = "device"
+    delta_baseline: str = "auto"
 
     @classmethod
     def from_engine_kwargs(
@@ -129,7 +130,7 @@ class ReshardEngineConfig:
                 f"{where}.delta_baseline={baseline!r}; choose from {list(BASELINE_PLACES)}"
             )
         if not self.delta:
-            defaults = {"delta_anchor_every": (anchor, 0), "delta_baseline": (baseline, "device")}
+            defaults = {"delta_anchor_every": (anchor, 0), "delta_baseline": (baseline, "auto")}
             set_ = [key for key, (value, default) in defaults.items() if value != default]
             if set_:
                 raise ValueError(

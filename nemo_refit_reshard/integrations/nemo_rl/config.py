@@ -17,7 +17,7 @@ Our own block sits at the top level of the YAML (``MasterConfig`` keeps extra ke
       make_vocab_size_divisible_by: 128   # Megatron-Bridge's vocabulary padding
       delta: false            # reshard only: each message in its smallest form
       delta_anchor_every: 0   # with delta: a dense refit every that many versions
-      delta_baseline: device  # with delta: senders' baselines on the GPU, or host
+      delta_baseline: auto    # with delta: baselines on the GPU where they fit, device, host
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ class RefitConfig:
     bucket_mb: float = 512
     host: str | None = None
     make_vocab_size_divisible_by: int = 128
-    delta: bool = False  # delta refit (engine/delta.py), on every rank of the group
+    delta: bool = False  # delta refit (engine/delta/program.py), on every rank of the group
     delta_anchor_every: int = 0  # a dense refit every that many versions (0: only needed)
-    delta_baseline: str = "device"  # where senders keep their baselines: device | host
+    delta_baseline: str = "auto"  # where senders keep their baselines: auto | device | host
 
     @classmethod
     def from_config(cls, block: Mapping[str, Any] | None) -> RefitConfig:
@@ -98,7 +98,7 @@ class RefitConfig:
         _choose("refit.delta_baseline", baseline, BASELINE_PLACES)
         if not self.delta:
             set_ = [f"{k}={v!r}" for k, v, d in (
-                ("delta_anchor_every", anchor, 0), ("delta_baseline", baseline, "device")
+                ("delta_anchor_every", anchor, 0), ("delta_baseline", baseline, "auto")
             ) if v != d]  # fmt: skip
             if set_:
                 raise NemoRlConfigError(

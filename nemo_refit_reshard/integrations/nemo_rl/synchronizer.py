@@ -18,7 +18,7 @@ there after NeMo RL's ``setup``. Lifecycle:
     worker, all at once: the policy's live shards go straight into vLLM's live
     parameters, in place. ``is_stale`` is true until a sync succeeds and again from the
     moment one fails. With ``refit.delta`` (carried by the group's endpoint to every
-    rank) each message goes in its smallest form (``engine/delta.py``); the metrics then
+    rank) each message goes in its smallest form (``engine/delta/program.py``); the metrics then
     add the bytes the policy ranks sent and what the same messages weigh dense.
 
 Colocated (``policy.generation.colocated.enabled``, NeMo RL's default): the workers

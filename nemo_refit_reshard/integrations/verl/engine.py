@@ -14,7 +14,7 @@ update failed: every rank then joins the new group actor rank 0 offered in ``pre
 Sending and receiving are
 :class:`~nemo_refit_reshard.integrations.checkpoint_engine.CheckpointEngineRank`'s.
 With ``delta: true`` in the settings every endpoint carries the delta options
-(``engine/delta.py``): each update sends each message in its smallest form. A rollout
+(``engine/delta/program.py``): each update sends each message in its smallest form. A rollout
 rank re-packs from its own receive buffers (they persist across updates, whatever vLLM
 does with its weights), so vLLM's sleep needs nothing here.
 

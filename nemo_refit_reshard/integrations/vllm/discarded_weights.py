@@ -2,7 +2,7 @@
 that its next refit sends it every message whole.
 
 A delta re-packs each message's last content from the receiver's live weights
-(``engine/delta.py``); weights discarded since — vLLM's sleep mode level 2, a selective
+(``engine/delta/program.py``); weights discarded since — vLLM's sleep mode level 2, a selective
 ``discard`` of the weights, a reload from the checkpoint, a reset — would be patched
 into garbage. vLLM 0.33 tells neither a ``worker_extension_cls`` nor a weight-transfer
 engine when its worker sleeps, wakes or reloads: ``Worker.sleep`` / ``wake_up`` /

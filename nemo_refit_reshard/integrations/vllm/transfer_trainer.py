@@ -88,10 +88,10 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     FP8 checkpoint's, or the ``hf_overrides`` a framework starts vLLM with): a block-FP8
     one makes trainer ranks send e4m3 + scales where they hold whole blocks
     (``layouts/fp8_wire.py``); any other is refused by name. ``delta``: send each
-    message in its smallest form (``engine/delta.py``), carried by the endpoint to every
+    message in its smallest form (``engine/delta/program.py``), carried by the endpoint to every
     worker; ``delta_anchor_every`` (a dense update every that many versions, 0: only when
-    needed) and ``delta_baseline`` (``"device"`` or ``"host"``: where trainer ranks keep
-    what they sent last) go with it.
+    needed) and ``delta_baseline`` (``"auto"``, ``"device"`` or ``"host"``: where trainer
+    ranks keep what they sent last; ``"auto"``: the GPU where it fits) go with it.
     """
 
     backend: ClassVar[str] = BACKEND
@@ -112,7 +112,7 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     quantization: dict[str, Any] | None = None
     delta: bool = False
     delta_anchor_every: int = 0
-    delta_baseline: str = "device"
+    delta_baseline: str = "auto"
 
 
 def _installed_vllm() -> str:
@@ -165,7 +165,7 @@ def delta_options(info: ReshardTrainerInitInfo) -> DeltaOptions | None:
     if not isinstance(info.delta, bool):
         raise ValueError(f"ReshardTrainerInitInfo.delta={info.delta!r} must be True or False")
     if not info.delta:
-        if (anchor, baseline) != (0, "device"):
+        if (anchor, baseline) != (0, "auto"):
             raise ValueError(
                 "ReshardTrainerInitInfo.delta_anchor_every / delta_baseline apply to delta "
                 "refits only; set delta=True, or drop them"

@@ -66,7 +66,7 @@ class ColocatedTrainer:
         """``endpoint``: the training ranks' group (``world_size`` = S, ``group_rank`` =
         this training rank). ``plan``: the full colocated plan, or this rank's slice with
         ``guest_plan`` the slice of the worker on its GPU (None: no worker there).
-        ``delta``: refit with deltas (``engine/colocated_delta.py``), every rank alike
+        ``delta``: refit with deltas (``engine/delta/colocated.py``), every rank alike
         (default: the endpoint's)."""
         if not plan.colocated_hosts:
             raise PlanError("not a colocated plan: build it with plan_refit(..., colocation=)")

@@ -25,7 +25,7 @@ class RefitEndpoint:
     # framework's start-up budget: processes join as they finish starting, and a loaded
     # machine starts them slowly.
     secret: str | None = field(default=None, repr=False)  # the run's (engine/rendezvous.py)
-    # Delta refit (engine/delta.py) for every rank of the group; None: dense. It travels
+    # Delta refit (engine/delta/program.py) for every rank of the group; None: dense. It travels
     # with the endpoint so that every route turns it on the same way on every rank.
     delta: DeltaOptions | None = None
 

@@ -55,7 +55,7 @@ class RefitWorker:
         ``host_staged``: exchange through pinned host copies of the staging buffers
         (``engine/host_staged.py``, gloo only); None: when the tensors are on a GPU.
         ``weights``: the tensors' version and staleness (kept across memberships).
-        ``delta``: refit the reshard backend with deltas (``engine/delta.py``); every
+        ``delta``: refit the reshard backend with deltas (``engine/delta/program.py``); every
         rank of the group alike (default: the endpoint's)."""
         self.endpoint = endpoint
         self.tensors = tensors

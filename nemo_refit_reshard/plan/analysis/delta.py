@@ -2,7 +2,7 @@
 static plan sent in its smallest form, at an assumed update density.
 
 Size of one message (the single source of truth for predictions; the engine's codec,
-``engine/delta_codec.py``, is written separately and tested against it). A message of
+``engine/delta/codec.py``, is written separately and tested against it). A message of
 ``n`` bytes compares in *units* of ``u`` bytes (``u`` = the smallest itemsize of its
 transfers' dtypes), ``N = n / u`` units, ``k`` of them changed::
 
@@ -61,7 +61,7 @@ from .predict import Prediction, predict_refit
 HEADER_BYTES = 32
 MAX_GAP = 255  # the longest gap one byte of a GAPS payload holds
 # Full passes over a message's n bytes: a sender's compare (staging and baseline read);
-# a receiver writes only changed units (engine/delta_rounds.place), no full pass
+# a receiver writes only changed units (engine/delta/rounds.place), no full pass
 SENDER_PASSES, RECEIVER_PASSES = 2, 0
 DEFAULT_HBM_GBPS = 3350.0  # H100 SXM (HBM3); GB/s = 10**9 bytes/s
 

@@ -1,4 +1,4 @@
-"""What a delta refit (``engine/delta.py``) holds per refit-group rank beyond the dense
+"""What a delta refit (``engine/delta/program.py``) holds per refit-group rank beyond the dense
 refit's staging (``plan/result/memory.py``), from the plan alone.
 
 A rank's ``DeltaProgram`` allocates, once:
@@ -10,7 +10,7 @@ A rank's ``DeltaProgram`` allocates, once:
   training rank in BF16 keeps ~5.5 GiB of them: where its GPU cannot, ``"host"``.
 * **scratch**, on the device: the encoded payloads of a round (one send staging's
   bytes) and the received ones (one receive staging's), whatever the baselines' place.
-* **held** (a colocated host, ``engine/colocated_delta.py``): in host memory, the last
+* **held** (a colocated host, ``engine/delta/colocated.py``): in host memory, the last
   content of each message its guest receives from the other hosts; the host's scratch
   then also receives its guest's payloads (one guest receive staging). The guest's own
   process adds nothing.

@@ -6,12 +6,12 @@ step, on the same plan and programs (``engine/program.py``):
 
 * a **sender** packs each round as today, compares each distinct outgoing message with
   its *baseline* (that message's payload last step; identical replica messages share
-  one), encodes it in its smallest form (``engine/delta_codec.py``) and then makes the
+  one), encodes it in its smallest form (``engine/delta/codec.py``) and then makes the
   message its new baseline. Baselines are the only memory delta adds: one copy of what
   the rank sends, on its device or in host memory (``DeltaOptions.baseline``); an
   inference rank that forwards along a chain keeps its baselines in host memory.
 * a **receiver** keeps no copy: it writes the changed units of a delta straight into
-  its live tensors (``delta_rounds.place``); bytes it could not rebuild from them are
+  its live tensors (``rounds.place``); bytes it could not rebuild from them are
   *fixed* and travel every step.
 
 Every round exchanges the 32-byte headers first, then the payloads at their exact
@@ -39,10 +39,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..plan import RankPlan, RefitPlan
-from . import delta_kernels
-from .delta_check import baseline_fingerprints, exchange_fingerprints
-from .delta_codec import (
+from ...plan import RankPlan, RefitPlan
+from ..program import CopyPhase, RankProgram, copy_pairs
+from ..transport import Transport
+from . import kernels as delta_kernels
+from .check import baseline_fingerprints, exchange_fingerprints
+from .codec import (
     DENSE,
     FORM_NAMES,
     GAPS,
@@ -60,19 +62,18 @@ from .delta_codec import (
     take_units,
     with_ranges,
 )
-from .delta_compiled import Changes, CompiledSender
-from .delta_options import (
+from .compiled import Changes, CompiledSender
+from .options import (
     BASELINE_PLACES,
     FAILED,
     UNKNOWN,
     DeltaError,
     DeltaOptions,
     DeltaStats,
+    choose_baseline_place,
 )
-from .delta_rounds import Fixed, Outgoing, compile_rounds, place, place_gaps
-from .delta_stream import stream_round
-from .program import CopyPhase, RankProgram, copy_pairs
-from .transport import Transport
+from .rounds import Fixed, Outgoing, compile_rounds, place, place_gaps
+from .stream import stream_round
 
 # (the options and stats live apart; importers take them from here too)
 __all__ = [
@@ -123,12 +124,12 @@ class DeltaProgram:
             self.options.cpu_kernel
         )
         self.sender: CompiledSender | None = None
-        # Each delta's base checked against its receiver's live tensors (delta_check.py):
+        # Each delta's base checked against its receiver's live tensors (delta/check.py):
         # the fingerprints of the baselines, and this step's messages found stale.
         self.check = self.options.check and held_from_all_but is None
         self.base_fingerprints: dict[tuple[int, int], torch.Tensor] = {}
         self._stale: set[tuple[int, int]] = set()
-        # CPU: apply each message as it arrives (delta_stream.py); GPU: the round batched
+        # CPU: apply each message as it arrives (delta/stream.py); GPU: the round batched
         self.stream = self.device.type == "cpu"
         # round 0 compared while the versions were gathered: (found, bytes of payloads)
         self._ahead: tuple[dict[int, Changes], int] | None = None
@@ -146,21 +147,28 @@ class DeltaProgram:
             for src, k, ranges in entries
             if src == self.rank
         }
+        sizes: dict[int, int] = {}
         for k, rnd in enumerate(self.rounds):
             for out in rnd.outgoing:
-                if out.key in self.baselines or _all_fixed(self.fixed_out.get((out.peer, k)), out):
+                if out.key in sizes or _all_fixed(self.fixed_out.get((out.peer, k)), out):
                     continue
-                # An inference rank forwarding along a chain keeps its baselines in host
-                # memory: no second copy of the model on an inference GPU.
-                self.baselines[out.key] = self._baseline(out.span.numel(), not self.is_source)
+                sizes[out.key] = out.span.numel()
+        # An inference rank forwarding along a chain keeps its baselines in host memory:
+        # no second copy of the model on an inference GPU.
+        self.baseline_place = (
+            choose_baseline_place(self.options.baseline, self.device, sum(sizes.values()))
+            if self.is_source
+            else "host"
+        )
+        for key, nbytes in sizes.items():
+            self.baselines[key] = self._baseline(nbytes, self.baseline_place == "host")
         if self.compiled and self.baselines:
             self.sender = CompiledSender(self.program, self.rounds, self.baselines)
         if self.compiled:
             units = {m.unit for rnd in self.rounds for m in [*rnd.outgoing, *rnd.incoming]}
             delta_kernels.warm(units)
 
-    def _baseline(self, nbytes: int, host: bool = False) -> torch.Tensor:
-        host = host or self.options.baseline == "host"
+    def _baseline(self, nbytes: int, host: bool) -> torch.Tensor:
         pinned = host and self.device.type == "cuda"
         device = "cpu" if host else self.device
         return torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pinned)
@@ -233,7 +241,7 @@ class DeltaProgram:
     def replay(self, transport: Transport, versions: Sequence[int]) -> DeltaStats:
         """One refit step given every rank's version; on success this rank holds the
         step's version. Serial rounds: headers, then payloads; on CPU each message is
-        applied as it arrives (``delta_stream.py``), on a GPU after the round's last."""
+        applied as it arrives (``delta/stream.py``), on a GPU after the round's last."""
         version, dense_step = self.begin(versions)
         stats = DeltaStats(version=version)
         mine = versions[self.rank]
@@ -285,7 +293,7 @@ class DeltaProgram:
 
     def apply(self, patch) -> None:
         """One received message ``(incoming, header, payload)`` into the live tensors:
-        DENSE as compiled; a delta's changed units (``delta_rounds.place``, or the
+        DENSE as compiled; a delta's changed units (``rounds.place``, or the
         compiled kernel straight from a GAPS payload's gap bytes)."""
         incoming, header, payload = patch
         if header.form == DENSE:
@@ -329,7 +337,7 @@ class DeltaProgram:
             and mine >= 0
             and version_of(o.peer) == mine
             and o.key in self.baselines
-            and (k, i) not in self._stale  # its receiver holds other bytes (delta_check.py)
+            and (k, i) not in self._stale  # its receiver holds other bytes (delta/check.py)
             for i, o in enumerate(rnd.outgoing)
         ]
         # Changed units of each distinct message (bits, against its baseline): numpy's

@@ -267,7 +267,7 @@ def _ungap(payload: torch.Tensor, count: int) -> torch.Tensor:
 
 def _ungap_compiled(payload: torch.Tensor, count: int) -> torch.Tensor:
     """:func:`_ungap` through the compiled kernel (its long gaps copied: aligned)."""
-    from . import delta_kernels  # numba loads only where a compiled step runs
+    from . import kernels as delta_kernels  # numba loads only where a compiled step runs
 
     raw = payload.numpy()
     check_gap_bytes(payload, count, int(np.count_nonzero(raw[:count] == 0)))

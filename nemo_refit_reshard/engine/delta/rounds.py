@@ -7,7 +7,7 @@ for the runs whose bytes its live tensors hold as they arrived: same dtype, and 
 relay buffer (bytes carried on to another rank) or a block-FP8 engine's scratch of BF16
 shadows (quantized on arrival; the e4m3 result cannot give the BF16 back). The byte
 ranges of the other runs are *fixed*: they travel every step, whatever changed
-(``engine/delta.py`` marks their units changed).
+(``engine/delta/program.py`` marks their units changed).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..plan import RankPlan, RefitPlan
-from .delta_codec import check_gap_bytes, put_units, unit_of
-from .program import TORCH_DTYPES, RankProgram
+from ...plan import RankPlan, RefitPlan
+from ..program import TORCH_DTYPES, RankProgram
+from .codec import check_gap_bytes, put_units, unit_of
 
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_INTS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -187,7 +187,7 @@ def place_gaps(incoming: Incoming, payload: torch.Tensor, count: int) -> bool:
     """A CPU ``GAPS`` payload of ``count`` changed units applied by the compiled kernel
     straight from its gap bytes (no index), when every run of its message is ``DIRECT``
     rows; False (nothing done) where it does not apply."""
-    from . import delta_kernels  # numba loads only where a compiled step runs
+    from . import kernels as delta_kernels  # numba loads only where a compiled step runs
 
     unit, runs = incoming.unit, incoming.runs
     if payload.device.type != "cpu" or not runs or any(r.mode != DIRECT for r in runs):
@@ -210,7 +210,7 @@ def _scatter_compiled(run: RunIn, index: torch.Tensor, raw: torch.Tensor) -> boo
     """:func:`_scatter` through the compiled kernel; False where it does not apply."""
     if run.live.device.type != "cpu":
         return False
-    from . import delta_kernels  # numba loads only where a compiled step runs
+    from . import kernels as delta_kernels  # numba loads only where a compiled step runs
 
     if run.target is None:
         run.target = delta_kernels.scatter_target(run.live)

@@ -10,7 +10,7 @@ all while the bytes are in cache:
   baseline gives a 64-bit mask (vectorized), whose set bits (count-trailing-zeros) are the
   changed units. Each changed unit is written to the baseline (which then holds the
   message as sent), its bits to the values, its distance from the previous changed unit
-  to the gap bytes (``delta_codec``'s ``GAPS`` form). Cost: one read of the live runs and
+  to the gap bytes (``codec``'s ``GAPS`` form). Cost: one read of the live runs and
   of the baseline, writes proportional to the changed units.
 * :func:`ungap` turns a ``GAPS`` payload's gap bytes into sorted unit indices (one pass).
 * :func:`scatter_runs` writes changed units into a receiver's live tensor through its
@@ -37,7 +37,7 @@ AVAILABLE = importlib.util.find_spec("numba") is not None
 
 CPU_KERNELS = ("auto", "numba", "numpy")
 _NP_INTS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
-MAX_GAP = 255  # delta_codec.MAX_GAP (kept in step by tests/test_delta_kernels.py)
+MAX_GAP = 255  # codec.MAX_GAP (kept in step by tests/test_delta_kernels.py)
 
 
 def use_numba(choice: str) -> bool:
@@ -245,7 +245,7 @@ def compare_runs(runs, baseline: np.ndarray, values: np.ndarray, gaps: np.ndarra
     message: ``runs`` = ``(live units, offset, rows, row_units, row_stride, start)`` in
     message order (``start``: the run's first unit in the message). Writes the changed
     units to ``values`` (as many as it holds), one gap byte each to ``gaps`` and the long
-    gaps to ``longs`` (``delta_codec``'s ``GAPS`` form); returns ``(k, long gaps)``."""
+    gaps to ``longs`` (``codec``'s ``GAPS`` form); returns ``(k, long gaps)``."""
     k, e, prev = 0, 0, -1
     for live, offset, rows, row_units, row_stride, start in runs:
         k, e, prev = _kernels().compare_run(

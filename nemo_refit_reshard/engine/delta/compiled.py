@@ -1,4 +1,4 @@
-"""A CPU sender's delta step through the compiled kernels (``engine/delta_kernels.py``).
+"""A CPU sender's delta step through the compiled kernels (``engine/delta/kernels.py``).
 
 The numpy path packs every message, then compares the packed bytes with the baseline in
 several passes. Here, a message whose every run is a plain copy of rows of a live tensor
@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import delta_kernels
-from .delta_codec import (
+from ..program import CopyPhase, RankProgram, copy_pairs
+from . import kernels as delta_kernels
+from .codec import (
     DENSE,
     GAPS,
     choose_form,
@@ -27,8 +28,7 @@ from .delta_codec import (
     payload_bytes,
     with_ranges,
 )
-from .delta_rounds import Outgoing
-from .program import CopyPhase, RankProgram, copy_pairs
+from .rounds import Outgoing
 
 # (live units, offset, rows, row units, row stride, first unit in the message)
 Run = tuple[np.ndarray, int, int, int, int, int]

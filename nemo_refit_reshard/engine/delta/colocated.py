@@ -1,4 +1,4 @@
-"""Delta refit on a colocated host (``engine/colocated.py``, ``engine/delta.py``).
+"""Delta refit on a colocated host (``engine/colocated.py``, ``engine/delta/program.py``).
 
 The refit group is the training ranks. A host sends its own messages as deltas against
 its baselines, like any training rank; the messages for its guest from the other hosts
@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..plan import PlanError, RankPlan, RefitPlan
-from .delta import DeltaOptions, DeltaProgram, DeltaStats
-from .program import RankProgram
-from .transport import Transport
+from ...plan import PlanError, RankPlan, RefitPlan
+from ..program import RankProgram
+from ..transport import Transport
+from .program import DeltaOptions, DeltaProgram, DeltaStats
 
 
 class ColocatedDelta:
@@ -41,7 +41,7 @@ class ColocatedDelta:
         self.own = DeltaProgram(own[0], own[1], options)
         self.own.learn_fixed([])  # a held message needs no re-pack: nothing is fixed
         # Its receivers rebuild from the copies they hold, never from live tensors that
-        # could change outside the refit: no fingerprints to check (delta_check.py).
+        # could change outside the refit: no fingerprints to check (delta/check.py).
         self.own.check = False
         self.guest: DeltaProgram | None = None
         if guest is not None:

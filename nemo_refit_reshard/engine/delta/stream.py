@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 import torch
 
-from .delta_codec import HEADER_BYTES
-from .delta_rounds import Incoming
-from .program import CopyPhase
-from .transport import Transport
+from ..program import CopyPhase
+from ..transport import Transport
+from .codec import HEADER_BYTES
+from .rounds import Incoming
 
 # where one payload lands, given its header and the next free scratch byte
 # (DeltaProgram.land, its round and version bound): (buffer, patch, next free byte)

@@ -31,12 +31,12 @@ from typing import Protocol
 
 import torch
 
-from .delta_rounds import FIXED, Incoming, Outgoing, Round
-from .transport import Transport
+from ..transport import Transport
+from .rounds import FIXED, Incoming, Outgoing, Round
 
 
 class DeltaRank(Protocol):
-    """What the check reads of a rank's ``DeltaProgram`` (``engine/delta.py``), which
+    """What the check reads of a rank's ``DeltaProgram`` (``engine/delta/program.py``), which
     imports this module."""
 
     device: torch.device
