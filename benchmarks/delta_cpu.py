@@ -68,7 +68,7 @@ def reshard_rows(
             "exact": dense["verified"],
         },
         {
-            "path": f"delta reshard ({kernel}{'' if check else ', unchecked'})",
+            "path": f"delta reshard ({kernel}, {'checked' if check else 'unchecked'})",
             "bytes": delta["bytes"],
             "busiest_bytes": int(statistics.median(busiest)),
             "median_s": delta["median_s"],

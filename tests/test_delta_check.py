@@ -133,3 +133,31 @@ def test_each_receiver_sends_sixteen_bytes_a_message(tmp_path: Path) -> None:
         assert all(group.delta(r).last.check_bytes == 0 for r in range(s))  # no incoming
     finally:
         group.close()
+
+
+def test_the_default_checks_gpu_ranks_not_cpu_ones(tmp_path: Path) -> None:
+    """``check=None``: on for a GPU rank (its reads at HBM speed), off for a CPU rank
+    (a full read each step costs more than its delta step: docs/benchmarks.md); a group
+    runs the check only when every rank asks (engine/refit.py's gather)."""
+    from nemo_refit_reshard.engine.delta import DeltaProgram
+    from nemo_refit_reshard.engine.materialize import empty_like_layout
+    from nemo_refit_reshard.engine.program import RankProgram
+    from tests.helpers.fake_cuda import fake_cuda
+
+    group = DeltaGroup(
+        MODELS["qwen3"], tmp_path, "tp=2", "tp=2", options=DeltaOptions(cpu_kernel="numpy")
+    )
+    try:
+        assert [group.delta(r).check for r in range(group.world)] == [False] * group.world
+        group.refit()
+        group.train_step()
+        group.refit()
+        assert all(group.delta(r).last.check_bytes == 0 for r in range(group.world))
+        cuda = torch.device("cuda", 0)
+        with fake_cuda():
+            tensors = empty_like_layout(group.sources[0], 0.0, cuda)
+            program = DeltaProgram(RankProgram(group.plan, 0, tensors, cuda), group.plan)
+            program._gathering.shutdown()
+        assert program.check is True
+    finally:
+        group.close()

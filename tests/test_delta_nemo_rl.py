@@ -173,7 +173,7 @@ print(json.dumps(out))
     for name in names:
         assert out[name + "0"] == "None"
         assert out[name + "2"] == (
-            "DeltaOptions(anchor_every=16, baseline='auto', cpu_kernel='auto', check=True)"
+            "DeltaOptions(anchor_every=16, baseline='auto', cpu_kernel='auto', check=None)"
         )
     bad = subprocess.run(
         [python, str(example), "--config", str(configs / names[0]), "refit.delta=true"]

@@ -140,8 +140,8 @@ def test_delta_through_vllm_weight_transfer(tmp_path: Path) -> None:
     assert "error" not in out, out.get("traceback")
     assert out["refusals"] == [
         "ReshardTrainerInitInfo.delta='yes' must be True or False",
-        "ReshardTrainerInitInfo.delta_anchor_every / delta_baseline apply to delta refits "
-        "only; set delta=True, or drop them",
+        "ReshardTrainerInitInfo.delta_anchor_every / delta_baseline / delta_check apply to "
+        "delta refits only; set delta=True, or drop them",
         "ReshardTrainerInitInfo: delta anchor_every=-1 must be >= 0",
         "ReshardTrainerInitInfo: delta baseline='gpu': choose one of ['auto', 'device', 'host']",
     ]

@@ -112,10 +112,11 @@ def add_delta_arguments(p: argparse.ArgumentParser) -> None:
         "(the cpu-delta extra), numpy, or auto (numba when installed); same bytes",
     )
     p.add_argument(
-        "--no-delta-check",
-        action="store_true",
-        help="with --delta: skip the per-step check of each delta's base against its "
-        "receiver's live tensors (engine/delta/check.py; on by default)",
+        "--delta-check",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="with --delta: check each delta's base against its receiver's live tensors "
+        "every step (engine/delta/check.py); auto: on for GPU ranks, off for CPU ranks",
     )
 
 
@@ -173,5 +174,5 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         lr=getattr(args, "lr", 1e-6),
         anchor_every=getattr(args, "anchor_every", 0),
         delta_kernel=getattr(args, "delta_kernel", "auto"),
-        delta_check=not getattr(args, "no_delta_check", False),
+        delta_check={"auto": None, "on": True, "off": False}[getattr(args, "delta_check", "auto")],
     )

@@ -124,9 +124,11 @@ class Refitter:
         if delta is not None:
             assert isinstance(self.program, RankProgram)
             self.delta = DeltaProgram(self.program, plan, delta)
-            mine = json.dumps(self.delta.fixed_in)
+            mine = json.dumps([self.delta.check, self.delta.fixed_in])
         # One gather, on every rank alike: whether each rank refits with deltas and, if
-        # so, which bytes of its messages it cannot re-pack (engine/delta/rounds.py).
+        # so, whether it asks for the base check (engine/delta/check.py: a collective
+        # step, on only when every rank asks) and which bytes of its messages it cannot
+        # re-pack (engine/delta/rounds.py).
         shared = transport.all_gather_object_str(f"{int(delta is not None)}{mine}")
         modes = {text[0] for text in shared}
         if len(modes) > 1:
@@ -136,7 +138,9 @@ class Refitter:
                 "on for every rank of the group or for none"
             )
         if self.delta is not None:
-            self.delta.learn_fixed([json.loads(text[1:]) for text in shared])
+            wishes = [json.loads(text[1:]) for text in shared]
+            self.delta.check = all(check for check, _ in wishes)
+            self.delta.learn_fixed([fixed for _, fixed in wishes])
 
     def refit(self, step: int | None = None) -> StepTiming:
         """Run one refit step (the caller's ``step``, named in errors); returns this

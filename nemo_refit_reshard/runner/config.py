@@ -48,8 +48,9 @@ class RunConfig:
     anchor_every: int = 0
     # how CPU ranks compare and apply (DeltaOptions.cpu_kernel: auto, numba, numpy)
     delta_kernel: str = "auto"
-    # each delta's base checked against its receiver every step (DeltaOptions.check)
-    delta_check: bool = True
+    # each delta's base checked against its receiver every step (DeltaOptions.check;
+    # None: on for GPU ranks, off for CPU ones)
+    delta_check: bool | None = None
 
     def parallel(self) -> tuple[TrainParallel, InferParallel]:
         """The training and inference parallelisms ``train`` and ``infer`` spell."""

@@ -134,6 +134,7 @@ class TrainerRank:
             bucket_mb=1,
             colocated=colocated,
             delta=True,
+            delta_check=True,  # on CPU ranks too: the unforgotten worker goes dense
         )
         spec = spec_from_hf_config(self.config, name="test")
         source = DTensorSource(self.tensors, spec, (2,), self.rank, fsdp2_placements((2,)))

@@ -36,12 +36,16 @@ class DeltaOptions:
     installed); the bytes on the wire are the same. ``check``: before each step, every
     receiver's live tensors are fingerprinted and a message whose receiver holds other
     bytes than its sender's baseline goes dense (``engine/delta/check.py``): weights
-    changed outside the refit are caught, not patched into silent corruption."""
+    changed outside the refit are caught, not patched into silent corruption. ``None``
+    (the default): on for GPU ranks, where its reads run at HBM speed; off for CPU ranks,
+    where reading every rank's messages each step costs more than the delta step itself
+    (``docs/benchmarks.md``, "Delta refit (CPU)"); the group runs it only when every rank
+    asks for it."""
 
     anchor_every: int = 0
     baseline: str = "auto"
     cpu_kernel: str = "auto"
-    check: bool = True
+    check: bool | None = None
 
     def __post_init__(self) -> None:
         if self.anchor_every < 0:

@@ -126,7 +126,12 @@ class DeltaProgram:
         self.sender: CompiledSender | None = None
         # Each delta's base checked against its receiver's live tensors (delta/check.py):
         # the fingerprints of the baselines, and this step's messages found stale.
-        self.check = self.options.check and held_from_all_but is None
+        # (default: on for a GPU rank, where it reads at HBM speed; the group runs it only
+        # when every rank asks, engine/refit.py)
+        wanted = self.options.check
+        if wanted is None:
+            wanted = self.device.type == "cuda"
+        self.check = wanted and held_from_all_but is None
         self.base_fingerprints: dict[tuple[int, int], torch.Tensor] = {}
         self._stale: set[tuple[int, int]] = set()
         # CPU: apply each message as it arrives (delta/stream.py); GPU: the round batched

@@ -90,8 +90,10 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     (``layouts/fp8_wire.py``); any other is refused by name. ``delta``: send each
     message in its smallest form (``engine/delta/program.py``), carried by the endpoint to every
     worker; ``delta_anchor_every`` (a dense update every that many versions, 0: only when
-    needed) and ``delta_baseline`` (``"auto"``, ``"device"`` or ``"host"``: where trainer
-    ranks keep what they sent last; ``"auto"``: the GPU where it fits) go with it.
+    needed), ``delta_baseline`` (``"auto"``, ``"device"`` or ``"host"``: where trainer
+    ranks keep what they sent last; ``"auto"``: the GPU where it fits) and
+    ``delta_check`` (each delta's base checked against the workers' weights every step,
+    ``engine/delta/check.py``; ``None``: on for GPU ranks) go with it.
     """
 
     backend: ClassVar[str] = BACKEND
@@ -113,6 +115,7 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
     delta: bool = False
     delta_anchor_every: int = 0
     delta_baseline: str = "auto"
+    delta_check: bool | None = None
 
 
 def _installed_vllm() -> str:
@@ -161,20 +164,22 @@ def _endpoint(info: ReshardTrainerInitInfo, world_size: int, trainers: int) -> R
 def delta_options(info: ReshardTrainerInitInfo) -> DeltaOptions | None:
     """The init info's delta options (None: dense); a non-boolean ``delta`` or a delta
     key set without ``delta=True`` is refused by name."""
-    anchor, baseline = info.delta_anchor_every, info.delta_baseline
+    anchor, baseline, check = info.delta_anchor_every, info.delta_baseline, info.delta_check
     if not isinstance(info.delta, bool):
         raise ValueError(f"ReshardTrainerInitInfo.delta={info.delta!r} must be True or False")
     if not info.delta:
-        if (anchor, baseline) != (0, "auto"):
+        if (anchor, baseline, check) != (0, "auto", None):
             raise ValueError(
-                "ReshardTrainerInitInfo.delta_anchor_every / delta_baseline apply to delta "
-                "refits only; set delta=True, or drop them"
+                "ReshardTrainerInitInfo.delta_anchor_every / delta_baseline / delta_check "
+                "apply to delta refits only; set delta=True, or drop them"
             )
         return None
     if isinstance(anchor, bool) or not isinstance(anchor, int):
         raise ValueError(f"ReshardTrainerInitInfo.delta_anchor_every={anchor!r}: an integer >= 0")
     try:
-        return DeltaOptions(anchor_every=anchor, baseline=baseline)
+        if check is not None and not isinstance(check, bool):
+            raise ValueError(f"delta_check={check!r} must be True, False or None")
+        return DeltaOptions(anchor_every=anchor, baseline=baseline, check=check)
     except ValueError as err:
         raise ValueError(f"ReshardTrainerInitInfo: {err}") from None
 
