@@ -19,28 +19,18 @@ from nemo_refit_reshard.engine.host_staged import HostStagedTransport
 from nemo_refit_reshard.engine.materialize import empty_like_layout
 from nemo_refit_reshard.engine.program import TORCH_DTYPES, RankProgram
 from nemo_refit_reshard.engine.simulate import simulate_plan
-from nemo_refit_reshard.layouts import VllmOptions, megatron_layout, vllm_layout
 from nemo_refit_reshard.plan import PlanError, plan_refit
 from nemo_refit_reshard.runner import RunConfig, build_layouts
-from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
 from tests.helpers.fake_cuda import fake_cuda
-from tests.helpers.hf_models import TINY_CONFIGS
 from tests.helpers.model_configs import FP8_MOE
+from tests.helpers.plan_checks import casting_moe_plan
 
 CUDA = torch.device("cuda", 0)
 
 
-def _moe_plan(bucket_mb: float = 0.05):
-    """Qwen3-MoE, fp32 training ranks (tp=2, ep=2) into bf16 vLLM ranks (tp=2, dp=2):
-    casts on the wire, several rounds."""
-    spec = spec_from_hf_config(dict(TINY_CONFIGS["qwen3_moe"], torch_dtype="float32"))
-    tpar, ipar = TrainParallel(tp=2, ep=2, etp=1), InferParallel(tp=2, dp=2)
-    src = [megatron_layout(spec, tpar, r) for r in range(tpar.world_size)]
-    dst = [
-        vllm_layout(spec, ipar, r, VllmOptions(params_dtype="bfloat16"))
-        for r in range(ipar.world_size)
-    ]
-    return plan_refit(spec, src, dst, bucket_mb=bucket_mb), src, dst
+def _moe_plan():
+    plan, _, src, dst = casting_moe_plan()
+    return plan, src, dst
 
 
 def _on(layouts, device):

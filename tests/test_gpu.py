@@ -11,10 +11,9 @@ import torch
 from nemo_refit_reshard.engine.cupy_nccl import cupy_available
 from nemo_refit_reshard.engine.materialize import empty_like_layout, materialize, mismatches
 from nemo_refit_reshard.engine.simulate import simulate_plan
-from nemo_refit_reshard.layouts import VllmOptions, megatron_layout, vllm_layout
-from nemo_refit_reshard.plan import plan_refit
-from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
+from nemo_refit_reshard.spec import InferParallel, TrainParallel
 from tests.helpers.hf_models import TINY_CONFIGS
+from tests.helpers.plan_checks import casting_moe_plan
 
 # GPU-only tests carry the marker themselves; the gpu-check CPU twins run everywhere.
 
@@ -25,14 +24,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @needs_cuda
 def test_compiled_programs_on_cuda_tensors() -> None:
     """Pack/unpack with CUDA staging and fp32 -> bf16 casts, all ranks in one process."""
-    spec = spec_from_hf_config(dict(TINY_CONFIGS["qwen3_moe"], torch_dtype="float32"))
-    tpar, ipar = TrainParallel(tp=2, ep=2, etp=1), InferParallel(tp=2, dp=2)
-    src = [megatron_layout(spec, tpar, r) for r in range(tpar.world_size)]
-    dst = [
-        vllm_layout(spec, ipar, r, VllmOptions(params_dtype="bfloat16"))
-        for r in range(ipar.world_size)
-    ]
-    plan = plan_refit(spec, src, dst, bucket_mb=0.05)
+    plan, spec, src, dst = casting_moe_plan()
     canonical = {t.name: torch.randn(t.shape) for t in spec}
     cuda = torch.device("cuda")
     sources = [materialize(lay, canonical, device=cuda) for lay in src]

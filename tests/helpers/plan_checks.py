@@ -25,3 +25,22 @@ def assert_delivers_exactly(plan, spec, sources, destinations, seed: int = 0):
             for pad in t.padding:
                 assert torch.isnan(tensors[t.name][pad.slices()]).all()
     return src, dst, canonical
+
+
+def casting_moe_plan(bucket_mb: float = 0.05):
+    """``(plan, spec, sources, destinations)``: Qwen3-MoE (tiny), fp32 Megatron ranks
+    (tp=2, ep=2) into bf16 vLLM ranks (tp=2, dp=2) — casts on the wire, several rounds;
+    the GPU tests' plan (test_gpu.py on a GPU, test_fake_cuda.py on fake CUDA)."""
+    from nemo_refit_reshard.layouts import VllmOptions, megatron_layout, vllm_layout
+    from nemo_refit_reshard.plan import plan_refit
+    from nemo_refit_reshard.spec import InferParallel, TrainParallel, spec_from_hf_config
+    from tests.helpers.hf_models import TINY_CONFIGS
+
+    spec = spec_from_hf_config(dict(TINY_CONFIGS["qwen3_moe"], torch_dtype="float32"))
+    tpar, ipar = TrainParallel(tp=2, ep=2, etp=1), InferParallel(tp=2, dp=2)
+    src = [megatron_layout(spec, tpar, r) for r in range(tpar.world_size)]
+    dst = [
+        vllm_layout(spec, ipar, r, VllmOptions(params_dtype="bfloat16"))
+        for r in range(ipar.world_size)
+    ]
+    return plan_refit(spec, src, dst, bucket_mb=bucket_mb), spec, src, dst
