@@ -11,9 +11,27 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+)
 
-from nemo_refit_reshard.engine.delta.codec import put_units
+from nemo_refit_reshard.engine.delta.check import baseline_fingerprint, unit_sums
+from nemo_refit_reshard.engine.delta.codec import (
+    BITMAP,
+    DENSE,
+    GAPS,
+    HEADER_BYTES,
+    POSITIONS,
+    Header,
+    changed_units,
+    decode,
+    encode,
+    put_units,
+    take_units,
+    with_ranges,
+)
 from nemo_refit_reshard.engine.delta.rounds import compile_rounds, place
 from nemo_refit_reshard.engine.host_staged import HostStagedTransport
 from nemo_refit_reshard.engine.materialize import empty_like_layout
@@ -138,3 +156,47 @@ class _Loop:
 
     def wait(self) -> None:
         pass
+
+
+def _runs_on_cuda(fn) -> str:
+    """``fn()`` under fake CUDA: ``"done"``, or ``"data-dependent"`` where it stopped at
+    its first data-dependent op (a count, a nonzero): never a device mix."""
+    try:
+        fn()
+    except (DataDependentOutputException, DynamicOutputShapeException):
+        return "data-dependent"
+    return "done"
+
+
+@pytest.mark.parametrize("form", [DENSE, POSITIONS, BITMAP, GAPS])
+def test_the_delta_codec_runs_its_gpu_branches_without_mixing_devices(form: int) -> None:
+    """Every codec function's GPU branch (``engine/delta/codec.py``) and the base check's
+    sums (``engine/delta/check.py``), on a message on CUDA — its baseline on the GPU or
+    in host memory (``baseline="host"``) — up to each one's first data-dependent op."""
+    with fake_cuda():
+        current = torch.zeros(4096, dtype=torch.uint8, device=CUDA)
+        on_gpu = torch.zeros(4096, dtype=torch.uint8, device=CUDA)
+        on_host = torch.zeros(4096, dtype=torch.uint8)
+        index = torch.arange(0, 2048, 7, dtype=torch.int64, device=CUDA)
+        out = torch.empty(8192, dtype=torch.uint8, device=CUDA)
+        header = Header(form, 3, index.numel(), 0)
+        raw = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=CUDA)
+        outcomes = {
+            "changed vs device baseline": _runs_on_cuda(lambda: changed_units(current, on_gpu, 2)),
+            "changed vs host baseline": _runs_on_cuda(lambda: changed_units(current, on_host, 2)),
+            "with_ranges": _runs_on_cuda(lambda: with_ranges(index, [(0, 64)], 2)),
+            "take_units": _runs_on_cuda(lambda: take_units(current, index, 2)),
+            "encode": _runs_on_cuda(lambda: encode(current, index, 2, form, out)),
+            "decode": _runs_on_cuda(lambda: decode(out[:1024], header, 4096, 2)),
+            "put_units on host": _runs_on_cuda(
+                lambda: put_units(on_host, index, take_units(current, index, 2), 2)
+            ),
+            "header": _runs_on_cuda(lambda: header.write(raw)),
+            "unit_sums": _runs_on_cuda(lambda: unit_sums(current.view(64, 64)[:, :32], 2)),
+            "baseline_fingerprint": _runs_on_cuda(
+                lambda: baseline_fingerprint(on_gpu, 2, [(0, 128)])
+            ),
+        }
+    assert set(outcomes.values()) <= {"done", "data-dependent"}
+    for name in ("take_units", "put_units on host", "header", "unit_sums"):
+        assert outcomes[name] == "done", name
