@@ -200,3 +200,68 @@ def test_the_delta_codec_runs_its_gpu_branches_without_mixing_devices(form: int)
     assert set(outcomes.values()) <= {"done", "data-dependent"}
     for name in ("take_units", "put_units on host", "header", "unit_sums"):
         assert outcomes[name] == "done", name
+
+
+class _NoWire:
+    """A transport that moves nothing (fake tensors hold no bytes) and records rounds."""
+
+    rank, world_size, timeout_s = 0, 2, 5.0
+
+    def __init__(self) -> None:
+        self.rounds: list[int] = []
+
+    def exchange(self, sends, recvs, round_index=0) -> None:
+        self.rounds.append(round_index)
+
+
+def test_a_gpu_sender_with_host_baselines_compares_fingerprints_on_its_device() -> None:
+    """A GPU rank keeping its baselines in host memory (a chain forwarder always,
+    ``baseline="host"``, ``"auto"`` past the GPU's room): their fingerprints are on the
+    CPU, the received ones on the GPU. The compare moves them over and gets as far as
+    its one sync; before, ``got != want`` mixed devices on the first checked step. The
+    exchange has a round index of its own, past the plan's."""
+    from types import SimpleNamespace
+
+    from nemo_refit_reshard.engine.delta.check import baseline_fingerprints, exchange_fingerprints
+    from nemo_refit_reshard.engine.delta.rounds import Outgoing, Round
+
+    host = torch.zeros(256, dtype=torch.uint8)  # a baseline in host memory
+    on_cpu = SimpleNamespace(
+        rounds=[Round([Outgoing(1, host, 2, 0)], [])], baselines={0: host}, fixed_out={}
+    )
+    prints = baseline_fingerprints(on_cpu)  # (taken where the baseline lives)
+    assert prints[(0, 0)].device.type == "cpu"
+    wire = _NoWire()
+    with fake_cuda():
+        span = torch.zeros(256, dtype=torch.uint8, device=CUDA)
+        rank = SimpleNamespace(
+            device=CUDA,
+            rounds=[Round([Outgoing(1, span, 2, 0)], []), Round([], [])],
+            baselines={0: host},
+            fixed_out={},
+            base_fingerprints=prints,
+        )
+        with pytest.raises(DataDependentOutputException):
+            exchange_fingerprints(rank, wire, [0, 0], 0)
+    assert wire.rounds == [2]
+
+
+def test_fingerprint_sums_of_a_long_message_go_in_bounded_chunks(monkeypatch) -> None:
+    """A baseline is one flat message: its int64 temporaries come in chunks, not whole
+    (a 512 MiB message made 2 GiB + 2 GiB on the GPU)."""
+    import nemo_refit_reshard.engine.delta.check as check
+
+    monkeypatch.setattr(check, "_CHUNK", 1000)
+    sizes: list[int] = []
+    real = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        if out.dtype == torch.int64:
+            sizes.append(out.numel())
+        return out
+
+    with fake_cuda():
+        monkeypatch.setattr(torch.Tensor, "to", to)
+        check.unit_sums(torch.zeros(8192, dtype=torch.uint8, device=CUDA), 2)
+    assert sizes and max(sizes) <= 1000 and sum(sizes) == 4096

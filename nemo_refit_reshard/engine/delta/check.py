@@ -68,11 +68,16 @@ def unit_sums(t: torch.Tensor, unit: int) -> torch.Tensor:
         axes = "ijklmn"[: a.ndim]
         s2 = np.einsum(f"{axes},{axes}->", a, a, dtype=np.int64)
         return torch.tensor([int(s1), int(s2)], dtype=torch.int64)
-    rows = ints.reshape(-1, ints.shape[-1]) if ints.dim() > 1 else ints.view(1, -1)
+    # Chunks of at most _CHUNK elements bound the int64 temporaries: a dense view's flat
+    # elements, or a strided view's rows (a row longer than a chunk goes whole).
+    if ints.is_contiguous():
+        chunks = ints.reshape(-1).split(_CHUNK)
+    else:
+        rows = ints.reshape(-1, ints.shape[-1])
+        chunks = rows.split(max(1, _CHUNK // rows.shape[1]))
     out = torch.zeros(2, dtype=torch.int64, device=t.device)
-    step = max(1, _CHUNK // rows.shape[1])
-    for r in range(0, rows.shape[0], step):
-        wide = rows[r : r + step].to(torch.int64)
+    for chunk in chunks:
+        wide = chunk.to(torch.int64)
         out[0] += wide.sum()
         out[1] += (wide * wide).sum()
     return out
@@ -147,19 +152,24 @@ def exchange_fingerprints(
         (peer, torch.empty(FINGERPRINT_BYTES * len(at), dtype=torch.uint8, device=device))
         for peer, at in outgoing.items()
     ]
-    transport.exchange(sends, recvs, 0)
+    # A round index of its own (past the plan's last): on gloo its messages carry their
+    # own tag, and a failure here is not reported as round 0's.
+    transport.exchange(sends, recvs, len(program.rounds))
     expected = program.base_fingerprints
-    stale: set[tuple[int, int]] = set()
+    keys, got, want = [], [], []
     for peer, buf in recvs:
         if mine < 0 or versions[peer] != mine:
             continue  # dense to it anyway
         rows = [(n, key) for n, key in enumerate(outgoing[peer]) if key in expected]
-        if not rows:
-            continue
-        got = buf.view(torch.int64).view(-1, 2)[[n for n, _ in rows]]
-        want = torch.stack([expected[key] for _, key in rows])
-        differs = (got != want).any(dim=1).tolist()  # the step's one sync per receiver
-        stale.update(key for (_, key), bad in zip(rows, differs) if bad)
+        if rows:
+            keys += [key for _, key in rows]
+            got.append(buf.view(torch.int64).view(-1, 2)[[n for n, _ in rows]])
+            # (a host baseline's fingerprint is on the CPU, the received ones on the device)
+            want += [expected[key].to(device) for _, key in rows]
+    if not keys:
+        return set(), sum(buf.numel() for _, buf in sends)
+    differs = (torch.cat(got) != torch.stack(want)).any(dim=1).tolist()  # the step's one sync
+    stale = {key for key, bad in zip(keys, differs) if bad}
     return stale, sum(buf.numel() for _, buf in sends)
 
 

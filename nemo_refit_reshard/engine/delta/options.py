@@ -54,6 +54,8 @@ class DeltaOptions:
             raise ValueError(
                 f"delta baseline={self.baseline!r}: choose one of {list(BASELINE_PLACES)}"
             )
+        if not (self.check is None or isinstance(self.check, bool)):
+            raise ValueError(f"delta check={self.check!r} must be True, False or None (auto)")
         delta_kernels.use_numba(self.cpu_kernel)  # refuses an unknown or missing kernel
 
 

@@ -177,8 +177,6 @@ def delta_options(info: ReshardTrainerInitInfo) -> DeltaOptions | None:
     if isinstance(anchor, bool) or not isinstance(anchor, int):
         raise ValueError(f"ReshardTrainerInitInfo.delta_anchor_every={anchor!r}: an integer >= 0")
     try:
-        if check is not None and not isinstance(check, bool):
-            raise ValueError(f"delta_check={check!r} must be True, False or None")
         return DeltaOptions(anchor_every=anchor, baseline=baseline, check=check)
     except ValueError as err:
         raise ValueError(f"ReshardTrainerInitInfo: {err}") from None
