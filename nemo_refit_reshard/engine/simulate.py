@@ -93,8 +93,8 @@ def simulate_plan(
 
 
 def tensors_device(tensors: Mapping[str, torch.Tensor]) -> torch.device:
-    """The device a rank's tensors are on (CPU for a rank that holds none); the program
-    refuses a rank whose tensors are on several (``check_live_tensors``)."""
+    """The device of a rank's first tensor (CPU for a rank that holds none); the program
+    refuses a rank with tensors of another device type (``check_live_tensors``)."""
     first = next(iter(tensors.values()), None)
     return torch.device("cpu") if first is None else first.device
 

@@ -18,7 +18,10 @@ unit), leaving out its *fixed* byte ranges (they travel whole every step)::
 
 Sums, so a receiver takes them over its live runs where they live (no pack) and a
 sender over its baseline less the fixed ranges; two of them, so that a change whose
-sum cancels (a +1 and a -1) still shows in the squares. Cost per step: one read of
+sum cancels (a +1 and a -1) still shows in the squares. What they cannot see: units
+moved within a message with their values kept (two equal-sized tensors swapped, a
+re-layout in place) — values changed, not moved, are what weights changed outside the
+refit bring. Cost per step: one read of
 each receiver's delta-receiving weights and of each sender's baselines (on a GPU, at
 HBM speed), and one small exchange (16 bytes a message) — measured in
 ``docs/benchmarks.md``. ``DeltaOptions(check=False)`` turns it off.

@@ -13,6 +13,7 @@ baselines and its held messages move together).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -38,11 +39,11 @@ class ColocatedDelta:
         ``d``'s GPU): its own program and plan share, its guest's (None: no guest)."""
         self.rank, self.hosts = rank, hosts
         self.num_sources = own[1].num_sources
+        # The receivers rebuild each message from the copies their hosts hold, never from
+        # live tensors that could change outside the refit: nothing to check (check.py).
+        options = replace(options, check=False)
         self.own = DeltaProgram(own[0], own[1], options)
         self.own.learn_fixed([])  # a held message needs no re-pack: nothing is fixed
-        # Its receivers rebuild from the copies they hold, never from live tensors that
-        # could change outside the refit: no fingerprints to check (delta/check.py).
-        self.own.check = False
         self.guest: DeltaProgram | None = None
         if guest is not None:
             self.guest = DeltaProgram(guest[0], guest[1], options, rank, device)

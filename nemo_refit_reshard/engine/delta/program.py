@@ -131,7 +131,7 @@ class DeltaProgram:
         wanted = self.options.check
         if wanted is None:
             wanted = self.device.type == "cuda"
-        self.check = wanted and held_from_all_but is None
+        self.check = wanted
         self.base_fingerprints: dict[tuple[int, int], torch.Tensor] = {}
         self._stale: set[tuple[int, int]] = set()
         # CPU: apply each message as it arrives (delta/stream.py); GPU: the round batched

@@ -28,7 +28,9 @@ from ..result.memory import staging_sizes
 from ..result.refit_plan import RefitPlan
 from .delta import baseline_memory
 
-BASELINE_PLACES = ("device", "host")
+# The places a plan can report; the engine's default "auto" picks one of them at run
+# time, from the GPU's free memory (engine/delta/options.choose_baseline_place).
+PLANNED_PLACES = ("device", "host")
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,8 @@ def delta_memory(plan: RefitPlan, baseline: str = "device") -> list[DeltaMemory]
     """Per refit-group rank, what its ``DeltaProgram`` allocates with baselines kept at
     ``baseline`` (``"device"`` or ``"host"``); a colocated plan's, as its hosts'
     ``ColocatedDelta`` allocate it."""
-    if baseline not in BASELINE_PLACES:
-        raise ValueError(f"delta baseline={baseline!r}: choose one of {list(BASELINE_PLACES)}")
+    if baseline not in PLANNED_PLACES:
+        raise ValueError(f"delta baseline={baseline!r}: choose one of {list(PLANNED_PLACES)}")
     world = plan.num_sources + plan.num_destinations
     if plan.colocated_hosts:
         return [_colocated(plan, r, baseline) for r in range(world)]
@@ -120,4 +122,4 @@ def delta_memory_report(plan: RefitPlan, memory: dict, baseline: str = "device")
     }
 
 
-__all__ = ["BASELINE_PLACES", "DeltaMemory", "delta_memory", "delta_memory_report"]
+__all__ = ["PLANNED_PLACES", "DeltaMemory", "delta_memory", "delta_memory_report"]
