@@ -16,8 +16,10 @@ from tests.helpers.delta_threads import DeltaGroup
 from tests.helpers.model_configs import MODELS
 
 
-def _group(tmp_path: Path, check: bool, relay: str = "none", infer: str = "tp=2,dp=2"):
-    options = DeltaOptions(check=check, cpu_kernel="auto")
+def _group(
+    tmp_path: Path, check: bool, relay: str = "none", infer: str = "tp=2,dp=2", kernel="auto"
+):
+    options = DeltaOptions(check=check, cpu_kernel=kernel)
     return DeltaGroup(MODELS["qwen3"], tmp_path, "tp=2", infer, relay=relay, options=options)
 
 
@@ -30,9 +32,14 @@ def _clobber(tensor: torch.Tensor) -> None:
     tensor.copy_(torch.randn(tensor.shape).to(tensor.dtype))
 
 
+@pytest.mark.parametrize("kernel", ["auto", "numpy"])
 @pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
-def test_weights_changed_outside_the_refit_go_dense(tmp_path: Path, check: bool) -> None:
-    group = _group(tmp_path, check)
+def test_weights_changed_outside_the_refit_go_dense(
+    tmp_path: Path, check: bool, kernel: str
+) -> None:
+    """With numba (``auto``) a sender fingerprints its baselines after the step; with
+    numpy's path, each round's staging right after its encode (no second read)."""
+    group = _group(tmp_path, check, kernel=kernel)
     s = group.num_sources
     try:
         group.refit()  # dense: every baseline filled
@@ -159,5 +166,25 @@ def test_the_default_checks_gpu_ranks_not_cpu_ones(tmp_path: Path) -> None:
             program = DeltaProgram(RankProgram(group.plan, 0, tensors, cuda), group.plan)
             program._gathering.shutdown()
         assert program.check is True
+    finally:
+        group.close()
+
+
+def test_staged_fingerprints_equal_the_baselines(tmp_path: Path) -> None:
+    """numpy's path takes a sender's fingerprints from each round's staging right after
+    its encode: the same values the baselines give (what the receivers are held to)."""
+    from nemo_refit_reshard.engine.delta.check import baseline_fingerprints
+
+    group = _group(tmp_path, True, kernel="numpy")
+    try:
+        for _ in range(3):
+            group.refit()
+            group.train_step()
+        for r in range(group.num_sources):
+            program = group.delta(r)
+            assert program.sender is None and program.base_fingerprints
+            want = baseline_fingerprints(program)
+            assert program.base_fingerprints.keys() == want.keys()
+            assert all(torch.equal(program.base_fingerprints[k], want[k]) for k in want)
     finally:
         group.close()

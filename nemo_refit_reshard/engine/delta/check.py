@@ -123,11 +123,24 @@ def baseline_fingerprints(program: DeltaRank) -> dict[tuple[int, int], torch.Ten
     baseline a delta of that message is taken against (after a step, or a prime: the
     baselines hold the messages sent)."""
     out: dict[tuple[int, int], torch.Tensor] = {}
-    for k, rnd in enumerate(program.rounds):
-        for i, o in enumerate(rnd.outgoing):
-            if o.key in program.baselines:
-                fixed = program.fixed_out.get((o.peer, k), ())
-                out[(k, i)] = baseline_fingerprint(program.baselines[o.key], o.unit, fixed)
+    for k in range(len(program.rounds)):
+        out.update(round_fingerprints(program, k, staged=False))
+    return out
+
+
+def round_fingerprints(
+    program: DeltaRank, k: int, staged: bool
+) -> dict[tuple[int, int], torch.Tensor]:
+    """The fingerprints of round ``k``'s outgoing messages that have baselines, taken
+    from their staging spans (``staged``: right after the round's encode, where they
+    hold what the baselines now hold, on the rank's device — a host baseline is never
+    read) or from the baselines themselves."""
+    out: dict[tuple[int, int], torch.Tensor] = {}
+    for i, o in enumerate(program.rounds[k].outgoing):
+        if o.key in program.baselines:
+            fixed = program.fixed_out.get((o.peer, k), ())
+            whole = o.span if staged else program.baselines[o.key]
+            out[(k, i)] = baseline_fingerprint(whole, o.unit, fixed)
     return out
 
 
@@ -188,6 +201,7 @@ __all__ = [
     "as_bytes",
     "baseline_fingerprint",
     "baseline_fingerprints",
+    "round_fingerprints",
     "exchange_fingerprints",
     "incoming_fingerprint",
     "pairs_in_order",

@@ -43,7 +43,7 @@ from ...plan import RankPlan, RefitPlan
 from ..program import CopyPhase, RankProgram, copy_pairs
 from ..transport import Transport
 from . import kernels as delta_kernels
-from .check import baseline_fingerprints, exchange_fingerprints
+from .check import baseline_fingerprints, exchange_fingerprints, round_fingerprints
 from .codec import (
     DENSE,
     FORM_NAMES,
@@ -134,6 +134,7 @@ class DeltaProgram:
         self.check = wanted
         self.base_fingerprints: dict[tuple[int, int], torch.Tensor] = {}
         self._stale: set[tuple[int, int]] = set()
+        self._step_prints: dict[tuple[int, int], torch.Tensor] = {}  # this step's, so far
         # CPU: apply each message as it arrives (delta/stream.py); GPU: the round batched
         self.stream = self.device.type == "cpu"
         # round 0 compared while the versions were gathered: (found, bytes of payloads)
@@ -234,11 +235,16 @@ class DeltaProgram:
         version = max(versions) + 1
         anchor = bool(self.options.anchor_every) and version % self.options.anchor_every == 0
         self.version = FAILED
+        self._step_prints = {}
         return version, anchor or FAILED in versions
 
     def done(self, stats: DeltaStats) -> DeltaStats:
-        with torch.no_grad():
-            self._fingerprint_baselines()
+        if self.check and self.sender is None:
+            # taken round by round from the staging, on the device (encode_round)
+            self.base_fingerprints, self._step_prints = self._step_prints, {}
+        else:
+            with torch.no_grad():
+                self._fingerprint_baselines()
         self.version, self.last = stats.version, stats
         self._stale = set()
         return stats
@@ -404,6 +410,11 @@ class DeltaProgram:
             stats.units += self.baselines[key].numel() // found[key].unit
             stats.changed += found[key].count
         self._update_baselines(rnd.outgoing, changed, found, encoded)
+        if self.check and self.sender is None:
+            # the spans hold what the baselines now hold: fingerprinted where they are
+            # (the compiled CPU sender leaves direct messages unpacked: done() reads its
+            # baselines instead)
+            self._step_prints.update(round_fingerprints(self, k, staged=True))
         return sends
 
     def _update_baselines(self, outgoing: list[Outgoing], changed, found, encoded) -> None:
